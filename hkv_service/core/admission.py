@@ -1,0 +1,110 @@
+"""Runtime check 1: the admission cap on objects and bytes in transit between tiers.
+
+Every transfer (offload to disk, load from disk, shard-to-shard copy) takes a ticket before it
+starts and returns it when it ends, whatever the outcome. Over the cap a transfer either waits
+up to its deadline or is refused with :class:`AdmissionRefused` (a retry-after hint attached),
+so metadata for in-flight objects never grows without bound.
+
+This is pure bookkeeping guarded by a condition variable: it performs no I/O, and callers on
+any thread may share one gate.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+from .errors import AdmissionRefused, InvalidInput
+
+__all__ = ["AdmissionCap", "AdmissionGate", "AdmissionStats", "Ticket"]
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionCap:
+    max_objects: int = 64
+    max_bytes: int = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Ticket:
+    ticket_id: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionStats:
+    in_transit_objects: int
+    in_transit_bytes: int
+    peak_objects: int
+    peak_bytes: int
+    admitted: int
+    refused: int
+
+
+class AdmissionGate:
+    """Counts in-transit objects and bytes; never lets either exceed its cap."""
+
+    def __init__(self, cap: AdmissionCap) -> None:
+        if cap.max_objects < 1 or cap.max_bytes < 1:
+            raise InvalidInput("admission cap needs max_objects >= 1 and max_bytes >= 1")
+        self.cap = cap
+        self._cond = threading.Condition()
+        self._objects = 0
+        self._bytes = 0
+        self._peak_objects = 0
+        self._peak_bytes = 0
+        self._admitted = 0
+        self._refused = 0
+        self._next_id = 0
+        self._open: set[int] = set()
+
+    def _fits(self, nbytes: int) -> bool:
+        if self._objects + 1 > self.cap.max_objects:
+            return False
+        # One object larger than the whole byte cap is admitted alone, or it could never move.
+        return self._objects == 0 or self._bytes + nbytes <= self.cap.max_bytes
+
+    def acquire(self, nbytes: int, wait_s: float = 0.0) -> Ticket:
+        """Admit one object of ``nbytes``; wait up to ``wait_s`` for room, else refuse."""
+        if nbytes < 0:
+            raise InvalidInput(f"a transfer cannot have negative size ({nbytes} bytes)")
+        deadline = time.monotonic() + max(0.0, wait_s)
+        with self._cond:
+            while not self._fits(nbytes):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._refused += 1
+                    raise AdmissionRefused(
+                        f"admission cap reached: {self._objects}/{self.cap.max_objects} objects, "
+                        f"{self._bytes}/{self.cap.max_bytes} bytes in transit; retry shortly",
+                        retry_after_s=0.05,
+                    )
+                self._cond.wait(left)
+            return self._admit(nbytes)
+
+    def _admit(self, nbytes: int) -> Ticket:
+        self._objects += 1
+        self._bytes += nbytes
+        self._peak_objects = max(self._peak_objects, self._objects)
+        self._peak_bytes = max(self._peak_bytes, self._bytes)
+        self._admitted += 1
+        self._next_id += 1
+        self._open.add(self._next_id)
+        return Ticket(self._next_id, nbytes)
+
+    def release(self, ticket: Ticket) -> None:
+        """Return a ticket. Releasing twice is a bug in the caller, so it asserts."""
+        with self._cond:
+            assert ticket.ticket_id in self._open, "admission ticket released twice"
+            self._open.remove(ticket.ticket_id)
+            self._objects -= 1
+            self._bytes -= ticket.nbytes
+            self._cond.notify_all()
+
+    def stats(self) -> AdmissionStats:
+        with self._cond:
+            return AdmissionStats(
+                self._objects, self._bytes, self._peak_objects, self._peak_bytes,
+                self._admitted, self._refused,
+            )
