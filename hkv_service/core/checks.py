@@ -1,0 +1,69 @@
+"""Runtime checks 3 and 4 as records: leases (TOCTOU) and graph captures (static topology).
+
+A :class:`Lease` is taken atomically with a lookup and pins every object the match returned,
+so eviction skips them until the lease is released or expires. A :class:`Capture` pins the
+blocks a CUDA graph was captured over; if a pinned block must change anyway (its owner died),
+the topology epoch moves on and the capture is marked invalid so its owner re-captures.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from .ids import CaptureId, LeaseId
+from .records import ObjRecord
+
+__all__ = ["Capture", "Lease", "LeaseBook"]
+
+
+@dataclass(slots=True)
+class Lease:
+    lease_id: LeaseId
+    records: list[ObjRecord]
+    expires_at: float
+    released: bool = False
+
+
+@dataclass(slots=True)
+class Capture:
+    capture_id: CaptureId
+    records: list[ObjRecord]
+    epoch: int  # topology epoch when captured
+    valid: bool = True
+
+
+@dataclass(slots=True)
+class LeaseBook:
+    """Live leases plus an expiry heap, reaped lazily by the state view."""
+
+    leases: dict[LeaseId, Lease] = field(default_factory=dict)
+    expiry: list[tuple[float, LeaseId]] = field(default_factory=list)
+    next_id: int = 0
+
+    def open(self, records: list[ObjRecord], expires_at: float) -> Lease:
+        self.next_id += 1
+        lease = Lease(LeaseId(self.next_id), records, expires_at)
+        for rec in records:
+            rec.pins += 1
+        self.leases[lease.lease_id] = lease
+        heapq.heappush(self.expiry, (expires_at, lease.lease_id))
+        return lease
+
+    def close(self, lease: Lease) -> None:
+        if lease.released:
+            return
+        lease.released = True
+        for rec in lease.records:
+            rec.pins -= 1
+        self.leases.pop(lease.lease_id, None)
+
+    def reap(self, now: float) -> int:
+        n = 0
+        while self.expiry and self.expiry[0][0] <= now:
+            _, lease_id = heapq.heappop(self.expiry)
+            lease = self.leases.get(lease_id)
+            if lease is not None and lease.expires_at <= now:
+                self.close(lease)
+                n += 1
+        return n

@@ -1,0 +1,188 @@
+"""The hit path: a four-layer validation funnel that returns the longest safe prefix.
+
+1. Whole-block alignment: usable length is a multiple of ``L`` (LCM of all block sizes).
+2. Kernel ABI: a reader ABI that differs from a group's makes the group, hence the hit, unusable.
+3. Intersection: every group must be ready *at the same position* p. Monotone columns
+   (COMPRESSED, INDEXER) need all blocks in ``[0, p)``; TAILs are checked at p itself; SWA needs
+   only blocks meeting ``[p-W, p)``. SWA readiness is not monotone in p, so candidates shrink
+   from the longest until every group accepts one (a fixed point), never a union/minimum.
+4. Byte alignment of every handle (folded into each entry's ``align``).
+
+::
+
+    hashes:  [0,H) [H,2H) ... [(n-1)H, nH)     <- walk while entry.flags has F_MONO and align ok
+    cands:        p = k*L  for k = floor(nH/L) .. 1      (layer 1)
+    at p:    tail(p) complete?   SWA blocks meeting [p-W, p) valid?     (layer 3)
+
+The walk is one dict lookup and one integer test per block: per-block readiness of all groups is
+pre-folded into ``PrefixEntry.flags`` by the state view. Failing a layer downgrades with a
+:class:`Reason`; the funnel never raises for an unusable hit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from .contracts import F_MONO, F_TAIL, LOAD, READY, column_verdict
+from .errors import BadHash, PositionBeyondHashes, UnknownGroup
+from .ids import BLOCK_HASH_BYTES, BlockHash, GroupName
+from .layout import Layout
+from .records import PrefixEntry
+from .states import Kind, Reason
+
+__all__ = ["Downgrade", "FunnelResult", "LookupRequest", "run_funnel"]
+
+
+@dataclass(frozen=True, slots=True)
+class LookupRequest:
+    block_hashes: Sequence[BlockHash]
+    resume_tokens: int | None = None  # position to resume at; default: every hashed token
+    reader_abi: Mapping[str, int] | None = None  # group -> ABI fingerprint the reader expects
+    alignment: int = 1  # bytes every handle's address and length must be a multiple of
+    lease_ttl_s: float = 0.0  # > 0: pin the matched objects for this long (atomic with lookup)
+
+
+@dataclass(frozen=True, slots=True)
+class Downgrade:
+    reason: Reason
+    group: GroupName | None
+    position: int  # token position the reason applies at
+
+
+@dataclass(frozen=True, slots=True)
+class FunnelResult:
+    usable_tokens: int
+    matched_tokens: int  # tokens the walk got through before any layer-3 shrinking
+    entries: Sequence[PrefixEntry]  # entries [0, usable/H); valid under the caller's lock
+    downgrades: tuple[Downgrade, ...]
+
+
+def validate_request(req: LookupRequest, layout: Layout) -> int:
+    """Raise InvalidInput for malformed requests; return the token limit."""
+    hashes = req.block_hashes
+    for h in hashes:
+        if len(h) != BLOCK_HASH_BYTES:
+            raise BadHash(f"block hash must be {BLOCK_HASH_BYTES} bytes, got {len(h)}")
+    hashed = len(hashes) * layout.hash_block
+    limit = hashed if req.resume_tokens is None else req.resume_tokens
+    if limit < 0 or limit > hashed:
+        raise PositionBeyondHashes(
+            f"resume position {limit} is outside the {hashed} tokens the "
+            f"{len(hashes)} hashes cover"
+        )
+    if req.alignment < 1 or req.alignment & (req.alignment - 1):
+        raise BadHash(f"alignment must be a power of two >= 1, got {req.alignment}")
+    for name in req.reader_abi or {}:
+        if name not in layout.by_name or layout.columns[layout.by_name[name]].kind is Kind.TAIL:
+            raise UnknownGroup(f"reader ABI names group {name!r}, which the cache spec lacks")
+    return limit
+
+
+def _abi_downgrades(req: LookupRequest, layout: Layout) -> tuple[Downgrade, ...]:
+    out = []
+    for name, fp in (req.reader_abi or {}).items():
+        col = layout.columns[layout.by_name[name]]
+        if col.group.abi.fingerprint() != fp:
+            out.append(Downgrade(Reason.ABI_MISMATCH, col.name, 0))
+    return tuple(out)
+
+
+def run_funnel(
+    index: Mapping[BlockHash, PrefixEntry], layout: Layout, req: LookupRequest, limit: int
+) -> FunnelResult:
+    abi = _abi_downgrades(req, layout)
+    if abi:
+        return FunnelResult(0, 0, (), abi)
+    max_entries = limit // layout.hash_block
+    hashes = req.block_hashes
+    entries: list[PrefixEntry] = []
+    get, append, need = index.get, entries.append, req.alignment
+    for i in range(max_entries):
+        e = get(hashes[i])
+        if e is None or not e.flags & F_MONO or e.align < need:
+            break
+        append(e)
+    n = len(entries)
+    downgrades: list[Downgrade] = []
+    if n < max_entries:
+        _stop_reason(get(hashes[n]), n, layout, need, downgrades)
+    usable = _shrink(entries, layout, downgrades)
+    if usable < n * layout.hash_block and not downgrades:
+        downgrades.append(Downgrade(Reason.PARTIAL_BLOCK, None, usable))
+    return FunnelResult(usable, n * layout.hash_block, entries[: usable // layout.hash_block],
+                        tuple(downgrades))
+
+
+def _stop_reason(
+    e: PrefixEntry | None, depth: int, layout: Layout, align: int, out: list[Downgrade]
+) -> None:
+    if e is None:
+        return  # a plain miss: the cache never held this block
+    if e.flags & F_MONO:
+        out.append(Downgrade(Reason.MISALIGNED, None, depth * layout.hash_block))
+        return
+    for col in layout.attached[depth % layout.period]:
+        column = layout.columns[col]
+        if column.kind in (Kind.COMPRESSED, Kind.INDEXER):
+            verdict = column_verdict(e, col, layout)
+            if verdict not in (READY, LOAD):
+                out.append(Downgrade(Reason(verdict), column.name, depth * layout.hash_block))
+                return
+
+
+def _shrink(entries: list[PrefixEntry], layout: Layout, out: list[Downgrade]) -> int:
+    """Largest L-aligned p <= len(entries)*H at which tails and SWA windows are ready."""
+    hb, lcm = layout.hash_block, layout.lcm
+    seen: set[Reason] = set()
+    for k in range(len(entries) * hb // lcm, 0, -1):
+        p = k * lcm
+        e = entries[p // hb - 1]
+        reason = _tail_reason(e, layout) if not e.flags & F_TAIL else None
+        if reason is None:
+            reason = _swa_reason(entries, p, layout)
+        if reason is None:
+            return p
+        if reason[0] not in seen:
+            seen.add(reason[0])
+            out.append(Downgrade(reason[0], reason[1], p))
+    return 0
+
+
+def _tail_reason(e: PrefixEntry, layout: Layout) -> tuple[Reason, GroupName | None]:
+    for col in layout.attached[e.depth % layout.period]:
+        if layout.columns[col].kind is Kind.TAIL:
+            verdict = column_verdict(e, col, layout)
+            if verdict not in (READY, LOAD):
+                reason = Reason.TAIL_INCOMPLETE if verdict is Reason.MISSING_COMPONENT else verdict
+                return Reason(reason), layout.columns[col].name
+    raise AssertionError("F_TAIL clear but every tail column is ready")
+
+
+def _swa_reason(
+    entries: list[PrefixEntry], p: int, layout: Layout
+) -> tuple[Reason, GroupName | None] | None:
+    hb = layout.hash_block
+    for col in layout.swa_columns:
+        column = layout.columns[col]
+        lo_needed = max(0, p - column.group.window)
+        first = lo_needed // hb  # first entry whose tokens meet [p-W, p)
+        for depth in range(first, p // hb):
+            if not layout.lives_at(col, depth):
+                continue
+            start, end = layout.block_range(col, depth)
+            if end <= lo_needed:
+                continue
+            if not _swa_block_ok(entries[depth], col, max(start, lo_needed), end, layout):
+                return Reason.SWA_WINDOW_INCOMPLETE, column.name
+    return None
+
+
+def _swa_block_ok(e: PrefixEntry, col: int, need_lo: int, need_hi: int, layout: Layout) -> bool:
+    verdict = column_verdict(e, col, layout)
+    if verdict not in (READY, LOAD):
+        return False
+    rec = e.mem[col]
+    if rec is None or verdict == LOAD or rec.state.value != "SWA_VALID":
+        rec = e.disk[col] if e.disk else None
+    return rec is not None and rec.lo <= need_lo and rec.hi >= need_hi

@@ -1,0 +1,94 @@
+"""Columns of a prefix entry, derived once from a :class:`CacheSpec`.
+
+Every spec group is a column; every COMPRESSED group also gets a TAIL column. A group's
+block ``k`` covers tokens ``[k*bs, (k+1)*bs)`` and lives at the entry whose hash block ends at
+token ``(k+1)*bs``, i.e. at ``depth = (k+1)*bs/H - 1``. Tails live at resume points: entries
+whose end is a multiple of the LCM block size ``L``::
+
+    depth:        0     1     2     3        (H = 64, L = 128)
+    tokens:     [0,64)[64,128)[128,192)[192,256)
+    c4  (bs 64)   x     x     x     x
+    c128(bs128)         x           x
+    tails               x           x        <- resume points p = 128, 256
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .ids import GroupName
+from .spec import CacheSpec, GroupKind, GroupSpec
+from .states import Kind
+
+__all__ = ["Column", "Layout"]
+
+_KIND_OF_GROUP = {
+    GroupKind.COMPRESSED: Kind.COMPRESSED,
+    GroupKind.SWA: Kind.SWA,
+    GroupKind.INDEXER: Kind.INDEXER,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Column:
+    index: int
+    kind: Kind
+    group: GroupSpec
+    nbytes: int  # bytes of one block of this column
+    indexes: int | None = None  # INDEXER: column of the KV it indexes
+
+    @property
+    def name(self) -> GroupName:
+        if self.kind is Kind.TAIL:
+            return GroupName(f"{self.group.name}.tail")
+        return self.group.name
+
+    def tail_tokens_at(self, position: int) -> int:
+        """Raw tokens a TAIL must hold to resume at ``position`` (carried overlap included)."""
+        g = self.group
+        return position % g.ratio + min(g.overlap, position - position % g.ratio)
+
+
+class Layout:
+    def __init__(self, spec: CacheSpec) -> None:
+        self.spec = spec
+        self.hash_block = spec.hash_block_size
+        self.lcm = spec.lcm_block_size
+        self.step = self.lcm // self.hash_block  # entries per LCM block
+        cols = [
+            Column(i, _KIND_OF_GROUP[g.kind], g, g.bytes_per_block)
+            for i, g in enumerate(spec.groups)
+        ]
+        for g in spec.groups:
+            if g.kind is GroupKind.COMPRESSED:
+                cols.append(Column(len(cols), Kind.TAIL, g, g.tail_bytes))
+        by_name = {c.name: c.index for c in cols}
+        self.columns: tuple[Column, ...] = tuple(
+            Column(c.index, c.kind, c.group, c.nbytes, by_name[c.group.indexes])
+            if c.group.indexes is not None and c.kind is Kind.INDEXER
+            else c
+            for c in cols
+        )
+        self.by_name: dict[str, int] = by_name
+        self.swa_columns = tuple(c.index for c in self.columns if c.kind is Kind.SWA)
+        self.max_window = max((c.group.window for c in self.columns if c.kind is Kind.SWA), default=0)
+        # attached[depth % period] -> column indexes living at such an entry
+        self.period = self.step
+        self.attached: tuple[tuple[int, ...], ...] = tuple(
+            tuple(c.index for c in self.columns if self._lives_at(c, d)) for d in range(self.period)
+        )
+
+    def _lives_at(self, col: Column, depth: int) -> bool:
+        end = (depth + 1) * self.hash_block
+        if col.kind is Kind.TAIL:
+            return end % self.lcm == 0
+        return end % col.group.block_size == 0
+
+    def lives_at(self, column: int, depth: int) -> bool:
+        return column in self.attached[depth % self.period]
+
+    def block_range(self, column: int, depth: int) -> tuple[int, int]:
+        """Token range [start, end) covered by the block of ``column`` ending at ``depth``."""
+        end = (depth + 1) * self.hash_block
+        col = self.columns[column]
+        return (end, end) if col.kind is Kind.TAIL else (end - col.group.block_size, end)

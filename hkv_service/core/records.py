@@ -1,0 +1,89 @@
+"""Runtime records of the state view: objects, prefix entries and the handles given out.
+
+State (metadata, here) and data (bytes in a shard's block pool) are joined by one handle,
+``(object id, generation, location)``. A record is mutable but only
+:func:`hkv_service.core.transitions.apply` assigns its ``state``.
+
+Column layout of a prefix entry (one entry per hash block)::
+
+    columns = [ group 0 | group 1 | ... | group G-1 | tail of compressed group a | tail of b ... ]
+              `---------- one per spec group -------'`---- one per COMPRESSED group ----------'
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .ids import BlockHash, GroupName, ObjectId, ShardId
+from .states import Kind, State
+
+__all__ = ["Handle", "ObjRecord", "PrefixEntry"]
+
+
+@dataclass(frozen=True, slots=True)
+class Handle:
+    """What a reader needs to fetch bytes: valid only while ``generation`` is current."""
+
+    object_id: ObjectId
+    generation: int
+    shard: ShardId
+    column: int  # column index (see module docstring)
+    block: int  # block index in the shard's pool for that column
+    kind: Kind
+    group: GroupName
+    nbytes: int
+    abi_fingerprint: int
+    address: int  # byte offset of the block inside its pool (layer 4 checks it)
+
+
+@dataclass(slots=True, eq=False)
+class ObjRecord:
+    """One cache object. ``kind`` is fixed; everything else moves through transitions."""
+
+    object_id: ObjectId
+    kind: Kind
+    column: int
+    entry: PrefixEntry
+    state: State
+    shard: ShardId  # owner of the bytes ("" while a DISK object has no memory copy)
+    block: int  # -1 when no memory block backs it
+    generation: int
+    nbytes: int
+    abi_fingerprint: int
+    address: int = 0
+    align: int = 1 << 30  # largest power of two dividing address and nbytes
+    version: int = 0  # COMPRESSED: KV version; INDEXER: version synced to; DISK: inner's
+    lo: int = 0  # SWA: valid tokens [lo, hi); TAIL: hi = raw tokens held
+    hi: int = 0
+    seq: int = 0  # transitions applied; compare-and-set token
+    pins: int = 0  # live leases
+    captures: int = 0  # live graph captures
+    inner: Kind | None = None  # DISK: kind of the object it holds
+    disk_owner: ShardId | None = None  # DISK: owner of the LMDB copy
+
+    def handle(self, group: GroupName) -> Handle:
+        return Handle(
+            self.object_id, self.generation, self.shard, self.column, self.block,
+            self.inner or self.kind, group, self.nbytes, self.abi_fingerprint, self.address,
+        )
+
+
+@dataclass(slots=True, eq=False)
+class PrefixEntry:
+    """One hash block of some prefix: the objects of every column that end at this block.
+
+    ``flags`` and ``align`` summarise readiness of all columns so the funnel's walk is one
+    dict lookup plus one integer test per block; they are recomputed by the state view after
+    every transition that touches this entry (see ``contracts.summarise``).
+    """
+
+    block_hash: BlockHash
+    parent: PrefixEntry | None
+    depth: int  # index of this hash block in its prefix: tokens [depth*H, (depth+1)*H)
+    mem: list[ObjRecord | None]
+    disk: list[ObjRecord | None] | None = None  # disk copies, allocated on first offload
+    flags: int = 0
+    align: int = 0
+    children: int = 0
+    swa_need: int = 0  # resume points within one window after this block
+    last_used: int = 0

@@ -1,0 +1,777 @@
+"""The one state view: every object, every prefix entry, every pool, lease and capture.
+
+Allocation, transitions, eviction and lookup all read and write the same records, so there is
+one state view, not two. Thread-safe: every public method holds one re-entrant lock for a few
+microseconds (CPython's GIL serialises this work anyway; see docs/architecture.md for the
+measurement). The view performs no I/O; owners (shards, disk tiers) report what they did.
+
+Lifecycle of a memory object::
+
+    allocate -> ALLOCATED -> (WRITING) -> READY state of its kind -> EVICTED | LOST | CORRUPT
+                                               \\-> begin_offload -> DISK copy (see transitions)
+
+Terminal records are detached at once: their block is released (generation bumped), and the
+entry is dropped when nothing is left in it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from . import contracts
+from .admission import AdmissionCap, AdmissionGate, Ticket
+from .allocator import BlockPool, PoolConfig
+from .checks import Capture, LeaseBook
+from .counters import Counters
+from .errors import (
+    BadHash,
+    FutureGeneration,
+    IllegalTransition,
+    InvalidInput,
+    LeaseExpired,
+    PoolExhausted,
+    StaleHandle,
+    UnknownCapture,
+    UnknownGroup,
+    UnknownLease,
+    UnknownObject,
+    UnknownOwner,
+)
+from .funnel import Downgrade, LookupRequest, run_funnel, validate_request
+from .ids import BLOCK_HASH_BYTES, BlockHash, CaptureId, LeaseId, ObjectId, ShardId
+from .layout import Layout
+from .records import Handle, ObjRecord, PrefixEntry
+from .spec import CacheSpec
+from .states import TERMINAL_STATES, Event, Kind, State
+from .transitions import Params, apply
+
+__all__ = [
+    "AllocRequest",
+    "Allocation",
+    "CacheState",
+    "Match",
+    "ObjectReport",
+    "StateConfig",
+    "TransitionEvent",
+    "TransitionResult",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class StateConfig:
+    admission: AdmissionCap = AdmissionCap()
+    max_lease_ttl_s: float = 60.0
+    heartbeat_timeout_s: float = 10.0
+    log_capacity: int = 65536
+
+
+@dataclass(frozen=True, slots=True)
+class AllocRequest:
+    depth: int  # hash block index of the entry (the block ends at (depth+1)*H)
+    column: str  # group name, or "<group>.tail"
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    handle: Handle
+    existing: bool  # True: a live object was already there (idempotent retry); don't rewrite
+    state: State
+
+
+@dataclass(frozen=True, slots=True)
+class TransitionResult:
+    object_id: ObjectId
+    state: State
+    version: int
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class TransitionEvent:
+    seq: int
+    object_id: ObjectId
+    kind: Kind
+    state: State
+    column: str
+    block_hash: BlockHash
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    """What a lookup returns. Handles stay readable while ``lease_id`` is live."""
+
+    usable_tokens: int
+    matched_tokens: int
+    handles: Mapping[str, tuple[Handle, ...]]  # column -> handles, in token order
+    load: tuple[Handle, ...]  # DISK objects to load before reading (needs_load)
+    downgrades: tuple[Downgrade, ...]
+    lease_id: LeaseId | None = None
+
+    @property
+    def needs_load(self) -> bool:
+        return bool(self.load)
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectReport:
+    """An owner's account of an object it holds, for rebuilding the view after a restart."""
+
+    block_hashes: tuple[BlockHash, ...]  # the prefix up to and including the object's block
+    column: str
+    state: State  # a readable state (memory) or ON_DISK (disk tier)
+    block: int = -1
+    generation: int = 0
+    version: int = 0
+    lo: int = 0
+    hi: int = 0
+
+
+@dataclass(slots=True)
+class _Owner:
+    incarnation: int
+    last_seen: float
+    pools: dict[int, BlockPool] = field(default_factory=dict)
+    objects: set[ObjectId] = field(default_factory=set)
+    alive: bool = True
+
+
+class CacheState:
+    def __init__(
+        self, spec: CacheSpec, config: StateConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.spec = spec
+        self.layout = Layout(spec)
+        self.config = config or StateConfig()
+        self.clock = clock
+        self.admission = AdmissionGate(self.config.admission)
+        self.counters = Counters()
+        self.index: dict[BlockHash, PrefixEntry] = {}
+        self.objects: dict[ObjectId, ObjRecord] = {}
+        self.owners: dict[ShardId, _Owner] = {}
+        self.leases = LeaseBook()
+        self.captures: dict[CaptureId, Capture] = {}
+        self.topology_epoch = 0
+        self.log: deque[TransitionEvent] = deque(maxlen=self.config.log_capacity)
+        self._tickets: dict[ObjectId, Ticket] = {}
+        self._lock = threading.RLock()
+        self._ids = itertools.count(1)
+        self._versions = itertools.count(1)
+        self._log_seq = 0
+        self._tick = 0
+        self._captures = itertools.count(1)
+        self._incarnations = itertools.count(1)
+
+    # ---- owners -------------------------------------------------------------------------
+
+    def register_owner(self, owner: ShardId, pools: Mapping[str, PoolConfig]) -> int:
+        """(Re-)register an owner. A known owner coming back has lost its memory: every object
+        it held is marked LOST first. Returns the new incarnation."""
+        with self._lock:
+            if owner in self.owners:
+                self.mark_owner_lost(owner)
+            built = {self._column(name): BlockPool(cfg) for name, cfg in pools.items()}
+            inc = next(self._incarnations)
+            self.owners[owner] = _Owner(inc, self.clock(), built)
+            return inc
+
+    def heartbeat(self, owner: ShardId, incarnation: int) -> None:
+        with self._lock:
+            o = self._owner(owner)
+            if o.incarnation != incarnation or not o.alive:
+                raise UnknownOwner(
+                    f"owner {owner!r} incarnation {incarnation} is not current; re-register"
+                )
+            o.last_seen = self.clock()
+
+    def expire_owners(self) -> list[ShardId]:
+        """Mark every owner silent for longer than the heartbeat timeout as lost."""
+        with self._lock:
+            cutoff = self.clock() - self.config.heartbeat_timeout_s
+            dead = [s for s, o in self.owners.items() if o.alive and o.last_seen < cutoff]
+            for s in dead:
+                self.mark_owner_lost(s)
+            return dead
+
+    def mark_owner_lost(self, owner: ShardId) -> int:
+        """Memory of ``owner`` is gone: its objects are LOST, loaded disk copies dropped."""
+        with self._lock:
+            o = self._owner(owner)
+            lost = 0
+            for oid in list(o.objects):
+                rec = self.objects.get(oid)
+                if rec is None:
+                    continue
+                self._force_gone(rec, owner)
+                lost += 1
+            o.objects.clear()
+            o.alive = False
+            self.counters.events["owner_lost"] += 1
+            return lost
+
+    def _force_gone(self, rec: ObjRecord, owner: ShardId) -> None:
+        if rec.captures:
+            self._invalidate_captures(rec)
+        if rec.kind is Kind.DISK and rec.disk_owner != owner:
+            if rec.state is State.ON_DISK_READY:
+                self._apply(rec, Event.DROP_COPY, Params())
+            elif rec.state is State.ON_DISK_INFLIGHT:
+                self._apply(rec, Event.LOAD_FAILED, Params())
+            return
+        self._apply(rec, Event.LOSE, Params())
+
+    # ---- allocation ---------------------------------------------------------------------
+
+    def allocate(
+        self, block_hashes: Sequence[BlockHash], requests: Sequence[AllocRequest],
+        owner: ShardId | None = None,
+    ) -> list[Allocation]:
+        """Reserve blocks for objects of the prefix ``block_hashes``. Idempotent: a live object
+        already in a requested slot is returned with ``existing=True``."""
+        with self._lock:
+            self._check_hashes(block_hashes)
+            cols = [self._column(r.column) for r in requests]
+            for r in requests:
+                self._check_slot(r, len(block_hashes))
+            entries = self._ensure_path(block_hashes, max((r.depth for r in requests), default=-1))
+            return [self._allocate_one(entries[r.depth], c, owner) for r, c in zip(requests, cols,
+                                                                                    strict=True)]
+
+    def _allocate_one(self, entry: PrefixEntry, col: int, owner: ShardId | None) -> Allocation:
+        existing = entry.mem[col]
+        if existing is not None:
+            return Allocation(self._handle(existing), True, existing.state)
+        shard, pool, block = self._take_block(col, owner)
+        column = self.layout.columns[col]
+        rec = ObjRecord(
+            ObjectId(next(self._ids)), column.kind, col, entry, State.ALLOCATED, shard, block,
+            pool.generation[block], column.nbytes, column.group.abi.fingerprint(),
+            address=block * pool.config.stride, align=pool.alignment_of(block, column.nbytes),
+        )
+        pool.owner[block] = rec
+        entry.mem[col] = rec
+        self.objects[rec.object_id] = rec
+        self.owners[shard].objects.add(rec.object_id)
+        self._after_change(rec)
+        return Allocation(self._handle(rec), False, rec.state)
+
+    def _take_block(self, col: int, owner: ShardId | None) -> tuple[ShardId, BlockPool, int]:
+        candidates = [owner] if owner is not None else self._owners_by_free(col)
+        for shard in candidates:
+            o = self._owner(shard)
+            pool = o.pools.get(col)
+            if pool is None or not o.alive:
+                continue
+            block = pool.take()
+            if block is None and self._evict_from(pool, col):
+                block = pool.take()
+            if block is not None:
+                return shard, pool, block
+        name = self.layout.columns[col].name
+        raise PoolExhausted(
+            f"no free or evictable block for {name!r}: every block is pinned, being written "
+            "or leased; retry after readers release their leases"
+        )
+
+    def _owners_by_free(self, col: int) -> list[ShardId]:
+        live = [(s, o) for s, o in self.owners.items() if o.alive and col in o.pools]
+        live.sort(key=lambda so: -len(so[1].pools[col].free))
+        return [s for s, _ in live]
+
+    def _evict_from(self, pool: BlockPool, col: int) -> bool:
+        victim = pool.victim(self.layout.columns[col].kind)
+        if victim is None:
+            return False
+        self.evict(victim.object_id)
+        return True
+
+    def evict(self, object_id: ObjectId) -> None:
+        """Evict by policy rules: an indexer goes with its KV and a KV with its indexer."""
+        with self._lock:
+            rec = self._object(object_id)
+            if rec.kind is Kind.DISK:
+                self._apply(rec, Event.DROP_COPY if rec.state is State.ON_DISK_READY
+                            else Event.EVICT, Params())
+                return
+            for partner in self._partners(rec):
+                if partner.state in TERMINAL_STATES or partner.pins or partner.captures:
+                    continue
+                if (partner.kind, partner.state) in _PARTNER_EVICTABLE:
+                    self._apply(partner, Event.EVICT, Params())
+            self._apply(rec, Event.EVICT, Params())
+            self.counters.evictions[rec.kind] += 1
+
+    def _partners(self, rec: ObjRecord) -> list[ObjRecord]:
+        out = []
+        for col in self.layout.columns:
+            if col.indexes == rec.column or (rec.kind is Kind.INDEXER and
+                                             col.index == self.layout.columns[rec.column].indexes):
+                other = rec.entry.mem[col.index]
+                if other is not None and other is not rec:
+                    out.append(other)
+        return out
+
+    # ---- transitions --------------------------------------------------------------------
+
+    def transition(
+        self, object_id: ObjectId, event: Event, params: Params | None = None,
+        generation: int | None = None,
+    ) -> TransitionResult:
+        with self._lock:
+            rec = self._object(object_id)
+            if generation is not None:
+                self._check_generation(rec, generation)
+            p = params or Params()
+            if rec.kind is Kind.COMPRESSED and event is Event.WRITE_DONE and p.version is None:
+                p = Params(next(self._versions), p.lo, p.hi, p.tail_len, p.expect_seq)
+            if event is Event.EVICT:
+                self.evict(object_id)
+            elif rec.kind is Kind.DISK and event in _DISK_EVENTS:
+                _DISK_EVENTS[event](self, rec, p)
+            else:
+                self._apply(rec, event, p)
+            return TransitionResult(rec.object_id, rec.state, rec.version, rec.seq)
+
+    def _apply(self, rec: ObjRecord, event: Event, params: Params) -> None:
+        before = rec.state
+        apply(rec, event, params, self)
+        if rec.kind is Kind.TAIL:
+            self._track_resume_point(rec, before)
+        if rec.state in TERMINAL_STATES:
+            self._detach(rec)
+        elif event is Event.DROP_COPY or event is Event.LOAD_FAILED:
+            self._release_copy(rec)
+        self._after_change(rec)
+
+    def _after_change(self, rec: ObjRecord) -> None:
+        contracts.summarise(rec.entry, self.layout)
+        self.counters.transitions[(rec.kind, rec.state)] += 1
+        self._log_seq += 1
+        self.log.append(TransitionEvent(
+            self._log_seq, rec.object_id, rec.kind, rec.state,
+            self.layout.columns[rec.column].name, rec.entry.block_hash, self.clock(),
+        ))
+        if rec.state in TERMINAL_STATES:
+            self._gc_entry(rec.entry)
+
+    def _detach(self, rec: ObjRecord) -> None:
+        entry, col = rec.entry, rec.column
+        if rec.kind is Kind.DISK:
+            assert entry.disk is not None
+            entry.disk[col] = None
+            self._end_transfer(rec)
+        else:
+            entry.mem[col] = None
+        self._release_copy(rec)
+        self.objects.pop(rec.object_id, None)
+        if rec.disk_owner is not None and rec.disk_owner in self.owners:
+            self.owners[rec.disk_owner].objects.discard(rec.object_id)
+
+    def _release_copy(self, rec: ObjRecord) -> None:
+        """Free the memory block behind ``rec`` (if any): its generation moves on."""
+        if rec.block < 0:
+            return
+        o = self.owners.get(rec.shard)
+        pool = o.pools.get(rec.column) if o else None
+        if pool is not None and pool.owner[rec.block] is rec:
+            pool.release(rec.block)
+        if (o is not None and rec.kind is not Kind.DISK) or (o is not None and rec.disk_owner != rec.shard):
+            o.objects.discard(rec.object_id)
+        rec.block = -1
+
+    def _gc_entry(self, entry: PrefixEntry | None) -> None:
+        while entry is not None and entry.children == 0 and not any(entry.mem) and not any(
+            entry.disk or ()
+        ):
+            if self.index.get(entry.block_hash) is entry:
+                del self.index[entry.block_hash]
+            parent = entry.parent
+            if parent is not None:
+                parent.children -= 1
+            entry = parent
+
+    def _track_resume_point(self, rec: ObjRecord, before: State) -> None:
+        """Keep ``swa_need`` = resume points within one window after each block (SWA policy)."""
+        delta = (rec.state is State.TAIL_COMPLETE) - (before is State.TAIL_COMPLETE)
+        if not delta:
+            return
+        reach = -(-self.layout.max_window // self.layout.hash_block)
+        e: PrefixEntry | None = rec.entry
+        for _ in range(reach):
+            if e is None:
+                break
+            e.swa_need += delta
+            e = e.parent
+
+    # ---- disk tier ----------------------------------------------------------------------
+
+    def begin_offload(self, object_id: ObjectId, disk_owner: ShardId) -> Handle:
+        """Create the DISK copy (OFFLOADING) of a readable object; takes an admission ticket."""
+        with self._lock:
+            src = self._object(object_id)
+            self._owner(disk_owner)
+            if contracts.column_verdict(src.entry, src.column, self.layout) != contracts.READY:
+                raise IllegalTransition(
+                    f"object {object_id} is {src.state.value}; only readable objects are offloaded"
+                )
+            entry = src.entry
+            if entry.disk is None:
+                entry.disk = [None] * len(self.layout.columns)
+            if entry.disk[src.column] is not None:
+                return self._handle(entry.disk[src.column])  # type: ignore[arg-type]
+            ticket = self.admission.acquire(src.nbytes)
+            rec = ObjRecord(
+                ObjectId(next(self._ids)), Kind.DISK, src.column, entry, State.OFFLOADING, "", -1,
+                0, src.nbytes, src.abi_fingerprint, version=src.version, lo=src.lo, hi=src.hi,
+                inner=src.kind, disk_owner=disk_owner,
+            )
+            self._tickets[rec.object_id] = ticket
+            entry.disk[src.column] = rec
+            self.objects[rec.object_id] = rec
+            self.owners[disk_owner].objects.add(rec.object_id)
+            self._after_change(rec)
+            return self._handle(rec)
+
+    def begin_load(self, object_id: ObjectId, owner: ShardId | None = None) -> Handle:
+        """ON_DISK -> ON_DISK_INFLIGHT; reserves the memory block the bytes go to."""
+        with self._lock:
+            rec = self._object(object_id)
+            if rec.kind is not Kind.DISK or rec.state is not State.ON_DISK:
+                raise IllegalTransition(
+                    f"object {object_id} is {rec.kind.value}/{rec.state.value}; "
+                    "only a DISK object at rest (ON_DISK) can be loaded"
+                )
+            ticket = self.admission.acquire(rec.nbytes)
+            try:
+                shard, pool, block = self._take_block(rec.column, owner)
+            except Exception:
+                self.admission.release(ticket)
+                raise
+            self._tickets[rec.object_id] = ticket
+            rec.shard, rec.block, rec.generation = shard, block, pool.generation[block]
+            rec.address, rec.align = block * pool.config.stride, pool.alignment_of(block, rec.nbytes)
+            pool.owner[block] = rec
+            self.owners[shard].objects.add(rec.object_id)
+            self._apply(rec, Event.LOAD_BEGIN, Params())
+            return self._handle(rec)
+
+    def _end_transfer(self, rec: ObjRecord) -> None:
+        ticket = self._tickets.pop(rec.object_id, None)
+        if ticket is not None:
+            self.admission.release(ticket)
+
+    def _disk_event(self, rec: ObjRecord, params: Params, event: Event) -> None:
+        if event in (Event.OFFLOAD_COMMITTED, Event.LOAD_VERIFIED, Event.LOAD_FAILED,
+                     Event.OFFLOAD_FAILED):
+            apply_checked = rec.state
+            self._apply(rec, event, params)
+            if apply_checked is not rec.state or rec.state in TERMINAL_STATES:
+                self._end_transfer(rec)
+        else:
+            self._apply(rec, event, params)
+
+    # ---- lookup -------------------------------------------------------------------------
+
+    def lookup(self, req: LookupRequest) -> Match:
+        with self._lock:
+            limit = validate_request(req, self.layout)
+            if req.lease_ttl_s > self.config.max_lease_ttl_s:
+                raise InvalidInput(
+                    f"lease_ttl_s {req.lease_ttl_s} exceeds the maximum "
+                    f"{self.config.max_lease_ttl_s}"
+                )
+            now = self.clock()
+            self.leases.reap(now)
+            result = run_funnel(self.index, self.layout, req, limit)
+            self._count_lookup(result.usable_tokens, limit, result.downgrades)
+            handles, load, records = self._resolve(result.entries, result.usable_tokens)
+            lease_id = None
+            if req.lease_ttl_s > 0 and records:
+                lease_id = self.leases.open(records, now + req.lease_ttl_s).lease_id
+            return Match(result.usable_tokens, result.matched_tokens, handles, load,
+                         result.downgrades, lease_id)
+
+    def _count_lookup(self, usable: int, limit: int, downgrades: Iterable[Downgrade]) -> None:
+        self._tick += 1
+        kind = "miss" if usable == 0 else ("hit" if usable + self.layout.lcm > limit else "partial")
+        self.counters.lookups[kind] += 1
+        for d in downgrades:
+            self.counters.downgrades[d.reason] += 1
+
+    def _resolve(
+        self, entries: Sequence[PrefixEntry], usable: int
+    ) -> tuple[dict[str, tuple[Handle, ...]], tuple[Handle, ...], list[ObjRecord]]:
+        """Handles for every object a reader at ``usable`` needs, in token order."""
+        cols: dict[str, list[Handle]] = {}
+        load: list[Handle] = []
+        records: list[ObjRecord] = []
+        if usable == 0:
+            return {}, (), records
+        for depth, e in enumerate(entries):
+            e.last_used = self._tick
+            for col in self._needed_columns(depth, usable):
+                rec = self._readable_record(e, col)
+                if rec is None:
+                    continue
+                records.append(rec)
+                h = self._handle(rec)
+                cols.setdefault(self.layout.columns[col].name, []).append(h)
+                if rec.kind is Kind.DISK and rec.state is State.ON_DISK:
+                    load.append(h)
+        return {k: tuple(v) for k, v in cols.items()}, tuple(load), records
+
+    def _needed_columns(self, depth: int, usable: int) -> tuple[int, ...]:
+        out = []
+        hb = self.layout.hash_block
+        for col in self.layout.attached[depth % self.layout.period]:
+            c = self.layout.columns[col]
+            if c.kind is Kind.TAIL and (depth + 1) * hb != usable:
+                continue
+            if c.kind is Kind.SWA and (depth + 1) * hb <= usable - c.group.window:
+                continue
+            out.append(col)
+        return tuple(out)
+
+    def _readable_record(self, e: PrefixEntry, col: int) -> ObjRecord | None:
+        verdict = contracts.column_verdict(e, col, self.layout)
+        if verdict == contracts.READY:
+            rec = e.mem[col]
+            if rec is not None and contracts._record_verdict(rec, e, self.layout) == contracts.READY:
+                return rec
+        return e.disk[col] if e.disk else None
+
+    # ---- leases, reads, captures --------------------------------------------------------
+
+    def release_lease(self, lease_id: LeaseId) -> None:
+        with self._lock:
+            lease = self.leases.leases.get(lease_id)
+            if lease is None:
+                raise UnknownLease(f"lease {lease_id} does not exist or was already released")
+            self.leases.close(lease)
+
+    def check_read(self, handle: Handle, lease_id: LeaseId | None = None) -> None:
+        """The view's half of the TOCTOU check; the shard re-checks the generation it holds."""
+        with self._lock:
+            if lease_id is not None:
+                self.leases.reap(self.clock())
+                if lease_id not in self.leases.leases:
+                    raise LeaseExpired(f"lease {lease_id} expired or was released; look up again")
+            rec = self.objects.get(handle.object_id)
+            if rec is None or rec.block != handle.block or rec.generation != handle.generation:
+                self.counters.events["stale_read"] += 1
+                raise StaleHandle(
+                    f"handle to object {handle.object_id} is stale (block reused or freed); "
+                    "recompute"
+                )
+
+    def register_capture(self, handles: Sequence[Handle]) -> tuple[CaptureId, int]:
+        with self._lock:
+            records = []
+            for h in handles:
+                self.check_read(h)
+                records.append(self.objects[h.object_id])
+            for rec in records:
+                rec.captures += 1
+            cap = Capture(CaptureId(next(self._captures)), records, self.topology_epoch)
+            self.captures[cap.capture_id] = cap
+            return cap.capture_id, self.topology_epoch
+
+    def release_capture(self, capture_id: CaptureId) -> None:
+        with self._lock:
+            cap = self.captures.pop(capture_id, None)
+            if cap is None:
+                raise UnknownCapture(f"capture {capture_id} is not registered")
+            for rec in cap.records:
+                rec.captures -= 1
+
+    def capture_status(self, capture_id: CaptureId) -> tuple[bool, int]:
+        """(still valid, current topology epoch) for a capture's owner to poll."""
+        with self._lock:
+            cap = self.captures.get(capture_id)
+            if cap is None:
+                raise UnknownCapture(f"capture {capture_id} is not registered")
+            return cap.valid, self.topology_epoch
+
+    def _invalidate_captures(self, rec: ObjRecord) -> None:
+        self.topology_epoch += 1
+        for cap in self.captures.values():
+            if any(r is rec for r in cap.records):
+                cap.valid = False
+
+    # ---- rebuild after a restart ---------------------------------------------------------
+
+    def confirm(self, owner: ShardId, reports: Sequence[ObjectReport]) -> int:
+        """Re-create objects an owner vouches for after a service restart. Returns how many."""
+        with self._lock:
+            o = self._owner(owner)
+            n = 0
+            for r in reports:
+                self._check_hashes(r.block_hashes)
+                entry = self._ensure_path(r.block_hashes, len(r.block_hashes) - 1)[-1]
+                col = self._column(r.column)
+                n += self._confirm_one(o, owner, entry, col, r)
+            return n
+
+    def _confirm_one(self, o: _Owner, owner: ShardId, entry: PrefixEntry, col: int,
+                     r: ObjectReport) -> int:
+        column = self.layout.columns[col]
+        if r.state is State.ON_DISK:
+            if entry.disk is None:
+                entry.disk = [None] * len(self.layout.columns)
+            if entry.disk[col] is not None:
+                return 0
+            rec = ObjRecord(ObjectId(next(self._ids)), Kind.DISK, col, entry, State.ON_DISK, "", -1,
+                            0, column.nbytes, column.group.abi.fingerprint(), version=r.version,
+                            lo=r.lo, hi=r.hi, inner=column.kind, disk_owner=owner)
+            entry.disk[col] = rec
+        else:
+            pool = o.pools.get(col)
+            if pool is None or entry.mem[col] is not None or not 0 <= r.block < len(pool.owner):
+                return 0
+            if pool.owner[r.block] is not None or r.block not in pool.free:
+                return 0
+            pool.free.remove(r.block)
+            pool.generation[r.block] = max(pool.generation[r.block], r.generation)
+            rec = ObjRecord(ObjectId(next(self._ids)), column.kind, col, entry, r.state, owner,
+                            r.block, pool.generation[r.block], column.nbytes,
+                            column.group.abi.fingerprint(), address=r.block * pool.config.stride,
+                            align=pool.alignment_of(r.block, column.nbytes), version=r.version,
+                            lo=r.lo, hi=r.hi)
+            pool.owner[r.block] = rec
+            entry.mem[col] = rec
+            if column.kind is Kind.TAIL:
+                self._track_resume_point(rec, State.ALLOCATED)
+        self.objects[rec.object_id] = rec
+        o.objects.add(rec.object_id)
+        self._after_change(rec)
+        return 1
+
+    # ---- helpers ------------------------------------------------------------------------
+
+    def _ensure_path(self, hashes: Sequence[BlockHash], last: int) -> list[PrefixEntry]:
+        out: list[PrefixEntry] = []
+        parent: PrefixEntry | None = None
+        ncols = len(self.layout.columns)
+        for depth in range(last + 1):
+            h = hashes[depth]
+            e = self.index.get(h)
+            if e is None:
+                e = PrefixEntry(h, parent, depth, [None] * ncols)
+                contracts.summarise(e, self.layout)
+                self.index[h] = e
+                if parent is not None:
+                    parent.children += 1
+            elif e.depth != depth or e.parent is not parent:
+                raise BadHash(f"block hash at depth {depth} is already known at depth {e.depth} "
+                              "with another parent; hashes must be chained")
+            out.append(e)
+            parent = e
+        return out
+
+    def _check_hashes(self, hashes: Sequence[BlockHash]) -> None:
+        if not hashes:
+            raise BadHash("no block hashes given; a prefix needs at least one")
+        for h in hashes:
+            if not isinstance(h, bytes) or len(h) != BLOCK_HASH_BYTES:
+                raise BadHash(f"block hash must be {BLOCK_HASH_BYTES} bytes, got {len(h)}")
+
+    def _check_slot(self, r: AllocRequest, nhashes: int) -> None:
+        col = self._column(r.column)
+        if not 0 <= r.depth < nhashes:
+            raise InvalidInput(f"depth {r.depth} is outside the {nhashes} hashes given")
+        if not self.layout.lives_at(col, r.depth):
+            raise InvalidInput(
+                f"column {r.column!r} has no block ending at hash block {r.depth} "
+                f"(its blocks end every {self.layout.columns[col].group.block_size} tokens)"
+            )
+
+    def _check_generation(self, rec: ObjRecord, generation: int) -> None:
+        if generation > rec.generation:
+            raise FutureGeneration(
+                f"generation {generation} of object {rec.object_id} was never issued "
+                f"(current {rec.generation})"
+            )
+        if generation < rec.generation:
+            raise StaleHandle(f"generation {generation} of object {rec.object_id} is stale")
+
+    def _column(self, name: str) -> int:
+        col = self.layout.by_name.get(name)
+        if col is None:
+            raise UnknownGroup(
+                f"unknown group {name!r}; the spec has {sorted(self.layout.by_name)}"
+            )
+        return col
+
+    def _owner(self, owner: ShardId) -> _Owner:
+        o = self.owners.get(owner)
+        if o is None:
+            raise UnknownOwner(f"owner {owner!r} is not registered")
+        return o
+
+    def _object(self, object_id: ObjectId) -> ObjRecord:
+        rec = self.objects.get(object_id)
+        if rec is None:
+            raise UnknownObject(f"object {object_id} is unknown (never allocated, or gone)")
+        return rec
+
+    def _handle(self, rec: ObjRecord) -> Handle:
+        return rec.handle(self.layout.columns[rec.column].name)
+
+    # TransitionContext, for preconditions
+    def kv_version_for(self, record: ObjRecord) -> int | None:
+        kv_col = self.layout.columns[record.column].indexes
+        if kv_col is None:
+            return None
+        e = record.entry
+        kv = e.mem[kv_col]
+        if kv is not None and kv.state is State.COMPRESSED_READY:
+            return kv.version
+        disk = e.disk[kv_col] if e.disk else None
+        return disk.version if disk is not None and disk.state is State.ON_DISK_READY else None
+
+    def block_range(self, record: ObjRecord) -> tuple[int, int]:
+        return self.layout.block_range(record.column, record.entry.depth)
+
+    def tail_required(self, record: ObjRecord) -> int:
+        position = (record.entry.depth + 1) * self.layout.hash_block
+        return self.layout.columns[record.column].tail_tokens_at(position)
+
+    # ---- introspection ------------------------------------------------------------------
+
+    def events_since(self, seq: int, limit: int = 1024) -> list[TransitionEvent]:
+        with self._lock:
+            return [ev for ev in self.log if ev.seq > seq][:limit]
+
+    def stats(self) -> dict[str, object]:
+        with self._lock:
+            adm = self.admission.stats()
+            snap: dict[str, object] = dict(self.counters.snapshot())
+            snap["gauges"] = {
+                "objects": len(self.objects),
+                "entries": len(self.index),
+                "leases": len(self.leases.leases),
+                "captures": len(self.captures),
+                "topology_epoch": self.topology_epoch,
+                "in_transit_objects": adm.in_transit_objects,
+                "in_transit_bytes": adm.in_transit_bytes,
+                "owners_alive": sum(o.alive for o in self.owners.values()),
+            }
+            return snap
+
+
+_PARTNER_EVICTABLE = {
+    (Kind.INDEXER, State.INDEXER_SYNCED), (Kind.INDEXER, State.INDEXER_WRITTEN),
+    (Kind.COMPRESSED, State.COMPRESSED_READY),
+}
+
+_DISK_EVENTS: dict[Event, Callable[[CacheState, ObjRecord, Params], None]] = {
+    ev: (lambda s, r, p, ev=ev: s._disk_event(r, p, ev))  # type: ignore[misc]
+    for ev in (Event.OFFLOAD_COMMITTED, Event.OFFLOAD_FAILED, Event.LOAD_VERIFIED,
+               Event.LOAD_FAILED, Event.DROP_COPY, Event.MARK_CORRUPT, Event.LOSE)
+}

@@ -1,0 +1,142 @@
+"""Cutting a :class:`ModelCache` into the spec's blocks and tails, and putting it back together.
+
+A block of group g is ``entries_per_block`` consecutive rows of that group's tensor (rows are
+tokens for swa, entries for c4/c128/idx); block k covers tokens [k*bs, (k+1)*bs):
+
+    swa   (64, 2, dh)   rows = tokens  k*64 .. k*64+63
+    c4    (16, 2, dh)   rows = entries k*16 .. k*16+15   (pool tokens [64k-4, 64k+64))
+    idx   (16, 1, di)   rows = indexer keys of the same c4 entries
+    c128  (1, 2, dh)    row  = entry k                    (pools tokens [128k, 128k+128))
+
+A tail is a COMPRESSED group's raw tokens [tail_start(L), L) zero-padded to
+``(tail_tokens_max, 2, dh)``, with the count of valid rows.
+
+Import at L (a multiple of the LCM block size) needs, and validates, exactly what continuing
+at L reads: every c4/idx/c128 block before L, the swa blocks meeting [max(0, L - W), L), and
+both tails with the count L implies. Anything missing or misshapen is a ValueError that names
+the group and block; extra blocks are ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from hkv_service.core.spec import GroupSpec
+
+from .cache import CompressedState, ModelCache
+from .compress import tail_start
+from .config import Geometry
+
+__all__ = ["block_shape", "export_block", "export_tail", "import_cache", "tail_shape"]
+
+Blocks = Mapping[str, Mapping[int, torch.Tensor]]
+Tails = Mapping[str, tuple[torch.Tensor, int]]
+
+
+def block_shape(geo: Geometry, group: str) -> tuple[int, ...]:
+    g = _group(geo, group)
+    return (g.entries_per_block, *g.abi.head_shape)
+
+
+def tail_shape(geo: Geometry, group: str) -> tuple[int, ...]:
+    g = _group(geo, group)
+    if g not in (geo.sparse, geo.heavy):
+        raise ValueError(f"group {group!r} is not COMPRESSED and has no tail")
+    return (g.tail_tokens_max, *g.abi.head_shape)
+
+
+def _group(geo: Geometry, group: str) -> GroupSpec:
+    try:
+        return geo.by_name()[group]
+    except KeyError:
+        raise ValueError(f"unknown cache group {group!r}; known: {sorted(geo.by_name())}") from None
+
+
+def _rows_of(cache: ModelCache, geo: Geometry) -> dict[str, tuple[torch.Tensor, int]]:
+    """Each group's row tensor and the row number of its first row."""
+    keys = cache.sparse.index_keys
+    assert keys is not None
+    return {
+        geo.swa.name: (cache.swa_kv, cache.swa_lo),
+        geo.sparse.name: (cache.sparse.entries, 0),
+        geo.index.name: (keys, 0),
+        geo.heavy.name: (cache.heavy.entries, 0),
+    }
+
+
+def export_block(cache: ModelCache, geo: Geometry, group: str, k: int) -> torch.Tensor:
+    g = _group(geo, group)
+    if k < 0 or cache.length < (k + 1) * g.block_size:
+        raise ValueError(
+            f"group {group!r} block {k} covers tokens up to {(k + 1) * g.block_size}, "
+            f"but the cache holds {cache.length}"
+        )
+    rows, first = _rows_of(cache, geo)[group]
+    start = k * g.entries_per_block - first
+    if start < 0:
+        raise ValueError(f"swa block {k} left the window; this cache holds tokens from {first}")
+    return rows[start : start + g.entries_per_block].clone()
+
+
+def export_tail(cache: ModelCache, geo: Geometry, group: str) -> tuple[torch.Tensor, int]:
+    shape = tail_shape(geo, group)
+    tail = (cache.sparse if group == geo.sparse.name else cache.heavy).tail
+    out = torch.zeros(shape, dtype=torch.float32, device=tail.device)
+    out[: tail.shape[0]] = tail
+    return out, tail.shape[0]
+
+
+def _checked(t: torch.Tensor | None, what: str, shape: tuple[int, ...]) -> torch.Tensor:
+    if t is None:
+        raise ValueError(f"{what} is missing")
+    if tuple(t.shape) != shape or t.dtype != torch.float32:
+        raise ValueError(f"{what} must be float32 {shape}, got {t.dtype} {tuple(t.shape)}")
+    return t
+
+
+def _gather(
+    blocks: Blocks, geo: Geometry, group: str, ks: range, device: torch.device
+) -> torch.Tensor:
+    shape = block_shape(geo, group)
+    have = blocks.get(group, {})
+    rows = [_checked(have.get(k), f"group {group!r} block {k}", shape).to(device) for k in ks]
+    return torch.cat(rows) if rows else torch.zeros((0, *shape[1:]), device=device)
+
+
+def _tail(
+    tails: Tails, geo: Geometry, group: str, length: int, device: torch.device
+) -> torch.Tensor:
+    g = _group(geo, group)
+    if group not in tails:
+        raise ValueError(f"the tail of group {group!r} at length {length} is missing")
+    tensor, count = tails[group]
+    want = length - tail_start(length, g.ratio, g.overlap)
+    if count != want:
+        raise ValueError(
+            f"the tail of group {group!r} at length {length} must hold {want} tokens, got {count}"
+        )
+    tensor = _checked(tensor, f"the tail of group {group!r}", tail_shape(geo, group))
+    return tensor[:count].to(device)
+
+
+def import_cache(
+    geo: Geometry, length: int, blocks: Blocks, tails: Tails, device: torch.device
+) -> ModelCache:
+    if length < 0 or length % geo.chunk:
+        raise ValueError(f"import length {length} must be a non-negative multiple of {geo.chunk}")
+    whole = {g.name: range(length // g.block_size) for g in (geo.sparse, geo.heavy, geo.index)}
+    bs = geo.swa.block_size
+    swa_ks = range(max(0, length - geo.swa.window) // bs, length // bs)
+    sparse = CompressedState(
+        _gather(blocks, geo, geo.sparse.name, whole[geo.sparse.name], device),
+        _tail(tails, geo, geo.sparse.name, length, device),
+        _gather(blocks, geo, geo.index.name, whole[geo.index.name], device),
+    )
+    heavy = CompressedState(
+        _gather(blocks, geo, geo.heavy.name, whole[geo.heavy.name], device),
+        _tail(tails, geo, geo.heavy.name, length, device),
+    )
+    swa_kv = _gather(blocks, geo, geo.swa.name, swa_ks, device)
+    return ModelCache(length, swa_ks.start * bs, swa_kv, sparse, heavy)

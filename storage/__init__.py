@@ -1,0 +1,28 @@
+"""hkv's disk tier: cache objects at rest in LMDB, checksummed, admission-capped, LRU by bytes.
+
+Layers, each its own module::
+
+    tier.DiskTier         put/get/scan/evict; admission tickets; quarantine; counters
+      catalog.Catalog     records/index/lru/quarantine bookkeeping inside one transaction
+      record              key and record format, header checksum, payload verification
+      codec               raw or zstd (only when it saves >= 10%)
+      lmdb_store          one LMDB env per owner: sync mode, map growth, error translation
+"""
+
+from __future__ import annotations
+
+from .errors import CorruptEntry, DiskFull, NotOnDisk, StorageFailure
+from .record import KIND_CODES, DiskKey, RecordMeta
+from .tier import DiskTier, TierStats
+
+__all__ = [
+    "KIND_CODES",
+    "CorruptEntry",
+    "DiskFull",
+    "DiskKey",
+    "DiskTier",
+    "NotOnDisk",
+    "RecordMeta",
+    "StorageFailure",
+    "TierStats",
+]

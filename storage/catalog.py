@@ -1,0 +1,133 @@
+"""Bookkeeping inside one LMDB transaction: what is stored, its size and its last use.
+
+Sub-databases (names from :data:`storage.lmdb_store.DB_NAMES`)::
+
+    records     key -> record (header + payload)              the data
+    index       key -> (last_used_ns, record_bytes, raw_len)  small, read before a get
+    lru         last_used_ns (big-endian) + key -> b""        ordered oldest use first
+    quarantine  key + detected_ns -> reason + NUL + record[0, QUARANTINE_KEEP)
+    meta        b"used_bytes" -> u64                          sum of record_bytes
+
+Every method takes the caller's transaction, so a put, its evictions and the byte counter
+change together or not at all. Invariants (checked by ``DiskTier.check_integrity``): the three
+key sets of records/index/lru are equal and ``used_bytes`` is the sum of ``record_bytes``.
+
+A quarantined record keeps only its first :data:`QUARANTINE_KEEP` bytes (header and a slice of
+payload, enough to see what went wrong): its bytes are known bad and the object can always be
+recomputed, so keeping all of it would only let bad data grow without bound.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import lmdb
+
+__all__ = ["QUARANTINE_KEEP", "Catalog", "IndexEntry"]
+
+QUARANTINE_KEEP = 4096
+_INDEX = struct.Struct("<QQQ")
+_TICK = struct.Struct(">Q")  # big-endian, so LMDB's byte order is time order
+_USED = b"used_bytes"
+
+
+@dataclass(frozen=True, slots=True)
+class IndexEntry:
+    last_used_ns: int
+    record_bytes: int
+    raw_len: int
+
+
+class Catalog:
+    """Stateless helpers over the tier's sub-databases; all state is in the transaction."""
+
+    def __init__(self, dbs: Mapping[str, Any]) -> None:
+        self._records = dbs["records"]
+        self._index = dbs["index"]
+        self._lru = dbs["lru"]
+        self._quarantine = dbs["quarantine"]
+        self._meta = dbs["meta"]
+
+    def lookup(self, txn: lmdb.Transaction, key: bytes) -> IndexEntry | None:
+        raw = txn.get(key, db=self._index)
+        return None if raw is None else IndexEntry(*_INDEX.unpack(bytes(raw)))
+
+    def record(self, txn: lmdb.Transaction, key: bytes) -> Any:
+        """The stored record (a memoryview in a ``buffers=True`` read), or None."""
+        return txn.get(key, db=self._records)
+
+    def used_bytes(self, txn: lmdb.Transaction) -> int:
+        raw = txn.get(_USED, db=self._meta)
+        return 0 if raw is None else int(struct.unpack("<Q", bytes(raw))[0])
+
+    def _add_used(self, txn: lmdb.Transaction, delta: int) -> None:
+        used = self.used_bytes(txn) + delta
+        assert used >= 0, "disk tier byte counter went negative"
+        txn.put(_USED, struct.pack("<Q", used), db=self._meta)
+
+    def insert(self, txn: lmdb.Transaction, key: bytes, value: Any, entry: IndexEntry) -> None:
+        """Store a record for a key that is absent (callers ``remove`` a replaced one first)."""
+        txn.put(key, value, db=self._records)
+        txn.put(key, _INDEX.pack(entry.last_used_ns, entry.record_bytes, entry.raw_len),
+                db=self._index)
+        txn.put(_TICK.pack(entry.last_used_ns) + key, b"", db=self._lru)
+        self._add_used(txn, entry.record_bytes)
+
+    def remove(self, txn: lmdb.Transaction, key: bytes) -> IndexEntry | None:
+        entry = self.lookup(txn, key)
+        if entry is None:
+            return None
+        txn.delete(key, db=self._records)
+        txn.delete(key, db=self._index)
+        txn.delete(_TICK.pack(entry.last_used_ns) + key, db=self._lru)
+        self._add_used(txn, -entry.record_bytes)
+        return entry
+
+    def touch(self, txn: lmdb.Transaction, key: bytes, now_ns: int) -> None:
+        """Move ``key`` to the young end of the LRU order (no-op if it is gone)."""
+        entry = self.lookup(txn, key)
+        if entry is None or entry.last_used_ns >= now_ns:
+            return
+        txn.delete(_TICK.pack(entry.last_used_ns) + key, db=self._lru)
+        txn.put(_TICK.pack(now_ns) + key, b"", db=self._lru)
+        txn.put(key, _INDEX.pack(now_ns, entry.record_bytes, entry.raw_len), db=self._index)
+
+    def oldest(self, txn: lmdb.Transaction) -> bytes | None:
+        """Key of the least recently used record, or None when empty."""
+        with txn.cursor(db=self._lru) as cur:
+            return bytes(cur.key())[_TICK.size :] if cur.first() else None
+
+    def latest_tick(self, txn: lmdb.Transaction) -> int:
+        with txn.cursor(db=self._lru) as cur:
+            return int(_TICK.unpack(bytes(cur.key())[: _TICK.size])[0]) if cur.last() else 0
+
+    def quarantine(
+        self, txn: lmdb.Transaction, key: bytes, value: bytes, reason: str, now_ns: int
+    ) -> None:
+        """Move a record out of ``records`` (and the index) into ``quarantine``."""
+        self.remove(txn, key)
+        kept = reason.encode() + b"\0" + value[:QUARANTINE_KEEP]
+        txn.put(key + _TICK.pack(now_ns), kept, db=self._quarantine)
+
+    def counts(self, txn: lmdb.Transaction) -> dict[str, int]:
+        dbs = {"records": self._records, "index": self._index, "lru": self._lru,
+               "quarantine": self._quarantine}
+        return {name: int(txn.stat(db)["entries"]) for name, db in dbs.items()}
+
+    def index_items(self, txn: lmdb.Transaction) -> dict[bytes, IndexEntry]:
+        with txn.cursor(db=self._index) as cur:
+            return {bytes(k): IndexEntry(*_INDEX.unpack(bytes(v))) for k, v in cur}
+
+    def lru_keys(self, txn: lmdb.Transaction) -> list[bytes]:
+        with txn.cursor(db=self._lru) as cur:
+            return [bytes(k)[_TICK.size :] for k in cur.iternext(keys=True, values=False)]
+
+    def iter_records(self, txn: lmdb.Transaction, start: bytes) -> Iterator[tuple[bytes, Any]]:
+        """(key, record) pairs in key order from the first key >= ``start``."""
+        with txn.cursor(db=self._records) as cur:
+            if cur.set_range(start):
+                for key, value in cur:
+                    yield bytes(key), value

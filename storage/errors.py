@@ -1,0 +1,42 @@
+"""Errors of the disk tier, all grafted onto the one hkv tree (``hkv_service.core.errors``).
+
+::
+
+    HkvError
+    ├── NotFound
+    │   └── UnknownObject
+    │       ├── NotOnDisk          no record under this key (never written, evicted, deleted)
+    │       └── CorruptEntry       the record failed verification; it was quarantined
+    ├── ResourceExhausted
+    │   └── DiskFull               byte budget, map size or the file system is full
+    └── Unavailable
+        └── StorageFailure         any other LMDB failure (env closed, used across fork ...)
+
+``CorruptEntry`` is a ``NotFound`` on purpose: after the read it is quarantined, so for the
+caller it is a miss (recompute), never data. LMDB's own exceptions are translated to these in
+exactly one place, :func:`storage.lmdb_store.translate`.
+"""
+
+from __future__ import annotations
+
+from hkv_service.core.errors import ResourceExhausted, Unavailable, UnknownObject
+
+__all__ = ["CorruptEntry", "DiskFull", "NotOnDisk", "StorageFailure"]
+
+
+class NotOnDisk(UnknownObject):
+    pass
+
+
+class CorruptEntry(UnknownObject):
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class DiskFull(ResourceExhausted):
+    pass
+
+
+class StorageFailure(Unavailable):
+    pass

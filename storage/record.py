@@ -1,0 +1,193 @@
+"""On-disk key and record format of the disk tier. Pure: no LMDB, no I/O.
+
+Key (``DiskKey.to_bytes``), hash first so one prefix's objects sit together::
+
+    [0, 16)   block hash (xxh3-128 of the chained prefix)
+    [16, 24)  ABI fingerprint, big-endian u64
+    [24, 25)  object kind code (KIND_CODES)
+    [25, ..)  cache group name, UTF-8 (1..MAX_GROUP_BYTES bytes)
+
+Record value = 64-byte header + stored payload (little-endian)::
+
+    [0, 4)    magic b"HKVR"         [24, 40)  xxh3-128 of the RAW payload
+    [4, 5)    format version        [40, 48)  ABI fingerprint (must equal the key's)
+    [5, 6)    codec (RAW | ZSTD)    [48, 56)  created, ns since the epoch
+    [6, 7)    kind code             [56, 64)  xxh3-64 of key bytes + header[0, 56)
+    [7, 8)    reserved, 0           [64, ..)  stored payload, exactly stored_len bytes
+    [8, 16)   raw length
+    [16, 24)  stored length
+
+Verification, always, on every read: the header checksum (covers every header field and
+binds the record to its key, so a flip in the header *or in the checksum field itself* is
+caught), then magic/version/codec/kind/ABI, then total length, then the xxh3-128 of the raw
+bytes after decoding. Last-used time is not in the header: rewriting a 1 MiB record on each
+read would cost a write per get, so it lives in the tier's small ``index`` sub-database.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+import zstandard
+
+from hkv_service.core.errors import BadHash, InvalidInput
+from hkv_service.core.ids import BLOCK_HASH_BYTES
+
+from .codec import Codec, compress, decompress
+from .errors import CorruptEntry
+
+__all__ = [
+    "HEADER",
+    "KIND_CODES",
+    "MAGIC",
+    "DiskKey",
+    "Header",
+    "RecordMeta",
+    "copy_into",
+    "encode_record",
+    "verified_raw",
+    "verify_header",
+]
+
+MAGIC = b"HKVR"
+FORMAT_VERSION = 1
+MAX_GROUP_BYTES = 255
+KIND_CODES: dict[str, int] = {"COMPRESSED": 1, "TAIL": 2, "SWA": 3, "INDEXER": 4}
+_KIND_NAMES = {code: name for name, code in KIND_CODES.items()}
+_KEY_FIXED = struct.Struct(">16sQB")
+HEADER = struct.Struct("<4sBBBBQQ16sQQQ")
+_CHECKED = HEADER.size - 8  # the header checksum covers header[0, 56)
+assert HEADER.size == 64
+
+
+@dataclass(frozen=True, slots=True)
+class DiskKey:
+    """What identifies one object on disk. Validated on construction."""
+
+    block_hash: bytes
+    group: str
+    kind: str
+    abi_fingerprint: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_hash, bytes) or len(self.block_hash) != BLOCK_HASH_BYTES:
+            got = len(self.block_hash) if isinstance(self.block_hash, bytes | bytearray) else "?"
+            raise BadHash(f"block hash must be {BLOCK_HASH_BYTES} bytes, got {got}")
+        if self.kind not in KIND_CODES:
+            raise InvalidInput(f"kind {self.kind!r} is not one of {sorted(KIND_CODES)}")
+        if not 0 < len(self.group.encode()) <= MAX_GROUP_BYTES:
+            raise InvalidInput(f"group name must be 1..{MAX_GROUP_BYTES} UTF-8 bytes")
+        if not 0 <= self.abi_fingerprint < 1 << 64:
+            raise InvalidInput("ABI fingerprint must be an unsigned 64-bit integer")
+
+    def to_bytes(self) -> bytes:
+        fixed = _KEY_FIXED.pack(self.block_hash, self.abi_fingerprint, KIND_CODES[self.kind])
+        return fixed + self.group.encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> DiskKey:
+        block_hash, abi, code = _KEY_FIXED.unpack_from(raw)
+        group = bytes(raw[_KEY_FIXED.size :]).decode()
+        return cls(block_hash, group, _KIND_NAMES[code], abi)
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    codec: Codec
+    kind: str
+    raw_len: int
+    stored_len: int
+    checksum: bytes  # xxh3-128 of the raw payload
+    abi_fingerprint: int
+    created_ns: int
+
+
+@dataclass(frozen=True, slots=True)
+class RecordMeta:
+    """What the tier holds for one key. ``evicted``: keys a put evicted to make room."""
+
+    key: DiskKey
+    codec: Codec
+    raw_len: int
+    stored_len: int
+    checksum: bytes
+    created_ns: int
+    last_used_ns: int
+    evicted: tuple[DiskKey, ...] = ()
+
+    @property
+    def record_bytes(self) -> int:
+        """Bytes the record occupies in the ``records`` sub-database (header + payload)."""
+        return HEADER.size + self.stored_len
+
+
+def encode_record(key: DiskKey, view: memoryview, now_ns: int) -> tuple[bytearray, RecordMeta]:
+    """Build the record value for ``view`` (compressed when it pays) and its meta."""
+    checksum = xxhash.xxh3_128_digest(view)
+    codec, stored = compress(view)
+    value = bytearray(HEADER.size + len(stored))
+    HEADER.pack_into(
+        value, 0, MAGIC, FORMAT_VERSION, codec, KIND_CODES[key.kind], 0,
+        len(view), len(stored), checksum, key.abi_fingerprint, now_ns, 0,
+    )
+    key_bytes = key.to_bytes()
+    sealed = xxhash.xxh3_64_intdigest(key_bytes + bytes(value[:_CHECKED]))
+    struct.pack_into("<Q", value, _CHECKED, sealed)
+    value[HEADER.size :] = stored
+    meta = RecordMeta(key, codec, len(view), len(stored), checksum, now_ns, now_ns)
+    return value, meta
+
+
+def _corrupt(key_bytes: bytes, reason: str, detail: str) -> CorruptEntry:
+    return CorruptEntry(
+        f"disk record {key_bytes.hex()[:32]}... failed verification ({detail}); "
+        "it was quarantined: treat as a miss and recompute",
+        reason,
+    )
+
+
+def verify_header(key_bytes: bytes, value: memoryview) -> Header:
+    """Check the header against its checksum, the key and the value length."""
+    if len(value) < HEADER.size:
+        raise _corrupt(key_bytes, "short", f"{len(value)} bytes, shorter than a header")
+    fields = HEADER.unpack_from(value)
+    sealed = xxhash.xxh3_64_intdigest(key_bytes + bytes(value[:_CHECKED]))
+    if fields[-1] != sealed:
+        raise _corrupt(key_bytes, "header_checksum", "header checksum mismatch")
+    magic, version, codec, kind, _, raw_len, stored_len, checksum, abi, created, _ = fields
+    key_abi, key_kind = _KEY_FIXED.unpack_from(key_bytes)[1:]
+    if magic != MAGIC or version != FORMAT_VERSION or codec not in (0, 1):
+        raise _corrupt(key_bytes, "format", f"unknown magic/version/codec {magic!r}/{version}")
+    if abi != key_abi or kind != key_kind:
+        raise _corrupt(key_bytes, "key_mismatch", "record ABI or kind differs from its key")
+    if len(value) != HEADER.size + stored_len or (codec == Codec.RAW and raw_len != stored_len):
+        raise _corrupt(key_bytes, "length", f"{len(value)} bytes, header says {stored_len}")
+    return Header(Codec(codec), _KIND_NAMES[kind], raw_len, stored_len, checksum, abi, created)
+
+
+def verified_raw(key_bytes: bytes, header: Header, value: memoryview) -> memoryview | bytes:
+    """The record's raw payload, after its xxh3-128 matched; raises CorruptEntry otherwise.
+
+    A raw record is hashed in place (a zero-copy view into the map, valid while the read
+    transaction is open), so corrupt bytes are never copied out; a zstd frame is decoded into
+    a fresh buffer first and that is hashed.
+    """
+    stored = value[HEADER.size :]
+    if header.codec == Codec.RAW:
+        raw: memoryview | bytes = stored
+    else:
+        try:
+            raw = decompress(stored, header.raw_len)
+        except zstandard.ZstdError as exc:
+            raise _corrupt(key_bytes, "zstd", f"zstd frame does not decode: {exc}") from exc
+    if len(raw) != header.raw_len or xxhash.xxh3_128_digest(raw) != header.checksum:
+        raise _corrupt(key_bytes, "payload_checksum", "payload checksum mismatch")
+    return raw
+
+
+def copy_into(raw: memoryview | bytes, out: memoryview) -> None:
+    """One copy into the caller's buffer; numpy drops the GIL for it, so threads overlap."""
+    np.copyto(np.frombuffer(out, dtype=np.uint8), np.frombuffer(raw, dtype=np.uint8))

@@ -1,0 +1,428 @@
+"""The disk tier: checksummed, admission-capped, byte-budgeted LRU storage of cache objects.
+
+Theory of operation.
+
+* Put: take an admission ticket (waits up to ``wait_s`` or raises AdmissionRefused), encode
+  the record outside any lock (xxh3-128 of the raw bytes, zstd when it pays), then one write
+  transaction removes a replaced record, evicts least-recently-used records until the new
+  one fits the byte budget, inserts it and commits (fsync). Only when :meth:`DiskTier.put`
+  returns is the object on disk; the caller may then free its memory copy. Evicted keys are
+  handed to ``on_evict`` inside that transaction, before the commit (so the state view drops
+  its claim no later than the bytes vanish), and returned in ``RecordMeta.evicted``.
+* Get: read the small index entry, take a ticket sized to the object, then in one read
+  snapshot verify the header and the payload checksum on the zero-copy view and copy once.
+  Any mismatch moves the record to quarantine, bumps ``corruption`` and raises CorruptEntry:
+  data that failed verification is never returned.
+* Last use: a get does not write (a sync write per read would cost an fsync). Reads note the
+  key in memory; the next write transaction folds those notes into the ``lru`` sub-database
+  before it evicts, so eviction order is exact; a crash loses only recency hints.
+* Restart: everything but counters is in LMDB. :meth:`DiskTier.scan` lists what the tier
+  holds (verifying headers, or whole records with ``verify=True``) so the metadata service
+  can re-register it.
+
+All methods are thread-safe. LMDB serialises writers; readers run in parallel.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import lmdb
+
+from hkv_service.core.admission import AdmissionCap, AdmissionGate, AdmissionStats
+from hkv_service.core.errors import AdmissionRefused, InvalidInput
+
+from .catalog import Catalog, IndexEntry
+from .codec import as_byte_view
+from .errors import CorruptEntry, DiskFull, NotOnDisk
+from .lmdb_store import DiskStore, StoreConfig
+from .record import DiskKey, RecordMeta, copy_into, encode_record, verified_raw, verify_header
+
+__all__ = ["DiskTier", "TierStats"]
+
+MiB = 1 << 20
+GET_MANY_WORKERS = 4
+SCAN_CHUNK = 256
+EvictCallback = Callable[[tuple[DiskKey, ...]], None]
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    puts: int
+    gets: int
+    corruption: int
+    quarantined: int
+    evicted: int
+    entries: int
+    bytes_used: int
+    budget_bytes: int
+    map_size: int
+    admission: AdmissionStats
+
+
+class _Clock:
+    """Nanosecond wall time made strictly increasing, so LRU ticks never collide."""
+
+    def __init__(self, start: int) -> None:
+        self._last = start
+        self._lock = threading.Lock()
+
+    def now(self) -> int:
+        with self._lock:
+            self._last = max(time.time_ns(), self._last + 1)
+            return self._last
+
+
+class DiskTier:
+    """One owner's disk tier under ``path``. Open it in the process that uses it."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        budget_bytes: int,
+        cap: AdmissionCap | AdmissionGate,
+        map_size_max: int | None = None,
+        *,
+        on_evict: EvictCallback | None = None,
+        map_size_initial: int = 64 * MiB,
+    ) -> None:
+        if budget_bytes < 1:
+            raise InvalidInput(f"disk budget must be positive, got {budget_bytes} bytes")
+        self.budget_bytes = budget_bytes
+        self.gate = cap if isinstance(cap, AdmissionGate) else AdmissionGate(cap)
+        # Copy-on-write pages and the free list need room beside the budgeted bytes.
+        map_max = map_size_max or 2 * budget_bytes + 64 * MiB
+        self._store = DiskStore(path, StoreConfig(min(map_size_initial, map_max), map_max))
+        self._catalog = Catalog(self._store.dbs)
+        self._on_evict = on_evict
+        with self._store.read() as txn:
+            self._clock = _Clock(self._catalog.latest_tick(txn))
+        self._touched: dict[bytes, int] = {}
+        self._lock = threading.Lock()  # guards _touched, _counts, _pool
+        self._counts = dict.fromkeys(("puts", "gets", "corruption", "quarantined", "evicted"), 0)
+        self._pool: ThreadPoolExecutor | None = None
+
+    # -- writes -------------------------------------------------------------------------
+
+    def put(self, key: DiskKey, payload: Any, wait_s: float = 0.0) -> RecordMeta:
+        """Store ``payload`` under ``key`` (replacing any record); durable when it returns."""
+        return self.put_many([(key, payload)], wait_s)[0]
+
+    def put_many(
+        self, items: Sequence[tuple[DiskKey, Any]], wait_s: float = 0.0
+    ) -> list[RecordMeta]:
+        """Store many objects, as few transactions as the admission cap and budget allow.
+
+        Each object holds a ticket from encoding to commit; a batch is as many objects as the
+        cap admits at once (the first may wait ``wait_s``) and the budget holds. A batch
+        commits whole or not at all; the keys it evicted ride on its last ``RecordMeta``. An
+        error in a later batch leaves earlier batches committed, which is safe: they are on
+        disk, and a retried put of the same key replaces its record (idempotent).
+        """
+        views = [(key, as_byte_view(payload)) for key, payload in items]
+        metas: list[RecordMeta] = []
+        start = 0
+        while start < len(views):
+            tickets = self._admit_batch(views, start, wait_s)
+            try:
+                metas.extend(self._put_batch(views[start : start + len(tickets)]))
+            finally:
+                for ticket in tickets:
+                    self.gate.release(ticket)
+            start += len(tickets)
+        return metas
+
+    def _admit_batch(self, views: list[tuple[DiskKey, memoryview]], start: int,
+                     wait_s: float) -> list[Any]:
+        """Tickets for views[start:start+n]: the first may wait, the rest only if free."""
+        tickets = [self.gate.acquire(len(views[start][1]), wait_s)]
+        total = len(views[start][1])
+        for _, view in views[start + 1 :]:
+            total += len(view)
+            if total > self.budget_bytes:
+                break
+            try:
+                tickets.append(self.gate.acquire(len(view), 0.0))
+            except AdmissionRefused:
+                break  # cap reached: commit what we hold, then admit the rest
+        return tickets
+
+    def _put_batch(self, views: list[tuple[DiskKey, memoryview]]) -> list[RecordMeta]:
+        encoded = [encode_record(key, view, self._clock.now()) for key, view in views]
+        for value, _ in encoded:
+            if len(value) > self.budget_bytes:
+                raise DiskFull(
+                    f"object of {len(value)} bytes exceeds the disk tier budget of "
+                    f"{self.budget_bytes} bytes; it cannot be stored"
+                )
+        touched = self._take_touched()
+        try:
+            evicted = self._store.write(
+                lambda txn: self._commit_batch(txn, encoded, touched),
+                need_bytes=sum(len(value) for value, _ in encoded),
+            )
+        except BaseException:
+            self._restore_touched(touched)
+            raise
+        self._bump(puts=len(encoded), evicted=len(evicted))
+        metas = [meta for _, meta in encoded]
+        metas[-1] = replace(metas[-1], evicted=evicted)
+        return metas
+
+    def _commit_batch(self, txn: lmdb.Transaction, encoded: list[tuple[bytearray, RecordMeta]],
+                      touched: dict[bytes, int]) -> tuple[DiskKey, ...]:
+        self._apply_touched(txn, touched)
+        batch = {meta.key.to_bytes() for _, meta in encoded}
+        evicted: list[DiskKey] = []
+        for value, meta in encoded:
+            kb = meta.key.to_bytes()
+            self._catalog.remove(txn, kb)
+            evicted.extend(self._make_room(txn, len(value), batch))
+            entry = IndexEntry(meta.last_used_ns, len(value), meta.raw_len)
+            self._catalog.insert(txn, kb, value, entry)
+        if evicted and self._on_evict is not None:
+            self._on_evict(tuple(evicted))
+        return tuple(evicted)
+
+    def _make_room(self, txn: lmdb.Transaction, nbytes: int, keep: set[bytes]) -> list[DiskKey]:
+        evicted: list[DiskKey] = []
+        while self._catalog.used_bytes(txn) + nbytes > self.budget_bytes:
+            victim = self._catalog.oldest(txn)
+            if victim is None or victim in keep:
+                raise DiskFull(
+                    f"batch does not fit the disk tier budget of {self.budget_bytes} bytes"
+                )
+            self._catalog.remove(txn, victim)
+            evicted.append(DiskKey.from_bytes(victim))
+        return evicted
+
+    def delete(self, key: DiskKey) -> bool:
+        """Remove ``key``'s record; True if there was one."""
+        kb = key.to_bytes()
+        touched = self._take_touched()
+
+        def run(txn: lmdb.Transaction) -> bool:
+            self._apply_touched(txn, touched)
+            return self._catalog.remove(txn, kb) is not None
+
+        return self._store.write(run)
+
+    # -- last-use notes -----------------------------------------------------------------
+
+    def _note_use(self, kb: bytes) -> None:
+        with self._lock:
+            self._touched[kb] = self._clock.now()
+
+    def _take_touched(self) -> dict[bytes, int]:
+        with self._lock:
+            touched, self._touched = self._touched, {}
+            return touched
+
+    def _restore_touched(self, touched: dict[bytes, int]) -> None:
+        with self._lock:
+            for kb, tick in touched.items():
+                self._touched[kb] = max(tick, self._touched.get(kb, 0))
+
+    def _apply_touched(self, txn: lmdb.Transaction, touched: dict[bytes, int]) -> None:
+        for kb, tick in touched.items():
+            self._catalog.touch(txn, kb, tick)
+
+    # -- reads --------------------------------------------------------------------------
+
+    def contains(self, key: DiskKey) -> bool:
+        with self._store.read() as txn:
+            return self._catalog.lookup(txn, key.to_bytes()) is not None
+
+    def get(self, key: DiskKey, wait_s: float = 0.0) -> bytes:
+        """The verified raw bytes of ``key``. Raises NotOnDisk, CorruptEntry, AdmissionRefused."""
+        return bytes(self._read(key, wait_s, bytes))
+
+    def get_into(self, key: DiskKey, out: Any, wait_s: float = 0.0) -> int:
+        """Verify, then copy ``key``'s raw bytes into ``out[:n]``; returns n.
+
+        ``out`` is any writable C-contiguous buffer (e.g. a preallocated numpy array) of at
+        least n bytes. On an exception nothing has been written to it.
+        """
+        dest = memoryview(out).cast("B") if not isinstance(out, memoryview) else out.cast("B")
+        if dest.readonly:
+            raise InvalidInput("get_into needs a writable buffer")
+
+        def sink(raw: memoryview | bytes) -> int:
+            if len(raw) > len(dest):
+                raise InvalidInput(f"buffer of {len(dest)} bytes is too small for {len(raw)}")
+            copy_into(raw, dest[: len(raw)])
+            return len(raw)
+
+        return int(self._read(key, wait_s, sink))
+
+    def _read(self, key: DiskKey, wait_s: float, sink: Callable[[Any], Any]) -> Any:
+        kb = key.to_bytes()
+        with self._store.read() as txn:
+            entry = self._catalog.lookup(txn, kb)
+        if entry is None:
+            raise NotOnDisk(f"no disk record for {kb.hex()[:32]}... (never stored or evicted)")
+        ticket = self.gate.acquire(entry.raw_len, wait_s)
+        try:
+            result = self._verified_read(kb, sink)
+        finally:
+            self.gate.release(ticket)
+        self._note_use(kb)
+        self._bump(gets=1)
+        return result
+
+    def _verified_read(self, kb: bytes, sink: Callable[[Any], Any]) -> Any:
+        try:
+            with self._store.read() as txn:
+                value = self._catalog.record(txn, kb)
+                if value is None:
+                    raise NotOnDisk(f"disk record {kb.hex()[:32]}... was removed meanwhile")
+                return sink(verified_raw(kb, verify_header(kb, value), value))
+        except CorruptEntry as exc:
+            self._quarantine(kb, exc.reason)
+            raise
+
+    def get_many(self, keys: Sequence[DiskKey], wait_s: float = 0.0) -> list[bytes]:
+        """``get`` for many keys on a small thread pool (reads, hashing and copies overlap)."""
+        return self._map(lambda key: self.get(key, wait_s), keys)
+
+    def get_many_into(self, keys: Sequence[DiskKey], outs: Sequence[Any],
+                      wait_s: float = 0.0) -> list[int]:
+        if len(keys) != len(outs):
+            raise InvalidInput(f"{len(keys)} keys but {len(outs)} output buffers")
+        pairs = list(zip(keys, outs, strict=True))
+        return self._map(lambda pair: self.get_into(pair[0], pair[1], wait_s), pairs)
+
+    def _map(self, fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
+        if len(items) <= 1:
+            return [fn(item) for item in items]
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(GET_MANY_WORKERS, "hkv-disk-get")
+            pool = self._pool
+        return list(pool.map(fn, items))
+
+    # -- corruption ---------------------------------------------------------------------
+
+    def _quarantine(self, kb: bytes, reason: str) -> None:
+        """Move a record that failed verification to quarantine, unless it was replaced."""
+        self._bump(corruption=1)
+
+        def run(txn: lmdb.Transaction) -> bool:
+            value = self._catalog.record(txn, kb)
+            if value is None or _verifies(kb, memoryview(value)):
+                return False  # deleted or rewritten by another thread meanwhile
+            self._catalog.quarantine(txn, kb, bytes(value), reason, self._clock.now())
+            return True
+
+        if self._store.write(run):
+            self._bump(quarantined=1)
+
+    # -- index rebuild ------------------------------------------------------------------
+
+    def scan(self, verify: bool = False) -> Iterator[RecordMeta]:
+        """Every record the tier holds, in key order, for re-registration after a restart.
+
+        Headers are always verified; ``verify=True`` also checks every payload checksum.
+        Records that fail are quarantined and counted, and not yielded. Reads in chunks of
+        short snapshots, so a slow consumer never pins old pages.
+        """
+        start = b""
+        while True:
+            metas, bad, start_next = self._scan_chunk(start, verify)
+            for kb, reason in bad:
+                self._quarantine(kb, reason)
+            yield from metas
+            if start_next is None:
+                return
+            start = start_next
+
+    def _scan_chunk(self, start: bytes, verify: bool
+                    ) -> tuple[list[RecordMeta], list[tuple[bytes, str]], bytes | None]:
+        metas: list[RecordMeta] = []
+        bad: list[tuple[bytes, str]] = []
+        with self._store.read() as txn:
+            for kb, value in self._catalog.iter_records(txn, start):
+                if len(metas) + len(bad) == SCAN_CHUNK:
+                    return metas, bad, kb
+                try:
+                    header = verify_header(kb, value)
+                    if verify:
+                        verified_raw(kb, header, value)
+                except CorruptEntry as exc:
+                    bad.append((kb, exc.reason))
+                    continue
+                entry = self._catalog.lookup(txn, kb)
+                last_used = entry.last_used_ns if entry else header.created_ns
+                metas.append(RecordMeta(DiskKey.from_bytes(kb), header.codec, header.raw_len,
+                                        header.stored_len, header.checksum, header.created_ns,
+                                        last_used))
+        return metas, bad, None
+
+    # -- introspection and lifetime -----------------------------------------------------
+
+    def _bump(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                self._counts[name] += delta
+
+    def stats(self) -> TierStats:
+        with self._store.read() as txn:
+            entries = self._catalog.counts(txn)["records"]
+            used = self._catalog.used_bytes(txn)
+        with self._lock:
+            counts = dict(self._counts)
+        return TierStats(counts["puts"], counts["gets"], counts["corruption"],
+                         counts["quarantined"], counts["evicted"], entries, used,
+                         self.budget_bytes, self._store.map_size, self.gate.stats())
+
+    def quarantine_count(self) -> int:
+        with self._store.read() as txn:
+            return self._catalog.counts(txn)["quarantine"]
+
+    def check_integrity(self) -> list[str]:
+        """Problems with the catalog invariants (see ``storage.catalog``); empty if sound."""
+        with self._store.read() as txn:
+            index = self._catalog.index_items(txn)
+            lru = self._catalog.lru_keys(txn)
+            records = {kb for kb, _ in self._catalog.iter_records(txn, b"")}
+            used = self._catalog.used_bytes(txn)
+        problems = []
+        if set(index) != records or sorted(lru) != sorted(index):
+            problems.append("records, index and lru hold different key sets")
+        if used != sum(entry.record_bytes for entry in index.values()):
+            problems.append(f"used_bytes {used} differs from the sum of record sizes")
+        if used > self.budget_bytes:
+            problems.append(f"used_bytes {used} exceeds the budget {self.budget_bytes}")
+        return problems
+
+    def close(self) -> None:
+        """Fold pending last-use notes into LMDB, stop the pool, close the environment."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+        touched = self._take_touched()
+        if touched:
+            self._store.write(lambda txn: self._apply_touched(txn, touched))
+        self._store.close()
+
+    def __enter__(self) -> DiskTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _verifies(kb: bytes, value: memoryview) -> bool:
+    try:
+        verified_raw(kb, verify_header(kb, value), value)
+    except CorruptEntry:
+        return False
+    return True
+

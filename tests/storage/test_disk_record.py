@@ -1,0 +1,98 @@
+"""storage/record.py and storage/codec.py: key format, record encoding, every-bit verification."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hkv_service.core.errors import BadHash, InvalidInput
+from storage import CorruptEntry, DiskKey
+from storage.codec import Codec, as_byte_view, compress
+from storage.record import HEADER, encode_record, verified_raw, verify_header
+
+KEY = DiskKey(b"\x11" * 16, "layer0.swa", "SWA", 0xDEADBEEF)
+
+
+def _roundtrip(key: DiskKey, payload: bytes) -> bytes:
+    value, _ = encode_record(key, memoryview(payload), 123)
+    view = memoryview(bytes(value))
+    kb = key.to_bytes()
+    return bytes(verified_raw(kb, verify_header(kb, view), view))
+
+
+@pytest.mark.parametrize("kind", ["COMPRESSED", "TAIL", "SWA", "INDEXER"])
+def test_key_round_trips(kind: str) -> None:
+    key = DiskKey(bytes(range(16)), "grüppe", kind, (1 << 64) - 1)
+    assert DiskKey.from_bytes(key.to_bytes()) == key
+
+
+@pytest.mark.parametrize("bad", [b"", b"x" * 15, b"x" * 17])
+def test_wrong_hash_length_is_bad_hash(bad: bytes) -> None:
+    with pytest.raises(BadHash):
+        DiskKey(bad, "g", "SWA", 1)
+
+
+@pytest.mark.parametrize(
+    "fields", [("g", "NOPE", 1), ("", "SWA", 1), ("g" * 256, "SWA", 1), ("g", "SWA", -1)]
+)
+def test_bad_key_fields_are_invalid_input(fields: tuple[str, str, int]) -> None:
+    with pytest.raises(InvalidInput):
+        DiskKey(b"x" * 16, *fields)
+
+
+def test_incompressible_kv_stays_raw_and_zeros_compress() -> None:
+    fp16 = np.random.default_rng(0).standard_normal(1 << 19).astype(np.float16)
+    assert compress(as_byte_view(fp16))[0] is Codec.RAW
+    codec, stored = compress(memoryview(bytes(1 << 20)))
+    assert codec is Codec.ZSTD and len(stored) < 1 << 12
+    assert compress(memoryview(bytes(100)))[0] is Codec.RAW  # too small to bother
+
+
+def test_payload_views_accept_arrays_and_reject_bad_input() -> None:
+    arr = np.arange(12, dtype=np.float32).reshape(3, 4)
+    assert bytes(as_byte_view(arr)) == arr.tobytes()
+    bad: list[Any] = [arr[:, ::2], "text", 42]
+    for payload in bad:
+        with pytest.raises(InvalidInput):
+            as_byte_view(payload)
+
+
+@pytest.mark.parametrize("payload", [b"", b"abc", bytes(200_000), np.arange(5000).tobytes()])
+def test_record_round_trip(payload: bytes) -> None:
+    assert _roundtrip(KEY, payload) == payload
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), compressible=st.booleans())
+def test_any_single_bit_flip_is_detected(data: st.DataObject, compressible: bool) -> None:
+    payload = bytes(6000) if compressible else np.random.default_rng(1).bytes(6000)
+    value, meta = encode_record(KEY, memoryview(payload), 99)
+    assert (meta.codec is Codec.ZSTD) == compressible
+    bit = data.draw(st.integers(0, len(value) * 8 - 1))
+    value[bit // 8] ^= 1 << (bit % 8)
+    with pytest.raises(CorruptEntry):
+        _roundtrip_value(KEY, bytes(value))
+
+
+def _roundtrip_value(key: DiskKey, value: bytes) -> None:
+    kb, view = key.to_bytes(), memoryview(value)
+    verified_raw(kb, verify_header(kb, view), view)
+
+
+def test_record_is_bound_to_its_key() -> None:
+    value, _ = encode_record(KEY, memoryview(b"payload"), 1)
+    other = DiskKey(b"\x12" * 16, KEY.group, KEY.kind, KEY.abi_fingerprint)
+    with pytest.raises(CorruptEntry) as err:
+        _roundtrip_value(other, bytes(value))
+    assert err.value.reason == "header_checksum"
+
+
+def test_truncated_record_is_detected() -> None:
+    value, _ = encode_record(KEY, memoryview(b"x" * 100), 1)
+    for cut in (0, HEADER.size - 1, HEADER.size, len(value) - 1):
+        with pytest.raises(CorruptEntry):
+            _roundtrip_value(KEY, bytes(value[:cut]))
