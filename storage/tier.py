@@ -107,6 +107,7 @@ class DiskTier:
         self._lock = threading.Lock()  # guards _touched, _counts, _pool
         self._counts = dict.fromkeys(("puts", "gets", "corruption", "quarantined", "evicted"), 0)
         self._pool: ThreadPoolExecutor | None = None
+        self._closed = False
 
     # -- writes -------------------------------------------------------------------------
 
@@ -402,8 +403,11 @@ class DiskTier:
         return problems
 
     def close(self) -> None:
-        """Fold pending last-use notes into LMDB, stop the pool, close the environment."""
+        """Fold pending last-use notes into LMDB, stop the pool, close the env. Idempotent."""
         with self._lock:
+            if self._closed:
+                return
+            self._closed = True
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)

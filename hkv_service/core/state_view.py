@@ -122,7 +122,9 @@ class Match:
 class ObjectReport:
     """An owner's account of an object it holds, for rebuilding the view after a restart."""
 
-    block_hashes: tuple[BlockHash, ...]  # the prefix up to and including the object's block
+    block_hash: BlockHash  # the hash block the object ends at
+    parent_hash: BlockHash | None  # None at depth 0
+    depth: int
     column: str
     state: State  # a readable state (memory) or ON_DISK (disk tier)
     block: int = -1
@@ -611,10 +613,9 @@ class CacheState:
         with self._lock:
             o = self._owner(owner)
             n = 0
-            for r in reports:
-                self._check_hashes(r.block_hashes)
-                entry = self._ensure_path(r.block_hashes, len(r.block_hashes) - 1)[-1]
+            for r in sorted(reports, key=lambda rep: rep.depth):
                 col = self._column(r.column)
+                entry = self._ensure_entry(r.block_hash, r.parent_hash, r.depth)
                 n += self._confirm_one(o, owner, entry, col, r)
             return n
 
@@ -657,22 +658,40 @@ class CacheState:
     def _ensure_path(self, hashes: Sequence[BlockHash], last: int) -> list[PrefixEntry]:
         out: list[PrefixEntry] = []
         parent: PrefixEntry | None = None
-        ncols = len(self.layout.columns)
         for depth in range(last + 1):
-            h = hashes[depth]
-            e = self.index.get(h)
-            if e is None:
-                e = PrefixEntry(h, parent, depth, [None] * ncols)
-                contracts.summarise(e, self.layout)
-                self.index[h] = e
-                if parent is not None:
-                    parent.children += 1
-            elif e.depth != depth or e.parent is not parent:
-                raise BadHash(f"block hash at depth {depth} is already known at depth {e.depth} "
-                              "with another parent; hashes must be chained")
-            out.append(e)
-            parent = e
+            parent = self._entry_under(hashes[depth], parent, depth)
+            out.append(parent)
         return out
+
+    def _ensure_entry(
+        self, block_hash: BlockHash, parent_hash: BlockHash | None, depth: int
+    ) -> PrefixEntry:
+        """Entry for a re-confirmed object. Its parent may not be known (yet): the walk goes by
+        hashes, so an orphan is still found; it is linked when its parent arrives."""
+        self._check_hashes([block_hash] + ([parent_hash] if parent_hash is not None else []))
+        if depth < 0 or (depth == 0) != (parent_hash is None):
+            raise InvalidInput(f"depth {depth} and parent hash disagree (root has no parent)")
+        parent = self.index.get(parent_hash) if parent_hash is not None else None
+        if parent is not None and parent.depth != depth - 1:
+            raise BadHash(f"parent hash is known at depth {parent.depth}, not {depth - 1}")
+        return self._entry_under(block_hash, parent, depth)
+
+    def _entry_under(self, h: BlockHash, parent: PrefixEntry | None, depth: int) -> PrefixEntry:
+        e = self.index.get(h)
+        if e is None:
+            e = PrefixEntry(h, parent, depth, [None] * len(self.layout.columns))
+            contracts.summarise(e, self.layout)
+            self.index[h] = e
+            if parent is not None:
+                parent.children += 1
+            return e
+        if e.depth != depth or (None not in (e.parent, parent) and e.parent is not parent):
+            raise BadHash(f"block hash at depth {depth} is already known at depth {e.depth} "
+                          "with another parent; hashes must be chained")
+        if e.parent is None and parent is not None:  # adopt an orphan from a restart rebuild
+            e.parent = parent
+            parent.children += 1
+        return e
 
     def _check_hashes(self, hashes: Sequence[BlockHash]) -> None:
         if not hashes:

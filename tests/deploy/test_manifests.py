@@ -72,12 +72,14 @@ def the(overlay: str, kind: str, name: str | None = None) -> dict[str, Any]:
     return found[0]
 
 
+_REDIRECTS = {">", ">>", "<", ">&", "<&", "&>", "&>>", ">|"}
 _PREFIX_WORDS = {"exec", "nohup", "env", "time", "command"}
 _SHELL_OPS = {"&&", "||", ";", "|", "&", ";;", ">", ">>", "<", ">&", "<&", "(", ")", "&>"}
 
 
 def hkv_invocations_in_shell(script: str) -> list[list[str]]:
     """Each `hkv ARGS...` in a shell command line, as the argv the parser would get."""
+    script = re.sub(r"(?<=\s)\d+(?=[<>])", "", script)  # `2>&1`: fd numbers are not args
     lex = shlex.shlex(script, posix=True, punctuation_chars=True)
     lex.whitespace_split = True
     tokens = list(lex)
@@ -92,14 +94,14 @@ def hkv_invocations_in_shell(script: str) -> list[list[str]]:
         if k >= 0 and tokens[k] not in _SHELL_OPS:
             continue
         argv: list[str] = []
-        for t in tokens[i + 1:]:
+        rest = iter(tokens[i + 1:])
+        for t in rest:
+            if t in _REDIRECTS:  # `> file` is not an argument, but words after it are
+                next(rest, None)
+                continue
             if t in _SHELL_OPS or set(t) <= set("<>&|;()"):
                 break
             argv.append(t)
-        # `2>&1`: the fd number belongs to the redirection, not to hkv
-        j = i + 1 + len(argv)
-        if argv and argv[-1].isdigit() and j < len(tokens) and tokens[j].startswith((">", "<")):
-            argv.pop()
         found.append(argv)
     return found
 
@@ -127,7 +129,8 @@ def pod_templates(overlay: str) -> list[tuple[str, dict[str, Any]]]:
     """(where, pod template) for every pod the overlay would create."""
     out = []
     for rc in objects(overlay, "RayCluster"):
-        out.append((f"RayCluster/{rc['metadata']['name']} head", rc["spec"]["headGroupSpec"]["template"]))
+        name = rc["metadata"]["name"]
+        out.append((f"RayCluster/{name} head", rc["spec"]["headGroupSpec"]["template"]))
         for g in rc["spec"].get("workerGroupSpecs", []):
             out.append((f"RayCluster/{rc['metadata']['name']} {g['groupName']}", g["template"]))
     for kind in ("Deployment", "StatefulSet", "DaemonSet", "Job"):
@@ -191,12 +194,18 @@ def strict_schema(node: Any) -> Any:
 
 
 @functools.cache
-def raycluster_validator() -> jsonschema.protocols.Validator:
-    crd = yaml.safe_load(CRD_PATH.read_text())
+def _crd_v1_schema() -> dict[str, Any]:
+    crd = yaml.load(CRD_PATH.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     assert crd["kind"] == "CustomResourceDefinition"
     assert crd["spec"]["names"]["kind"] == "RayCluster"
     (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
-    schema = strict_schema(v1["schema"]["openAPIV3Schema"])
+    schema: dict[str, Any] = v1["schema"]["openAPIV3Schema"]
+    return schema
+
+
+@functools.cache
+def raycluster_validator() -> jsonschema.protocols.Validator:
+    schema = strict_schema(_crd_v1_schema())
     cls = jsonschema.validators.Draft7Validator
     cls.check_schema(schema)
     return cls(schema)
@@ -301,6 +310,8 @@ def test_misspelled_raycluster_field_is_rejected(path: tuple[Any, ...], bad_key:
     node[bad_key] = node.get(bad_key, {} if bad_key != "replica" else 1)
     with pytest.raises(jsonschema.ValidationError, match=re.escape(bad_key)):
         validate_raycluster(rc)
+    # ...which the CRD's own (structural, pruning) schema would have let through silently.
+    assert jsonschema.validators.Draft7Validator(_crd_v1_schema()).is_valid(rc)
 
 
 @needs_kubectl
@@ -370,10 +381,10 @@ def test_a_bogus_flag_in_a_manifest_is_caught() -> None:
 
 def test_shell_extraction() -> None:
     s = ("ulimit -n 65536 2>/dev/null || true; ray start --head && exec hkv up --port 1 "
-         "--data-dir '/a b' --spec /etc/hkv > log 2>&1 & echo hkv $! > pid; "
+         "--grace-s 5 > log 2>&1 --data-dir '/a b' & echo hkv $! > pid; "
          "X=1 nohup /opt/hkv/bin/hkv serve --insecure 2>x")
     assert hkv_invocations_in_shell(s) == [
-        ["up", "--port", "1", "--data-dir", "/a b"],
+        ["up", "--port", "1", "--grace-s", "5", "--data-dir", "/a b"],
         ["serve", "--insecure"],
     ]
     assert hkv_invocations_in_container({"command": ["hkv", "serve"], "args": ["--port", "2"]}) == [

@@ -1,0 +1,78 @@
+"""storage/lmdb_store.py: sync mode, map growth, error translation, fork safety."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import lmdb
+import pytest
+
+from storage import DiskFull, StorageFailure
+from storage.lmdb_store import DB_NAMES, DiskStore, StoreConfig, translate
+
+
+def test_opens_with_durable_sync_mode_and_sub_databases(tmp_path: Path) -> None:
+    store = DiskStore(tmp_path, StoreConfig())
+    flags = store.env.flags()
+    assert flags["sync"] and flags["metasync"] and not flags["writemap"] and flags["lock"]
+    assert set(store.dbs) == set(DB_NAMES) and store.stale_readers_cleared == 0
+    assert store.env.max_readers() == StoreConfig().max_readers
+    store.close()
+
+
+def test_map_grows_on_map_full_and_retries(tmp_path: Path) -> None:
+    store = DiskStore(tmp_path, StoreConfig(map_size_initial=128 << 10, map_size_max=8 << 20))
+    db = store.dbs["records"]
+    for i in range(8):
+        store.write(lambda txn, i=i: txn.put(b"%d" % i, os.urandom(256 << 10), db=db),
+                    need_bytes=256 << 10)
+    assert 128 << 10 < store.map_size <= 8 << 20
+    with store.read() as txn:
+        assert txn.stat(db)["entries"] == 8
+    store.close()
+
+
+def test_map_full_at_max_is_disk_full_and_leaves_nothing(tmp_path: Path) -> None:
+    store = DiskStore(tmp_path, StoreConfig(map_size_initial=256 << 10, map_size_max=512 << 10))
+    db = store.dbs["records"]
+
+    def too_big(txn: lmdb.Transaction) -> None:
+        txn.put(b"a", b"small", db=db)
+        txn.put(b"b", os.urandom(1 << 20), db=db)
+
+    with pytest.raises(DiskFull, match="map is full"):
+        store.write(too_big, need_bytes=1 << 20)
+    with store.read() as txn:
+        assert txn.get(b"a", db=db) is None  # the whole transaction rolled back
+    store.write(lambda txn: txn.put(b"a", b"ok", db=db))  # env still usable
+    store.close()
+
+
+def test_lmdb_errors_are_translated_in_one_place() -> None:
+    with pytest.raises(DiskFull, match="rolled back"), translate(writing=True):
+        raise lmdb.Error("mdb_txn_commit: No space left on device")
+    with pytest.raises(StorageFailure), translate(writing=False):
+        raise lmdb.Error("mdb_txn_commit: No space left on device")
+    with pytest.raises(StorageFailure), translate(writing=True):
+        raise lmdb.BadTxnError("mdb_txn_begin: bad transaction")
+    with pytest.raises(lmdb.MapFullError), translate(writing=True):
+        raise lmdb.MapFullError("full")
+
+
+def test_forked_child_refuses_the_parents_env(tmp_path: Path) -> None:
+    store = DiskStore(tmp_path, StoreConfig())
+    pid = os.fork()
+    if pid == 0:  # child: must not touch the inherited environment
+        try:
+            with store.read():
+                os._exit(1)
+        except StorageFailure:
+            store.close()  # a no-op in the child
+            os._exit(0)
+        os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    with store.read() as txn:  # the parent's env is unharmed
+        assert txn.stat(store.dbs["records"])["entries"] == 0
+    store.close()
