@@ -105,6 +105,10 @@ class AdmissionGate:
     def stats(self) -> AdmissionStats:
         with self._cond:
             return AdmissionStats(
-                self._objects, self._bytes, self._peak_objects, self._peak_bytes,
-                self._admitted, self._refused,
+                self._objects,
+                self._bytes,
+                self._peak_objects,
+                self._peak_bytes,
+                self._admitted,
+                self._refused,
             )

@@ -32,10 +32,16 @@ from .states import Kind, State
 __all__ = ["EVICTION_POLICIES", "BlockPool", "PoolConfig"]
 
 _SAMPLE = 48
-_EVICTABLE = frozenset({
-    State.COMPRESSED_READY, State.TAIL_COMPLETE, State.SWA_VALID, State.ON_DISK_READY,
-    State.INDEXER_WRITTEN, State.INDEXER_SYNCED,
-})
+_EVICTABLE = frozenset(
+    {
+        State.COMPRESSED_READY,
+        State.TAIL_COMPLETE,
+        State.SWA_VALID,
+        State.ON_DISK_READY,
+        State.INDEXER_WRITTEN,
+        State.INDEXER_SYNCED,
+    }
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,10 +51,13 @@ class PoolConfig:
     base_align: int = 4096  # alignment of the pool's base address (power of two)
 
 
+_POWERS = {1 << i: 1 << i for i in range(31)}  # one shared int object per power of two
+
+
 def _alignment(address: int, nbytes: int, base_align: int) -> int:
     value = address | nbytes
     low = value & -value if value else 1 << 30
-    return min(low, base_align)
+    return _POWERS[min(low, base_align, 1 << 30)]
 
 
 class BlockPool:
@@ -79,8 +88,13 @@ class BlockPool:
         if occupied <= _SAMPLE:
             pool = [r for r in self.owner if r is not None]
         else:
-            pool = [r for r in (self.owner[self._rng.randrange(self.config.num_blocks)]
-                                for _ in range(_SAMPLE)) if r is not None]
+            pool = [
+                r
+                for r in (
+                    self.owner[self._rng.randrange(self.config.num_blocks)] for _ in range(_SAMPLE)
+                )
+                if r is not None
+            ]
         candidates = [r for r in pool if _evictable(r)]
         if not candidates:
             return None

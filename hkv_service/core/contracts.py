@@ -28,6 +28,7 @@ __all__ = [
     "RecoveryContract",
     "Verdict",
     "column_verdict",
+    "record_verdict",
     "summarise",
 ]
 
@@ -74,29 +75,39 @@ def _indexer_in_sync(rec: ObjRecord, entry: PrefixEntry, layout: Layout) -> Reas
 
 CONTRACTS: dict[Kind, RecoveryContract] = {
     Kind.COMPRESSED: RecoveryContract(
-        Kind.COMPRESSED, "COMPRESSED_READY (or its disk copy ON_DISK_READY)",
-        "ABI fingerprint of the reader; generation at read", "recompute from the block start",
+        Kind.COMPRESSED,
+        "COMPRESSED_READY (or its disk copy ON_DISK_READY)",
+        "ABI fingerprint of the reader; generation at read",
+        "recompute from the block start",
         frozenset({State.COMPRESSED_READY}),
     ),
     Kind.TAIL: RecoveryContract(
-        Kind.TAIL, "TAIL_COMPLETE holding every raw token its resume point needs",
+        Kind.TAIL,
+        "TAIL_COMPLETE holding every raw token its resume point needs",
         "length == tokens required at the boundary; TAIL_PARTIAL never read",
         "resume at the previous boundary whose tail is complete",
         frozenset({State.TAIL_COMPLETE}),
     ),
     Kind.SWA: RecoveryContract(
-        Kind.SWA, "SWA_VALID(lo, hi) with lo <= max(block start, p-W) and hi >= block end",
-        "only blocks intersecting [p-W, p) are checked", "shorter p whose window is whole",
+        Kind.SWA,
+        "SWA_VALID(lo, hi) with lo <= max(block start, p-W) and hi >= block end",
+        "only blocks intersecting [p-W, p) are checked",
+        "shorter p whose window is whole",
         frozenset({State.SWA_VALID}),
     ),
     Kind.INDEXER: RecoveryContract(
-        Kind.INDEXER, "INDEXER_SYNCED at the version of the KV it indexes",
-        "synced version == KV version", "recompute the block (KV and index)",
-        frozenset({State.INDEXER_SYNCED}), _indexer_in_sync,
+        Kind.INDEXER,
+        "INDEXER_SYNCED at the version of the KV it indexes",
+        "synced version == KV version",
+        "recompute the block (KV and index)",
+        frozenset({State.INDEXER_SYNCED}),
+        _indexer_in_sync,
     ),
     Kind.DISK: RecoveryContract(
-        Kind.DISK, "ON_DISK_READY (loaded and checksum-verified); ON_DISK needs a load first",
-        "xxh3-128 of raw bytes + length on every load", "recompute; corrupt copies quarantined",
+        Kind.DISK,
+        "ON_DISK_READY (loaded and checksum-verified); ON_DISK needs a load first",
+        "xxh3-128 of raw bytes + length on every load",
+        "recompute; corrupt copies quarantined",
         frozenset({State.ON_DISK_READY}),
     ),
 }
@@ -105,7 +116,7 @@ CONTRACTS: dict[Kind, RecoveryContract] = {
 def column_verdict(entry: PrefixEntry, column: int, layout: Layout) -> Verdict:
     rec = entry.mem[column]
     if rec is not None:
-        verdict = _record_verdict(rec, entry, layout)
+        verdict = record_verdict(rec, entry, layout)
         if verdict == READY:
             return verdict
     else:
@@ -120,7 +131,7 @@ def column_verdict(entry: PrefixEntry, column: int, layout: Layout) -> Verdict:
     return disk_verdict
 
 
-def _record_verdict(rec: ObjRecord, entry: PrefixEntry, layout: Layout) -> Verdict:
+def record_verdict(rec: ObjRecord, entry: PrefixEntry, layout: Layout) -> Verdict:
     contract = CONTRACTS[rec.kind]
     if rec.state in contract.ready_states:
         return (contract.extra_check(rec, entry, layout) if contract.extra_check else None) or READY
@@ -131,8 +142,12 @@ def _record_verdict(rec: ObjRecord, entry: PrefixEntry, layout: Layout) -> Verdi
     return _NOT_YET.get(rec.state, Reason.MISSING_COMPONENT)
 
 
-_BITS = {Kind.COMPRESSED: (F_MONO, F_LOAD_MONO), Kind.INDEXER: (F_MONO, F_LOAD_MONO),
-         Kind.TAIL: (F_TAIL, F_LOAD_TAIL), Kind.SWA: (F_SWA, F_LOAD_SWA)}
+_BITS = {
+    Kind.COMPRESSED: (F_MONO, F_LOAD_MONO),
+    Kind.INDEXER: (F_MONO, F_LOAD_MONO),
+    Kind.TAIL: (F_TAIL, F_LOAD_TAIL),
+    Kind.SWA: (F_SWA, F_LOAD_SWA),
+}
 
 
 def summarise(entry: PrefixEntry, layout: Layout) -> None:
@@ -154,3 +169,4 @@ def summarise(entry: PrefixEntry, layout: Layout) -> None:
             align = min(align, d.align)
     entry.flags = flags
     entry.align = align
+    entry.gate = align if flags & F_MONO else 0

@@ -61,15 +61,15 @@ class FunnelResult:
 def validate_request(req: LookupRequest, layout: Layout) -> int:
     """Raise InvalidInput for malformed requests; return the token limit."""
     hashes = req.block_hashes
-    for h in hashes:
-        if len(h) != BLOCK_HASH_BYTES:
-            raise BadHash(f"block hash must be {BLOCK_HASH_BYTES} bytes, got {len(h)}")
+    sizes = set(map(len, hashes))  # C-speed: this runs on every lookup
+    if sizes - {BLOCK_HASH_BYTES}:
+        bad = min(sizes - {BLOCK_HASH_BYTES})
+        raise BadHash(f"block hash must be {BLOCK_HASH_BYTES} bytes, got {bad}")
     hashed = len(hashes) * layout.hash_block
     limit = hashed if req.resume_tokens is None else req.resume_tokens
     if limit < 0 or limit > hashed:
         raise PositionBeyondHashes(
-            f"resume position {limit} is outside the {hashed} tokens the "
-            f"{len(hashes)} hashes cover"
+            f"resume position {limit} is outside the {hashed} tokens the {len(hashes)} hashes cover"
         )
     if req.alignment < 1 or req.alignment & (req.alignment - 1):
         raise BadHash(f"alignment must be a power of two >= 1, got {req.alignment}")
@@ -95,12 +95,12 @@ def run_funnel(
     if abi:
         return FunnelResult(0, 0, (), abi)
     max_entries = limit // layout.hash_block
-    hashes = req.block_hashes
+    hashes = list(req.block_hashes)
     entries: list[PrefixEntry] = []
     get, append, need = index.get, entries.append, req.alignment
-    for i in range(max_entries):
-        e = get(hashes[i])
-        if e is None or not e.flags & F_MONO or e.align < need:
+    for h in hashes[:max_entries]:
+        e = get(h)
+        if e is None or e.gate < need:  # gate: F_MONO and byte alignment folded in one int
             break
         append(e)
     n = len(entries)
@@ -110,8 +110,9 @@ def run_funnel(
     usable = _shrink(entries, layout, downgrades)
     if usable < n * layout.hash_block and not downgrades:
         downgrades.append(Downgrade(Reason.PARTIAL_BLOCK, None, usable))
-    return FunnelResult(usable, n * layout.hash_block, entries[: usable // layout.hash_block],
-                        tuple(downgrades))
+    return FunnelResult(
+        usable, n * layout.hash_block, entries[: usable // layout.hash_block], tuple(downgrades)
+    )
 
 
 def _stop_reason(

@@ -74,6 +74,8 @@ def naive_hash_blocks(
     parent = extra.root()
     out: list[BlockHash] = []
     for i in range(arr.size // block_size):
-        parent = xxhash.xxh3_128_digest(parent + arr[i * block_size : (i + 1) * block_size].tobytes())
+        parent = xxhash.xxh3_128_digest(
+            parent + arr[i * block_size : (i + 1) * block_size].tobytes()
+        )
         out.append(BlockHash(parent))
     return out

@@ -38,6 +38,10 @@ class Column:
     indexes: int | None = None  # INDEXER: column of the KV it indexes
 
     @property
+    def abi_fingerprint(self) -> int:
+        return self.group.abi.fingerprint()
+
+    @property
     def name(self) -> GroupName:
         if self.kind is Kind.TAIL:
             return GroupName(f"{self.group.name}.tail")
@@ -62,16 +66,18 @@ class Layout:
         for g in spec.groups:
             if g.kind is GroupKind.COMPRESSED:
                 cols.append(Column(len(cols), Kind.TAIL, g, g.tail_bytes))
-        by_name = {c.name: c.index for c in cols}
+        by_name: dict[str, int] = {c.name: c.index for c in cols}
         self.columns: tuple[Column, ...] = tuple(
             Column(c.index, c.kind, c.group, c.nbytes, by_name[c.group.indexes])
             if c.group.indexes is not None and c.kind is Kind.INDEXER
             else c
             for c in cols
         )
-        self.by_name: dict[str, int] = by_name
+        self.by_name = by_name
         self.swa_columns = tuple(c.index for c in self.columns if c.kind is Kind.SWA)
-        self.max_window = max((c.group.window for c in self.columns if c.kind is Kind.SWA), default=0)
+        self.max_window = max(
+            (c.group.window for c in self.columns if c.kind is Kind.SWA), default=0
+        )
         # attached[depth % period] -> column indexes living at such an entry
         self.period = self.step
         self.attached: tuple[tuple[int, ...], ...] = tuple(

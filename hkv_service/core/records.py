@@ -48,10 +48,7 @@ class ObjRecord:
     shard: ShardId  # owner of the bytes ("" while a DISK object has no memory copy)
     block: int  # -1 when no memory block backs it
     generation: int
-    nbytes: int
-    abi_fingerprint: int
-    address: int = 0
-    align: int = 1 << 30  # largest power of two dividing address and nbytes
+    align: int = 1 << 30  # largest power of two dividing the block's address and length
     version: int = 0  # COMPRESSED: KV version; INDEXER: version synced to; DISK: inner's
     lo: int = 0  # SWA: valid tokens [lo, hi); TAIL: hi = raw tokens held
     hi: int = 0
@@ -60,12 +57,6 @@ class ObjRecord:
     captures: int = 0  # live graph captures
     inner: Kind | None = None  # DISK: kind of the object it holds
     disk_owner: ShardId | None = None  # DISK: owner of the LMDB copy
-
-    def handle(self, group: GroupName) -> Handle:
-        return Handle(
-            self.object_id, self.generation, self.shard, self.column, self.block,
-            self.inner or self.kind, group, self.nbytes, self.abi_fingerprint, self.address,
-        )
 
 
 @dataclass(slots=True, eq=False)
@@ -84,6 +75,7 @@ class PrefixEntry:
     disk: list[ObjRecord | None] | None = None  # disk copies, allocated on first offload
     flags: int = 0
     align: int = 0
+    gate: int = 0  # align if every monotone column is usable, else 0: the walk's one test
     children: int = 0
     swa_need: int = 0  # resume points within one window after this block
     last_used: int = 0

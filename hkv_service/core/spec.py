@@ -13,6 +13,7 @@ at a multiple of :attr:`CacheSpec.lcm_block_size` (funnel layer 1).
 from __future__ import annotations
 
 import enum
+import functools
 import json
 import math
 from collections.abc import Mapping
@@ -45,6 +46,11 @@ DTYPE_BYTES: dict[str, int] = {
 }
 
 
+@functools.lru_cache(maxsize=256)
+def _digest(text: str) -> int:
+    return xxhash.xxh3_64_intdigest(text.encode())
+
+
 class GroupKind(enum.StrEnum):
     """What a cache group stores. A COMPRESSED group always has a TAIL object per boundary."""
 
@@ -70,7 +76,7 @@ class KernelAbi:
             f"{self.dtype}|{self.layout}|{self.block_size}|"
             f"{','.join(map(str, self.head_shape))}|{self.compression_ratio}|{self.kernel_version}"
         )
-        return xxhash.xxh3_64_intdigest(text.encode())
+        return _digest(text)
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,8 +182,10 @@ def _abi_from(raw: Any, where: str, block_size: int, ratio: int) -> KernelAbi:
     if dtype not in DTYPE_BYTES:
         raise BadSpecField(f"{where}: dtype {dtype!r} is not one of {sorted(DTYPE_BYTES)}")
     shape = raw.get("head_shape")
-    if not isinstance(shape, list | tuple) or not shape or not all(
-        isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape
+    if (
+        not isinstance(shape, list | tuple)
+        or not shape
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)
     ):
         raise BadSpecField(f"{where}: head_shape must be a non-empty list of positive integers")
     return KernelAbi(
@@ -233,7 +241,9 @@ def _group_from(raw: Any, index: int, hash_block: int) -> GroupSpec:
     )
 
 
-def _check_kind_fields(kind: GroupKind, where: str, block_size: int, ratio: int, window: int) -> None:
+def _check_kind_fields(
+    kind: GroupKind, where: str, block_size: int, ratio: int, window: int
+) -> None:
     if ratio == 0 or block_size % ratio:
         raise BadSpecField(f"{where}: block_size {block_size} must be a multiple of ratio {ratio}")
     if kind is GroupKind.SWA:

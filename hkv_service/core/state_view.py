@@ -16,6 +16,7 @@ entry is dropped when nothing is left in it.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import time
@@ -44,7 +45,7 @@ from .errors import (
 )
 from .funnel import Downgrade, LookupRequest, run_funnel, validate_request
 from .ids import BLOCK_HASH_BYTES, BlockHash, CaptureId, LeaseId, ObjectId, ShardId
-from .layout import Layout
+from .layout import Column, Layout
 from .records import Handle, ObjRecord, PrefixEntry
 from .spec import CacheSpec
 from .states import TERMINAL_STATES, Event, Kind, State
@@ -62,12 +63,15 @@ __all__ = [
 ]
 
 
+_NO_SHARD = ShardId("")  # a DISK object with no memory copy
+
+
 @dataclass(frozen=True, slots=True)
 class StateConfig:
-    admission: AdmissionCap = AdmissionCap()
+    admission: AdmissionCap = field(default_factory=AdmissionCap)
     max_lease_ttl_s: float = 60.0
     heartbeat_timeout_s: float = 10.0
-    log_capacity: int = 65536
+    log_capacity: int = 8192  # bounded: Watch streams recent history only
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,16 +106,34 @@ class TransitionEvent:
     at: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Match:
-    """What a lookup returns. Handles stay readable while ``lease_id`` is live."""
+    """What a lookup returns. Handles stay valid while ``lease_id`` is live; without a lease a
+    reader may find them stale (the shard re-checks the generation), never wrong.
+
+    ``handles`` is built on first access from the records the lookup chose, so a caller that
+    only needs ``usable_tokens`` does not pay for thousands of handle objects.
+    """
 
     usable_tokens: int
     matched_tokens: int
-    handles: Mapping[str, tuple[Handle, ...]]  # column -> handles, in token order
-    load: tuple[Handle, ...]  # DISK objects to load before reading (needs_load)
     downgrades: tuple[Downgrade, ...]
     lease_id: LeaseId | None = None
+    records: Mapping[str, tuple[ObjRecord, ...]] = field(default_factory=dict, repr=False)
+    make_handle: Callable[[ObjRecord], Handle] | None = field(default=None, repr=False)
+
+    @functools.cached_property
+    def handles(self) -> Mapping[str, tuple[Handle, ...]]:
+        """column -> handles, in token order."""
+        mk = self.make_handle
+        if mk is None:
+            return {}
+        return {col: tuple(mk(r) for r in recs) for col, recs in self.records.items()}
+
+    @functools.cached_property
+    def load(self) -> tuple[Handle, ...]:
+        """DISK objects at rest (no memory block behind them) to load before reading."""
+        return tuple(h for hs in self.handles.values() for h in hs if h.block < 0)
 
     @property
     def needs_load(self) -> bool:
@@ -139,13 +161,14 @@ class _Owner:
     incarnation: int
     last_seen: float
     pools: dict[int, BlockPool] = field(default_factory=dict)
-    objects: set[ObjectId] = field(default_factory=set)
     alive: bool = True
 
 
 class CacheState:
     def __init__(
-        self, spec: CacheSpec, config: StateConfig | None = None,
+        self,
+        spec: CacheSpec,
+        config: StateConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.spec = spec
@@ -162,6 +185,7 @@ class CacheState:
         self.topology_epoch = 0
         self.log: deque[TransitionEvent] = deque(maxlen=self.config.log_capacity)
         self._tickets: dict[ObjectId, Ticket] = {}
+        self._disk_records = 0  # 0 lets lookups skip per-record verdicts
         self._lock = threading.RLock()
         self._ids = itertools.count(1)
         self._versions = itertools.count(1)
@@ -206,13 +230,11 @@ class CacheState:
         with self._lock:
             o = self._owner(owner)
             lost = 0
-            for oid in list(o.objects):
-                rec = self.objects.get(oid)
-                if rec is None:
-                    continue
-                self._force_gone(rec, owner)
-                lost += 1
-            o.objects.clear()
+            # Owner loss is rare; a scan keeps per-object metadata small (no per-owner sets).
+            for rec in [r for r in self.objects.values() if owner in (r.shard, r.disk_owner)]:
+                if rec.state not in TERMINAL_STATES:
+                    self._force_gone(rec, owner)
+                    lost += 1
             o.alive = False
             self.counters.events["owner_lost"] += 1
             return lost
@@ -231,7 +253,9 @@ class CacheState:
     # ---- allocation ---------------------------------------------------------------------
 
     def allocate(
-        self, block_hashes: Sequence[BlockHash], requests: Sequence[AllocRequest],
+        self,
+        block_hashes: Sequence[BlockHash],
+        requests: Sequence[AllocRequest],
         owner: ShardId | None = None,
     ) -> list[Allocation]:
         """Reserve blocks for objects of the prefix ``block_hashes``. Idempotent: a live object
@@ -242,8 +266,10 @@ class CacheState:
             for r in requests:
                 self._check_slot(r, len(block_hashes))
             entries = self._ensure_path(block_hashes, max((r.depth for r in requests), default=-1))
-            return [self._allocate_one(entries[r.depth], c, owner) for r, c in zip(requests, cols,
-                                                                                    strict=True)]
+            return [
+                self._allocate_one(entries[r.depth], c, owner)
+                for r, c in zip(requests, cols, strict=True)
+            ]
 
     def _allocate_one(self, entry: PrefixEntry, col: int, owner: ShardId | None) -> Allocation:
         existing = entry.mem[col]
@@ -252,14 +278,19 @@ class CacheState:
         shard, pool, block = self._take_block(col, owner)
         column = self.layout.columns[col]
         rec = ObjRecord(
-            ObjectId(next(self._ids)), column.kind, col, entry, State.ALLOCATED, shard, block,
-            pool.generation[block], column.nbytes, column.group.abi.fingerprint(),
-            address=block * pool.config.stride, align=pool.alignment_of(block, column.nbytes),
+            ObjectId(next(self._ids)),
+            column.kind,
+            col,
+            entry,
+            State.ALLOCATED,
+            shard,
+            block,
+            pool.generation[block],
+            align=pool.alignment_of(block, column.nbytes),
         )
         pool.owner[block] = rec
         entry.mem[col] = rec
         self.objects[rec.object_id] = rec
-        self.owners[shard].objects.add(rec.object_id)
         self._after_change(rec)
         return Allocation(self._handle(rec), False, rec.state)
 
@@ -298,8 +329,11 @@ class CacheState:
         with self._lock:
             rec = self._object(object_id)
             if rec.kind is Kind.DISK:
-                self._apply(rec, Event.DROP_COPY if rec.state is State.ON_DISK_READY
-                            else Event.EVICT, Params())
+                self._apply(
+                    rec,
+                    Event.DROP_COPY if rec.state is State.ON_DISK_READY else Event.EVICT,
+                    Params(),
+                )
                 return
             for partner in self._partners(rec):
                 if partner.state in TERMINAL_STATES or partner.pins or partner.captures:
@@ -312,8 +346,9 @@ class CacheState:
     def _partners(self, rec: ObjRecord) -> list[ObjRecord]:
         out = []
         for col in self.layout.columns:
-            if col.indexes == rec.column or (rec.kind is Kind.INDEXER and
-                                             col.index == self.layout.columns[rec.column].indexes):
+            if col.indexes == rec.column or (
+                rec.kind is Kind.INDEXER and col.index == self.layout.columns[rec.column].indexes
+            ):
                 other = rec.entry.mem[col.index]
                 if other is not None and other is not rec:
                     out.append(other)
@@ -322,7 +357,10 @@ class CacheState:
     # ---- transitions --------------------------------------------------------------------
 
     def transition(
-        self, object_id: ObjectId, event: Event, params: Params | None = None,
+        self,
+        object_id: ObjectId,
+        event: Event,
+        params: Params | None = None,
         generation: int | None = None,
     ) -> TransitionResult:
         with self._lock:
@@ -355,10 +393,17 @@ class CacheState:
         contracts.summarise(rec.entry, self.layout)
         self.counters.transitions[(rec.kind, rec.state)] += 1
         self._log_seq += 1
-        self.log.append(TransitionEvent(
-            self._log_seq, rec.object_id, rec.kind, rec.state,
-            self.layout.columns[rec.column].name, rec.entry.block_hash, self.clock(),
-        ))
+        self.log.append(
+            TransitionEvent(
+                self._log_seq,
+                rec.object_id,
+                rec.kind,
+                rec.state,
+                self.layout.columns[rec.column].name,
+                rec.entry.block_hash,
+                self.clock(),
+            )
+        )
         if rec.state in TERMINAL_STATES:
             self._gc_entry(rec.entry)
 
@@ -367,13 +412,12 @@ class CacheState:
         if rec.kind is Kind.DISK:
             assert entry.disk is not None
             entry.disk[col] = None
+            self._disk_records -= 1
             self._end_transfer(rec)
         else:
             entry.mem[col] = None
         self._release_copy(rec)
         self.objects.pop(rec.object_id, None)
-        if rec.disk_owner is not None and rec.disk_owner in self.owners:
-            self.owners[rec.disk_owner].objects.discard(rec.object_id)
 
     def _release_copy(self, rec: ObjRecord) -> None:
         """Free the memory block behind ``rec`` (if any): its generation moves on."""
@@ -383,13 +427,14 @@ class CacheState:
         pool = o.pools.get(rec.column) if o else None
         if pool is not None and pool.owner[rec.block] is rec:
             pool.release(rec.block)
-        if (o is not None and rec.kind is not Kind.DISK) or (o is not None and rec.disk_owner != rec.shard):
-            o.objects.discard(rec.object_id)
         rec.block = -1
 
     def _gc_entry(self, entry: PrefixEntry | None) -> None:
-        while entry is not None and entry.children == 0 and not any(entry.mem) and not any(
-            entry.disk or ()
+        while (
+            entry is not None
+            and entry.children == 0
+            and not any(entry.mem)
+            and not any(entry.disk or ())
         ):
             if self.index.get(entry.block_hash) is entry:
                 del self.index[entry.block_hash]
@@ -427,16 +472,26 @@ class CacheState:
                 entry.disk = [None] * len(self.layout.columns)
             if entry.disk[src.column] is not None:
                 return self._handle(entry.disk[src.column])  # type: ignore[arg-type]
-            ticket = self.admission.acquire(src.nbytes)
+            ticket = self.admission.acquire(self.layout.columns[src.column].nbytes)
             rec = ObjRecord(
-                ObjectId(next(self._ids)), Kind.DISK, src.column, entry, State.OFFLOADING, "", -1,
-                0, src.nbytes, src.abi_fingerprint, version=src.version, lo=src.lo, hi=src.hi,
-                inner=src.kind, disk_owner=disk_owner,
+                ObjectId(next(self._ids)),
+                Kind.DISK,
+                src.column,
+                entry,
+                State.OFFLOADING,
+                _NO_SHARD,
+                -1,
+                0,
+                version=src.version,
+                lo=src.lo,
+                hi=src.hi,
+                inner=src.kind,
+                disk_owner=disk_owner,
             )
             self._tickets[rec.object_id] = ticket
             entry.disk[src.column] = rec
+            self._disk_records += 1
             self.objects[rec.object_id] = rec
-            self.owners[disk_owner].objects.add(rec.object_id)
             self._after_change(rec)
             return self._handle(rec)
 
@@ -449,7 +504,7 @@ class CacheState:
                     f"object {object_id} is {rec.kind.value}/{rec.state.value}; "
                     "only a DISK object at rest (ON_DISK) can be loaded"
                 )
-            ticket = self.admission.acquire(rec.nbytes)
+            ticket = self.admission.acquire(self.layout.columns[rec.column].nbytes)
             try:
                 shard, pool, block = self._take_block(rec.column, owner)
             except Exception:
@@ -457,9 +512,8 @@ class CacheState:
                 raise
             self._tickets[rec.object_id] = ticket
             rec.shard, rec.block, rec.generation = shard, block, pool.generation[block]
-            rec.address, rec.align = block * pool.config.stride, pool.alignment_of(block, rec.nbytes)
+            rec.align = pool.alignment_of(block, self.layout.columns[rec.column].nbytes)
             pool.owner[block] = rec
-            self.owners[shard].objects.add(rec.object_id)
             self._apply(rec, Event.LOAD_BEGIN, Params())
             return self._handle(rec)
 
@@ -469,8 +523,12 @@ class CacheState:
             self.admission.release(ticket)
 
     def _disk_event(self, rec: ObjRecord, params: Params, event: Event) -> None:
-        if event in (Event.OFFLOAD_COMMITTED, Event.LOAD_VERIFIED, Event.LOAD_FAILED,
-                     Event.OFFLOAD_FAILED):
+        if event in (
+            Event.OFFLOAD_COMMITTED,
+            Event.LOAD_VERIFIED,
+            Event.LOAD_FAILED,
+            Event.OFFLOAD_FAILED,
+        ):
             apply_checked = rec.state
             self._apply(rec, event, params)
             if apply_checked is not rec.state or rec.state in TERMINAL_STATES:
@@ -492,12 +550,19 @@ class CacheState:
             self.leases.reap(now)
             result = run_funnel(self.index, self.layout, req, limit)
             self._count_lookup(result.usable_tokens, limit, result.downgrades)
-            handles, load, records = self._resolve(result.entries, result.usable_tokens)
+            records = self._resolve(result.entries, result.usable_tokens)
             lease_id = None
             if req.lease_ttl_s > 0 and records:
-                lease_id = self.leases.open(records, now + req.lease_ttl_s).lease_id
-            return Match(result.usable_tokens, result.matched_tokens, handles, load,
-                         result.downgrades, lease_id)
+                pinned = [r for recs in records.values() for r in recs]
+                lease_id = self.leases.open(pinned, now + req.lease_ttl_s).lease_id
+            return Match(
+                result.usable_tokens,
+                result.matched_tokens,
+                result.downgrades,
+                lease_id,
+                records,
+                self._handle,
+            )
 
     def _count_lookup(self, usable: int, limit: int, downgrades: Iterable[Downgrade]) -> None:
         self._tick += 1
@@ -508,44 +573,41 @@ class CacheState:
 
     def _resolve(
         self, entries: Sequence[PrefixEntry], usable: int
-    ) -> tuple[dict[str, tuple[Handle, ...]], tuple[Handle, ...], list[ObjRecord]]:
-        """Handles for every object a reader at ``usable`` needs, in token order."""
-        cols: dict[str, list[Handle]] = {}
-        load: list[Handle] = []
-        records: list[ObjRecord] = []
-        if usable == 0:
-            return {}, (), records
-        for depth, e in enumerate(entries):
-            e.last_used = self._tick
-            for col in self._needed_columns(depth, usable):
-                rec = self._readable_record(e, col)
-                if rec is None:
-                    continue
-                records.append(rec)
-                h = self._handle(rec)
-                cols.setdefault(self.layout.columns[col].name, []).append(h)
-                if rec.kind is Kind.DISK and rec.state is State.ON_DISK:
-                    load.append(h)
-        return {k: tuple(v) for k, v in cols.items()}, tuple(load), records
+    ) -> dict[str, tuple[ObjRecord, ...]]:
+        """The records a reader resuming at ``usable`` needs, per column, in token order.
 
-    def _needed_columns(self, depth: int, usable: int) -> tuple[int, ...]:
-        out = []
+        Fast path: with no disk copy anywhere, every entry the funnel accepted has a READY
+        memory record in each needed column, so no verdict is recomputed."""
+        if usable == 0:
+            return {}
+        if entries:
+            entries[-1].last_used = self._tick
+        n = usable // self.layout.hash_block
+        pick = self._readable_record if self._disk_records else _mem_record
+        out: dict[str, tuple[ObjRecord, ...]] = {}
+        for column in self.layout.columns:
+            c = column.index
+            recs = [r for d in self._needed_depths(column, n) if (r := pick(entries[d], c))]
+            if recs:
+                out[column.name] = tuple(recs)
+        return out
+
+    def _needed_depths(self, column: Column, n: int) -> range:
         hb = self.layout.hash_block
-        for col in self.layout.attached[depth % self.layout.period]:
-            c = self.layout.columns[col]
-            if c.kind is Kind.TAIL and (depth + 1) * hb != usable:
-                continue
-            if c.kind is Kind.SWA and (depth + 1) * hb <= usable - c.group.window:
-                continue
-            out.append(col)
-        return tuple(out)
+        if column.kind is Kind.TAIL:
+            return range(n - 1, n)
+        every = column.group.block_size // hb
+        first = every - 1
+        if column.kind is Kind.SWA:
+            lo = max(0, n * hb - column.group.window) // hb  # first entry meeting [p-W, p)
+            while first < lo:
+                first += every
+        return range(first, n, every)
 
     def _readable_record(self, e: PrefixEntry, col: int) -> ObjRecord | None:
-        verdict = contracts.column_verdict(e, col, self.layout)
-        if verdict == contracts.READY:
-            rec = e.mem[col]
-            if rec is not None and contracts._record_verdict(rec, e, self.layout) == contracts.READY:
-                return rec
+        rec = e.mem[col]
+        if rec is not None and contracts.record_verdict(rec, e, self.layout) == contracts.READY:
+            return rec
         return e.disk[col] if e.disk else None
 
     # ---- leases, reads, captures --------------------------------------------------------
@@ -619,18 +681,32 @@ class CacheState:
                 n += self._confirm_one(o, owner, entry, col, r)
             return n
 
-    def _confirm_one(self, o: _Owner, owner: ShardId, entry: PrefixEntry, col: int,
-                     r: ObjectReport) -> int:
+    def _confirm_one(
+        self, o: _Owner, owner: ShardId, entry: PrefixEntry, col: int, r: ObjectReport
+    ) -> int:
         column = self.layout.columns[col]
         if r.state is State.ON_DISK:
             if entry.disk is None:
                 entry.disk = [None] * len(self.layout.columns)
             if entry.disk[col] is not None:
                 return 0
-            rec = ObjRecord(ObjectId(next(self._ids)), Kind.DISK, col, entry, State.ON_DISK, "", -1,
-                            0, column.nbytes, column.group.abi.fingerprint(), version=r.version,
-                            lo=r.lo, hi=r.hi, inner=column.kind, disk_owner=owner)
+            rec = ObjRecord(
+                ObjectId(next(self._ids)),
+                Kind.DISK,
+                col,
+                entry,
+                State.ON_DISK,
+                _NO_SHARD,
+                -1,
+                0,
+                version=r.version,
+                lo=r.lo,
+                hi=r.hi,
+                inner=column.kind,
+                disk_owner=owner,
+            )
             entry.disk[col] = rec
+            self._disk_records += 1
         else:
             pool = o.pools.get(col)
             if pool is None or entry.mem[col] is not None or not 0 <= r.block < len(pool.owner):
@@ -639,17 +715,25 @@ class CacheState:
                 return 0
             pool.free.remove(r.block)
             pool.generation[r.block] = max(pool.generation[r.block], r.generation)
-            rec = ObjRecord(ObjectId(next(self._ids)), column.kind, col, entry, r.state, owner,
-                            r.block, pool.generation[r.block], column.nbytes,
-                            column.group.abi.fingerprint(), address=r.block * pool.config.stride,
-                            align=pool.alignment_of(r.block, column.nbytes), version=r.version,
-                            lo=r.lo, hi=r.hi)
+            rec = ObjRecord(
+                ObjectId(next(self._ids)),
+                column.kind,
+                col,
+                entry,
+                r.state,
+                owner,
+                r.block,
+                pool.generation[r.block],
+                align=pool.alignment_of(r.block, column.nbytes),
+                version=r.version,
+                lo=r.lo,
+                hi=r.hi,
+            )
             pool.owner[r.block] = rec
             entry.mem[col] = rec
             if column.kind is Kind.TAIL:
                 self._track_resume_point(rec, State.ALLOCATED)
         self.objects[rec.object_id] = rec
-        o.objects.add(rec.object_id)
         self._after_change(rec)
         return 1
 
@@ -686,8 +770,10 @@ class CacheState:
                 parent.children += 1
             return e
         if e.depth != depth or (None not in (e.parent, parent) and e.parent is not parent):
-            raise BadHash(f"block hash at depth {depth} is already known at depth {e.depth} "
-                          "with another parent; hashes must be chained")
+            raise BadHash(
+                f"block hash at depth {depth} is already known at depth {e.depth} "
+                "with another parent; hashes must be chained"
+            )
         if e.parent is None and parent is not None:  # adopt an orphan from a restart rebuild
             e.parent = parent
             parent.children += 1
@@ -740,7 +826,22 @@ class CacheState:
         return rec
 
     def _handle(self, rec: ObjRecord) -> Handle:
-        return rec.handle(self.layout.columns[rec.column].name)
+        column = self.layout.columns[rec.column]
+        o = self.owners.get(rec.shard)
+        pool = o.pools.get(rec.column) if o is not None and rec.block >= 0 else None
+        address = rec.block * pool.config.stride if pool is not None else 0
+        return Handle(
+            rec.object_id,
+            rec.generation,
+            rec.shard,
+            rec.column,
+            rec.block,
+            rec.inner or rec.kind,
+            column.name,
+            column.nbytes,
+            column.abi_fingerprint,
+            address,
+        )
 
     # TransitionContext, for preconditions
     def kv_version_for(self, record: ObjRecord) -> int | None:
@@ -784,13 +885,25 @@ class CacheState:
             return snap
 
 
+def _mem_record(e: PrefixEntry, col: int) -> ObjRecord | None:
+    return e.mem[col]
+
+
 _PARTNER_EVICTABLE = {
-    (Kind.INDEXER, State.INDEXER_SYNCED), (Kind.INDEXER, State.INDEXER_WRITTEN),
+    (Kind.INDEXER, State.INDEXER_SYNCED),
+    (Kind.INDEXER, State.INDEXER_WRITTEN),
     (Kind.COMPRESSED, State.COMPRESSED_READY),
 }
 
 _DISK_EVENTS: dict[Event, Callable[[CacheState, ObjRecord, Params], None]] = {
     ev: (lambda s, r, p, ev=ev: s._disk_event(r, p, ev))  # type: ignore[misc]
-    for ev in (Event.OFFLOAD_COMMITTED, Event.OFFLOAD_FAILED, Event.LOAD_VERIFIED,
-               Event.LOAD_FAILED, Event.DROP_COPY, Event.MARK_CORRUPT, Event.LOSE)
+    for ev in (
+        Event.OFFLOAD_COMMITTED,
+        Event.OFFLOAD_FAILED,
+        Event.LOAD_VERIFIED,
+        Event.LOAD_FAILED,
+        Event.DROP_COPY,
+        Event.MARK_CORRUPT,
+        Event.LOSE,
+    )
 }

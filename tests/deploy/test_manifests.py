@@ -54,7 +54,10 @@ def render(overlay: str) -> tuple[dict[str, Any], ...]:
     assert KUBECTL is not None
     out = subprocess.run(
         [KUBECTL, "kustomize", str(K8S / "overlays" / overlay)],
-        capture_output=True, text=True, timeout=60, check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     assert out.returncode == 0, f"kubectl kustomize {overlay} failed:\n{out.stderr}"
     docs = tuple(d for d in yaml.safe_load_all(out.stdout) if d)
@@ -94,7 +97,7 @@ def hkv_invocations_in_shell(script: str) -> list[list[str]]:
         if k >= 0 and tokens[k] not in _SHELL_OPS:
             continue
         argv: list[str] = []
-        rest = iter(tokens[i + 1:])
+        rest = iter(tokens[i + 1 :])
         for t in rest:
             if t in _REDIRECTS:  # `> file` is not an argument, but words after it are
                 next(rest, None)
@@ -111,7 +114,7 @@ def hkv_invocations_in_container(c: dict[str, Any]) -> list[list[str]]:
     found: list[list[str]] = []
     for k, word in enumerate(cmd):
         if word == "hkv" or word.endswith("/bin/hkv"):  # exec form: ["hkv", "up", ...]
-            found.append(cmd[k + 1:])
+            found.append(cmd[k + 1 :])
             break
         if re.search(r"(^|[\s;&|/])hkv\s", word):  # a shell script in args
             found.extend(hkv_invocations_in_shell(word))
@@ -153,12 +156,23 @@ def port_of(container: dict[str, Any], port: int | str) -> int:
         return port
     named = {p["name"]: p["containerPort"] for p in container.get("ports", []) if "name" in p}
     assert port in named, f"named port {port!r} is not declared by container {container['name']}"
-    return named[port]
+    return int(named[port])
 
 
 _QUANTITY = re.compile(r"^(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$")
-_UNITS = {None: 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
-          "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
+_UNITS = {
+    None: 1,
+    "k": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+    "P": 10**15,
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+    "Pi": 2**50,
+}
 
 
 def quantity_bytes(q: str | int) -> int:
@@ -180,8 +194,9 @@ def strict_schema(node: Any) -> Any:
         return [strict_schema(n) for n in node]
     if not isinstance(node, dict):
         return node
-    out = {k: strict_schema(v) for k, v in node.items()
-           if k not in ("x-kubernetes-validations",)}  # CEL rules: the API server's job
+    out = {
+        k: strict_schema(v) for k, v in node.items() if k not in ("x-kubernetes-validations",)
+    }  # CEL rules: the API server's job
     if out.get("x-kubernetes-int-or-string") and "anyOf" not in out and "type" not in out:
         out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
     if (
@@ -227,8 +242,16 @@ def validate_raycluster(obj: dict[str, Any]) -> None:
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_overlay_renders_expected_objects(overlay: str) -> None:
     kinds = {o["kind"] for o in render(overlay)}
-    for kind in ("Namespace", "ServiceAccount", "ConfigMap", "PersistentVolumeClaim", "Service",
-                 "PodDisruptionBudget", "NetworkPolicy", "RayCluster"):
+    for kind in (
+        "Namespace",
+        "ServiceAccount",
+        "ConfigMap",
+        "PersistentVolumeClaim",
+        "Service",
+        "PodDisruptionBudget",
+        "NetworkPolicy",
+        "RayCluster",
+    ):
         assert kind in kinds, f"{overlay} renders no {kind}"
     # nothing that holds a real secret is rendered; the CRD is installed by the operator
     assert "Secret" not in kinds
@@ -262,8 +285,12 @@ def test_builtin_objects_validate_strict_k8s_1_32(overlay: str) -> None:
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_raycluster_pod_templates_validate_as_pods(overlay: str) -> None:
     for where, tpl in pod_templates(overlay):
-        pod = {"apiVersion": "v1", "kind": "Pod",
-               "metadata": {"name": "x", **tpl.get("metadata", {})}, "spec": tpl["spec"]}
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "x", **tpl.get("metadata", {})},
+            "spec": tpl["spec"],
+        }
         try:
             kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
         except kubernetes_validate.ValidationError as e:
@@ -271,8 +298,12 @@ def test_raycluster_pod_templates_validate_as_pods(overlay: str) -> None:
 
 
 def test_strict_pod_validation_rejects_a_misspelled_field() -> None:
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "x"},
-           "spec": {"containers": [{"name": "c", "image": "i", "imagePullPolicyy": "Always"}]}}
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "x"},
+        "spec": {"containers": [{"name": "c", "image": "i", "imagePullPolicyy": "Always"}]},
+    }
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
 
@@ -294,12 +325,14 @@ def test_raycluster_validates_against_vendored_crd(overlay: str) -> None:
 @pytest.mark.parametrize(
     "path, bad_key",
     [
-        (("spec",), "workerGroupSpec"),                                   # missing the s
+        (("spec",), "workerGroupSpec"),  # missing the s
         (("spec", "headGroupSpec"), "rayStartParam"),
         (("spec", "workerGroupSpecs", 0), "replica"),
         (("spec", "headGroupSpec", "template", "spec", "containers", 0), "readinesProbe"),
-        (("spec", "headGroupSpec", "template", "spec", "containers", 0, "securityContext"),
-         "readOnlyRootFileSystem"),
+        (
+            ("spec", "headGroupSpec", "template", "spec", "containers", 0, "securityContext"),
+            "readOnlyRootFileSystem",
+        ),
     ],
 )
 def test_misspelled_raycluster_field_is_rejected(path: tuple[Any, ...], bad_key: str) -> None:
@@ -328,16 +361,21 @@ def test_raycluster_wrong_type_and_missing_required_are_rejected() -> None:
 
 
 def test_strict_schema_handles_kubernetes_extensions() -> None:
-    schema = strict_schema({
-        "type": "object",
-        "properties": {
-            "q": {"x-kubernetes-int-or-string": True},
-            "free": {"type": "object", "properties": {"a": {"type": "string"}},
-                     "x-kubernetes-preserve-unknown-fields": True},
-            "m": {"type": "object", "additionalProperties": {"type": "string"}},
-        },
-        "x-kubernetes-validations": [{"rule": "self.q > 0"}],
-    })
+    schema = strict_schema(
+        {
+            "type": "object",
+            "properties": {
+                "q": {"x-kubernetes-int-or-string": True},
+                "free": {
+                    "type": "object",
+                    "properties": {"a": {"type": "string"}},
+                    "x-kubernetes-preserve-unknown-fields": True,
+                },
+                "m": {"type": "object", "additionalProperties": {"type": "string"}},
+            },
+            "x-kubernetes-validations": [{"rule": "self.q > 0"}],
+        }
+    )
     v = jsonschema.validators.Draft7Validator(schema)
     assert v.is_valid({"q": 3, "free": {"a": "x", "other": 1}, "m": {"k": "v"}})
     assert v.is_valid({"q": "50%"})
@@ -380,9 +418,11 @@ def test_a_bogus_flag_in_a_manifest_is_caught() -> None:
 
 
 def test_shell_extraction() -> None:
-    s = ("ulimit -n 65536 2>/dev/null || true; ray start --head && exec hkv up --port 1 "
-         "--grace-s 5 > log 2>&1 --data-dir '/a b' & echo hkv $! > pid; "
-         "X=1 nohup /opt/hkv/bin/hkv serve --insecure 2>x")
+    s = (
+        "ulimit -n 65536 2>/dev/null || true; ray start --head && exec hkv up --port 1 "
+        "--grace-s 5 > log 2>&1 --data-dir '/a b' & echo hkv $! > pid; "
+        "X=1 nohup /opt/hkv/bin/hkv serve --insecure 2>x"
+    )
     assert hkv_invocations_in_shell(s) == [
         ["up", "--port", "1", "--grace-s", "5", "--data-dir", "/a b"],
         ["serve", "--insecure"],
@@ -418,8 +458,11 @@ def test_probes_service_and_scrape_ports_match_the_served_ports(overlay: str) ->
 
     np = the(overlay, "NetworkPolicy", "hkv-metadata-service")
     assert matches(np["spec"]["podSelector"]["matchLabels"], tpl["metadata"]["labels"])
-    grpc_rules = [r for r in np["spec"]["ingress"]
-                  if any(p["port"] in (args.port, "grpc") for p in r.get("ports", []))]
+    grpc_rules = [
+        r
+        for r in np["spec"]["ingress"]
+        if any(p["port"] in (args.port, "grpc") for p in r.get("ports", []))
+    ]
     assert grpc_rules, "no NetworkPolicy rule admits the gRPC port"
     for rule in grpc_rules:
         for peer in rule["from"]:
@@ -434,10 +477,13 @@ def test_head_files_come_from_the_right_volumes(overlay: str) -> None:
     mounts = {m["mountPath"]: volumes[m["name"]] for m in c["volumeMounts"]}
 
     def volume_for(path: str) -> tuple[dict[str, Any], str]:
-        best = max((m for m in mounts if path == m or path.startswith(m.rstrip("/") + "/")),
-                   key=len, default=None)
+        best = max(
+            (m for m in mounts if path == m or path.startswith(m.rstrip("/") + "/")),
+            key=len,
+            default=None,
+        )
         assert best is not None, f"{overlay}: {path} is on no mounted volume"
-        return mounts[best], path[len(best):].lstrip("/")
+        return mounts[best], path[len(best) :].lstrip("/")
 
     vol, key = volume_for(args.spec)
     assert vol["configMap"]["name"] == "hkv-cache-spec"
@@ -463,8 +509,11 @@ def test_head_files_come_from_the_right_volumes(overlay: str) -> None:
         (m,) = [m for m in wc["volumeMounts"] if m["mountPath"] == args.data_dir]
         wv = wvols[m["name"]]
         assert "emptyDir" in wv or "ephemeral" in wv, "disk tier must be node-local"
-        size = (wv["emptyDir"]["sizeLimit"] if "emptyDir" in wv else
-                wv["ephemeral"]["volumeClaimTemplate"]["spec"]["resources"]["requests"]["storage"])
+        size = (
+            wv["emptyDir"]["sizeLimit"]
+            if "emptyDir" in wv
+            else wv["ephemeral"]["volumeClaimTemplate"]["spec"]["resources"]["requests"]["storage"]
+        )
         assert args.disk_budget_bytes <= quantity_bytes(size), (
             f"{overlay}: --disk-budget-bytes exceeds the {g['groupName']} disk-tier volume"
         )
@@ -496,8 +545,14 @@ def test_pods_are_locked_down(overlay: str) -> None:
 def test_overlays_differ_as_intended() -> None:
     def gpus(overlay: str) -> list[int]:
         rc = the(overlay, "RayCluster", "hkv")
-        return [int(g["template"]["spec"]["containers"][0]["resources"]["limits"]
-                    .get("nvidia.com/gpu", 0)) for g in rc["spec"]["workerGroupSpecs"]]
+        return [
+            int(
+                g["template"]["spec"]["containers"][0]["resources"]["limits"].get(
+                    "nvidia.com/gpu", 0
+                )
+            )
+            for g in rc["spec"]["workerGroupSpecs"]
+        ]
 
     def workers(overlay: str) -> int:
         rc = the(overlay, "RayCluster", "hkv")
@@ -552,8 +607,8 @@ def test_dockerfile_default_command_parses() -> None:
     import json
 
     lines = _dockerfile_stages()["service"]
-    entry = json.loads(next(x for x in lines if x.startswith("ENTRYPOINT"))[len("ENTRYPOINT"):])
-    cmd = json.loads(next(x for x in lines if x.startswith("CMD"))[len("CMD"):])
+    entry = json.loads(next(x for x in lines if x.startswith("ENTRYPOINT"))[len("ENTRYPOINT") :])
+    cmd = json.loads(next(x for x in lines if x.startswith("CMD"))[len("CMD") :])
     (argv,) = hkv_invocations_in_container({"command": entry, "args": cmd})
     args = parse_hkv(argv)
     assert args.command == "serve" and args.auth_token_file

@@ -50,7 +50,7 @@ def hkv_argvs(script: str) -> list[list[str]]:
         if k >= 0 and toks[k] not in _OPS:
             continue
         argv = []
-        rest = iter(toks[i + 1:])
+        rest = iter(toks[i + 1 :])
         for a in rest:
             if a in _REDIRECTS:  # `> file` is not an argument, but words after it are
                 next(rest, None)
@@ -63,8 +63,14 @@ def hkv_argvs(script: str) -> list[list[str]]:
 
 
 def all_commands(cfg: dict[str, Any]) -> list[str]:
-    keys = ("initialization_commands", "setup_commands", "head_setup_commands",
-            "worker_setup_commands", "head_start_ray_commands", "worker_start_ray_commands")
+    keys = (
+        "initialization_commands",
+        "setup_commands",
+        "head_setup_commands",
+        "worker_setup_commands",
+        "head_start_ray_commands",
+        "worker_start_ray_commands",
+    )
     cmds = [c for k in keys for c in cfg.get(k, [])]
     for nt in cfg.get("available_node_types", {}).values():
         cmds += nt.get("worker_setup_commands", []) + nt.get("initialization_commands", [])

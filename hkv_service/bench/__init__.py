@@ -1,0 +1,36 @@
+"""``hkv bench NAME``: each bench measures its part and a baseline in the same run.
+
+Every bench module has ``run(quick: bool) -> dict`` returning ``{"name", "quick", "figures",
+"baseline", "ratios"}``; ``ratios`` maps each comparison to ours/baseline. No bench asserts a
+wall-clock limit: the machine is shared and noisy, so ratios are what we report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from typing import Any
+
+__all__ = ["run_bench"]
+
+
+def _print_human(result: dict[str, Any]) -> None:
+    print(f"hkv bench {result['name']}{' (quick)' if result.get('quick') else ''}")
+    for section in ("figures", "baseline", "ratios"):
+        print(f"  {section}:")
+        for key, value in result.get(section, {}).items():
+            shown = f"{value:.4g}" if isinstance(value, float) else value
+            print(f"    {key:<40} {shown}")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    module = importlib.import_module(f"hkv_service.bench.{args.name}")
+    result: dict[str, Any] = module.run(quick=args.quick)
+    if args.json:
+        print(json.dumps(result, sort_keys=True))
+    else:
+        _print_human(result)
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,196 @@
+"""Every case where the hash hits but the state is incomplete: the funnel must downgrade."""
+
+from __future__ import annotations
+
+import pytest
+
+from hkv_service.core.allocator import PoolConfig
+from hkv_service.core.errors import PositionBeyondHashes, StaleHandle, UnknownGroup
+from hkv_service.core.funnel import LookupRequest
+from hkv_service.core.ids import ShardId
+from hkv_service.core.state_view import AllocRequest, CacheState
+from hkv_service.core.states import Event, Reason, State
+from hkv_service.core.transitions import Params
+from hkv_service.testing import commit_prefix, pools_for, prompt_hashes
+
+N = 8  # hash blocks of 64 tokens -> 512 tokens, resume points every 128
+
+
+def reasons(match) -> set[Reason]:
+    return {d.reason for d in match.downgrades}
+
+
+def test_full_hit(state: CacheState, spec) -> None:
+    hs = prompt_hashes(spec, N)
+    commit_prefix(state, hs)
+    m = state.lookup(LookupRequest(hs))
+    assert m.usable_tokens == 512 and m.downgrades == ()
+    assert len(m.handles["c4"]) == 8 and len(m.handles["c128"]) == 4
+    assert len(m.handles["swa"]) == 2  # only the blocks meeting [512-128, 512)
+    assert len(m.handles["c4.tail"]) == 1 and not m.needs_load
+
+
+def test_unknown_prefix_is_a_plain_miss(state: CacheState, spec) -> None:
+    m = state.lookup(LookupRequest(prompt_hashes(spec, N, seed=9)))
+    assert m.usable_tokens == 0 and m.downgrades == ()
+
+
+def test_compressed_present_but_tail_partial(state: CacheState, spec) -> None:
+    hs = prompt_hashes(spec, N)
+    commit_prefix(state, hs, skip=frozenset({(7, "c4.tail")}))
+    (alloc,) = state.allocate(hs, [AllocRequest(7, "c4.tail")])
+    state.transition(alloc.handle.object_id, Event.TAIL_APPEND, Params(tail_len=2))
+    m = state.lookup(LookupRequest(hs))
+    assert m.usable_tokens == 384  # the previous resume point, whose tail is complete
+    assert Reason.TAIL_INCOMPLETE in reasons(m)
+
+
+def test_swa_window_not_covering_resume_position(state: CacheState, spec) -> None:
+    hs = prompt_hashes(spec, N)
+    ids = commit_prefix(state, hs)
+    state.evict(ids[(6, "swa")])  # tokens [384, 448): inside the window of p=512 and p=448..
+    m = state.lookup(LookupRequest(hs))
+    assert m.usable_tokens == 384 and Reason.SWA_WINDOW_INCOMPLETE in reasons(m)
+
+
+def test_swa_readiness_is_not_monotone(state: CacheState, spec) -> None:
+    """Window broken at a shorter position but whole at a longer one: take the longer."""
+    hs = prompt_hashes(spec, N)
+    ids = commit_prefix(state, hs)
+    state.evict(ids[(2, "swa")])  # tokens [128, 192): needed by p=256, not by p=512
+    assert state.lookup(LookupRequest(hs)).usable_tokens == 512
+    m = state.lookup(LookupRequest(hs, resume_tokens=256))
+    assert m.usable_tokens == 128 and Reason.SWA_WINDOW_INCOMPLETE in reasons(m)
+
+
+def test_indexer_at_old_version(state: CacheState, spec) -> None:
+    hs = prompt_hashes(spec, N)
+    commit_prefix(state, hs, skip=frozenset({(3, "idx")}))
+    (alloc,) = state.allocate(hs, [AllocRequest(3, "idx")])
+    state.transition(alloc.handle.object_id, Event.WRITE_DONE)  # written, never synced
+    m = state.lookup(LookupRequest(hs))
+    assert m.usable_tokens == 128 and Reason.INDEXER_STALE in reasons(m)
+
+
+def test_indexer_stale_after_kv_rewritten(state: CacheState, spec) -> None:
+    hs = prompt_hashes(spec, N)
+    ids = commit_prefix(state, hs)
+    state.evict(ids[(5, "c4")])  # takes its indexer with it (an indexer goes with its KV)
+    assert state.objects.get(ids[(5, "idx")]) is None
+    kv, idx = state.allocate(hs, [AllocRequest(5, "c4"), AllocRequest(5, "idx")])
+    v = state.transition(kv.handle.object_id, Event.WRITE_DONE).version
+    state.transition(idx.handle.object_id, Event.WRITE_DONE)
+    state.transition(idx.handle.object_id, Event.INDEXER_SYNC, Params(version=v))
+    assert state.lookup(LookupRequest(hs)).usable_tokens == 512
+    # the KV is rewritten (new version) but the indexer is not re-synced: stale
+    state.evict(kv.handle.object_id)
+    (kv2,) = state.allocate(hs, [AllocRequest(5, "c4")])
+    state.transition(kv2.handle.object_id, Event.WRITE_DONE)
+    m = state.lookup(LookupRequest(hs))
+    assert m.usable_tokens == 256
+    assert Reason.MISSING_COMPONENT in reasons(m) or Reason.INDEXER_STALE in reasons(m)
+
+
+def test_prefix_in_flight_from_disk(state: CacheState, spec) -> None:
+    hs = prompt_hashes(spec, N)
+    ids = commit_prefix(state, hs)
+    disk = state.begin_offload(ids[(4, "c4")], ShardId("s0"))
+    state.transition(disk.object_id, Event.OFFLOAD_COMMITTED)
+    state.evict(ids[(4, "c4")])  # free the memory copy; idx goes with it
+    m = state.lookup(LookupRequest(hs))
+    assert m.usable_tokens == 256  # idx at depth 4 went with its KV
+    assert Reason.MISSING_COMPONENT in reasons(m)
+    # re-create the indexer from the disk KV's version, then the prefix needs a load
+    (idx,) = state.allocate(hs, [AllocRequest(4, "idx")])
+    state.transition(idx.handle.object_id, Event.WRITE_DONE)
+    with pytest.raises(Exception, match="not COMPRESSED_READY"):
+        state.transition(idx.handle.object_id, Event.INDEXER_SYNC, Params(version=disk.object_id))
+    target = state.begin_load(disk.object_id)
+    m = state.lookup(LookupRequest(hs))
+    assert m.usable_tokens == 256 and Reason.DISK_INFLIGHT in reasons(m)
+    state.transition(disk.object_id, Event.LOAD_VERIFIED)
+    version = state.objects[disk.object_id].version
+    state.transition(idx.handle.object_id, Event.INDEXER_SYNC, Params(version=version))
+    m = state.lookup(LookupRequest(hs))
+    assert m.usable_tokens == 512 and target.block >= 0
+
+
+def test_at_rest_on_disk_needs_load(state: CacheState, spec) -> None:
+    hs = prompt_hashes(spec, N)
+    ids = commit_prefix(state, hs)
+    disk = state.begin_offload(ids[(7, "swa")], ShardId("s0"))
+    state.transition(disk.object_id, Event.OFFLOAD_COMMITTED)
+    state.evict(ids[(7, "swa")])
+    m = state.lookup(LookupRequest(hs))
+    assert m.usable_tokens == 512 and m.needs_load
+    assert [h.object_id for h in m.load] == [disk.object_id]
+
+
+def test_partial_block_is_never_complete(state: CacheState, spec) -> None:
+    hs = prompt_hashes(spec, N)
+    commit_prefix(state, hs)
+    m = state.lookup(LookupRequest(hs, resume_tokens=500))
+    assert m.usable_tokens == 384 and Reason.PARTIAL_BLOCK in reasons(m)
+    m = state.lookup(LookupRequest(hs[:7]))  # 448 tokens: 448 is not a multiple of 128
+    assert m.usable_tokens == 384
+
+
+def test_abi_mismatch_makes_the_hit_unusable(state: CacheState, spec) -> None:
+    hs = prompt_hashes(spec, N)
+    commit_prefix(state, hs)
+    good = {g.name: g.abi.fingerprint() for g in spec.groups}
+    assert state.lookup(LookupRequest(hs, reader_abi=good)).usable_tokens == 512
+    m = state.lookup(LookupRequest(hs, reader_abi={**good, "c4": good["c4"] ^ 1}))
+    assert m.usable_tokens == 0 and reasons(m) == {Reason.ABI_MISMATCH}
+    with pytest.raises(UnknownGroup):
+        state.lookup(LookupRequest(hs, reader_abi={"nope": 1}))
+
+
+def test_misaligned_handle(spec, clock) -> None:
+    st = CacheState(spec, clock=clock)
+    odd = {n: PoolConfig(p.num_blocks, p.stride + 8, p.base_align)
+           for n, p in pools_for(st.layout, 64).items()}
+    st.register_owner(ShardId("odd"), odd)
+    hs = prompt_hashes(spec, N)
+    commit_prefix(st, hs)
+    assert st.lookup(LookupRequest(hs, alignment=8)).usable_tokens == 512
+    m = st.lookup(LookupRequest(hs, alignment=256))
+    assert m.usable_tokens == 0 and Reason.MISALIGNED in reasons(m)
+
+
+def test_block_evicted_between_lookup_and_read(state: CacheState, spec) -> None:
+    hs = prompt_hashes(spec, N)
+    ids = commit_prefix(state, hs)
+    m = state.lookup(LookupRequest(hs))
+    handle = m.handles["c4"][3]
+    state.evict(ids[(3, "c4")])
+    state.allocate(prompt_hashes(spec, 1, seed=5), [AllocRequest(0, "c4")])  # reuse blocks
+    with pytest.raises(StaleHandle, match="recompute"):
+        state.check_read(handle)
+
+
+def test_lease_pins_against_eviction(state: CacheState, spec) -> None:
+    hs = prompt_hashes(spec, N)
+    ids = commit_prefix(state, hs)
+    m = state.lookup(LookupRequest(hs, lease_ttl_s=5))
+    assert m.lease_id is not None
+    with pytest.raises(Exception, match="leased"):
+        state.evict(ids[(3, "c4")])
+    state.check_read(m.handles["c4"][3], m.lease_id)
+    state.release_lease(m.lease_id)
+    state.evict(ids[(3, "c4")])
+    assert state.objects.get(ids[(3, "c4")]) is None
+
+
+def test_position_beyond_hashes_is_invalid(state: CacheState, spec) -> None:
+    hs = prompt_hashes(spec, 2)
+    with pytest.raises(PositionBeyondHashes):
+        state.lookup(LookupRequest(hs, resume_tokens=129))
+
+
+def test_owner_lost_means_miss_never_hit(state: CacheState, spec) -> None:
+    hs = prompt_hashes(spec, N)
+    commit_prefix(state, hs)
+    state.mark_owner_lost(ShardId("s0"))
+    assert state.lookup(LookupRequest(hs)).usable_tokens == 0
+    assert all(r.state is not State.COMPRESSED_READY for r in state.objects.values())

@@ -1,0 +1,312 @@
+"""Stateful property test: random interleavings of allocate / write / commit / evict / offload /
+load / owner loss / lease / lookup / read, checked against an independent oracle written here.
+
+Safety: the funnel never reports a usable token the oracle says is unsafe.
+No needless misses: it never reports less than the longest prefix the oracle says is safe.
+(No exception is intended: with alignment 1 and the reader's own ABI both bounds are exact.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from hkv_service.core.errors import IllegalTransition, StaleHandle
+from hkv_service.core.funnel import LookupRequest
+from hkv_service.core.hashing import ExtraKeys, hash_blocks
+from hkv_service.core.ids import ShardId
+from hkv_service.core.state_view import AllocRequest, CacheState
+from hkv_service.core.states import Event
+from hkv_service.core.transitions import Params
+from hkv_service.specs import default_spec
+from hkv_service.testing import pools_for
+
+SPEC = default_spec()
+H, L, W = 64, 128, 128
+DEPTHS = 8
+SHARDS = (ShardId("s0"), ShardId("s1"))
+_rng = np.random.default_rng(1)
+_a = _rng.integers(0, 1000, DEPTHS * H)
+_b = np.concatenate([_a[: 4 * H], _rng.integers(1000, 2000, 4 * H)])  # shares 4 blocks with A
+CHAINS = [hash_blocks(t, H, ExtraKeys(SPEC.model_id)) for t in (_a, _b)]
+COLUMNS = ("c4", "c128", "swa", "idx", "c4.tail", "c128.tail")
+
+
+def lives_at(col: str, depth: int) -> bool:
+    end = (depth + 1) * H
+    if col.endswith(".tail"):
+        return end % L == 0
+    return end % (128 if col == "c128" else 64) == 0
+
+
+@dataclass
+class Slot:
+    """Oracle view of one (hash, column): what was written, and where copies are."""
+
+    oid: int | None = None
+    status: str | None = None  # alloc / ready / partial / written / synced
+    version: int = 0
+    shard: ShardId | None = None
+    disk_oid: int | None = None
+    disk: str | None = None  # offloading / rest / inflight / ready
+    disk_version: int = 0
+    disk_copy_shard: ShardId | None = None
+    disk_partial: bool = False  # SWA copy of a short [lo, hi) range
+    pins: int = 0
+
+
+@dataclass
+class Oracle:
+    slots: dict[tuple[bytes, str], Slot] = field(default_factory=dict)
+
+    def slot(self, h: bytes, col: str) -> Slot:
+        return self.slots.setdefault((h, col), Slot())
+
+    def kv_version(self, h: bytes) -> int | None:
+        kv = self.slot(h, "c4")
+        if kv.status is not None:
+            return kv.version
+        return kv.disk_version if kv.disk is not None else None
+
+    def usable(self, h: bytes, col: str) -> bool:
+        s = self.slot(h, col)
+        if col == "idx":
+            mem_ok = s.status == "synced" and s.version == self.kv_version(h)
+            disk_ok = s.disk in ("rest", "ready") and s.disk_version == self.kv_version(h)
+            return mem_ok or disk_ok
+        return s.status == "ready" or (s.disk in ("rest", "ready") and not s.disk_partial)
+
+    def safe_prefix(self, chain: list[bytes], resume: int) -> int:
+        for p in range(resume // L * L, 0, -L):
+            if self._safe_at(chain, p):
+                return p
+        return 0
+
+    def _safe_at(self, chain: list[bytes], p: int) -> bool:
+        for d in range(p // H):
+            for col in ("c4", "c128", "idx"):
+                if lives_at(col, d) and not self.usable(chain[d], col):
+                    return False
+            if (d + 1) * H > p - W and not self.usable(chain[d], "swa"):
+                return False
+        return all(self.usable(chain[p // H - 1], t) for t in ("c4.tail", "c128.tail"))
+
+
+class FunnelMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.state = CacheState(SPEC)
+        for s in SHARDS:
+            self.state.register_owner(s, pools_for(self.state.layout, 64))
+        self.oracle = Oracle()
+        self.leases: list[tuple[int, list[Slot]]] = []
+        self.handles: list = []
+
+    # ---- writers -----------------------------------------------------------------------
+    @rule(chain=st.integers(0, 1), depth=st.integers(0, DEPTHS - 1),
+          col=st.sampled_from(COLUMNS), complete=st.booleans())
+    def write(self, chain: int, depth: int, col: str, complete: bool) -> None:
+        if not lives_at(col, depth):
+            return
+        hs = CHAINS[chain]
+        slot = self.oracle.slot(hs[depth], col)
+        (a,) = self.state.allocate(hs[: depth + 1], [AllocRequest(depth, col)])
+        if slot.status is not None:
+            assert a.existing and a.handle.object_id == slot.oid
+            return
+        assert not a.existing
+        slot.oid, slot.status, slot.shard = a.handle.object_id, "alloc", a.handle.shard
+        oid = a.handle.object_id
+        if col.endswith(".tail"):
+            need = self.state.layout.columns[a.handle.column].tail_tokens_at((depth + 1) * H)
+            if complete or need == 0:
+                self.state.transition(oid, Event.TAIL_DONE, Params(tail_len=need))
+                slot.status = "ready"
+            else:
+                self.state.transition(oid, Event.TAIL_APPEND, Params(tail_len=need - 1 or 1))
+                slot.status = "partial"
+        elif col == "swa":
+            hi = (depth + 1) * H if complete else (depth + 1) * H - 1
+            self.state.transition(oid, Event.WRITE_DONE, Params(lo=depth * H, hi=hi))
+            slot.status = "ready" if complete else "partial"
+        elif col == "idx":
+            self.state.transition(oid, Event.WRITE_DONE)
+            slot.status = "written"
+            if complete:
+                self._sync(hs[depth], slot)
+        else:
+            slot.version = self.state.transition(oid, Event.WRITE_DONE).version
+            slot.status = "ready"
+
+    def _sync(self, h: bytes, slot: Slot) -> None:
+        kv = self.oracle.slot(h, "c4")
+        assert slot.oid is not None
+        if kv.status == "ready" or (kv.status is None and kv.disk == "ready"):
+            v = kv.version if kv.status == "ready" else kv.disk_version
+            self.state.transition(slot.oid, Event.INDEXER_SYNC, Params(version=v))
+            slot.status, slot.version = "synced", v
+        else:
+            try:
+                self.state.transition(slot.oid, Event.INDEXER_SYNC, Params(version=kv.version))
+            except IllegalTransition:
+                return
+            raise AssertionError("indexer synced although its KV is not COMPRESSED_READY")
+
+    @rule(chain=st.integers(0, 1), depth=st.integers(0, DEPTHS - 1))
+    def resync_indexer(self, chain: int, depth: int) -> None:
+        slot = self.oracle.slot(CHAINS[chain][depth], "idx")
+        if slot.status in ("written", "synced"):
+            self._sync(CHAINS[chain][depth], slot)
+
+    # ---- eviction ----------------------------------------------------------------------
+    @rule(chain=st.integers(0, 1), depth=st.integers(0, DEPTHS - 1), col=st.sampled_from(COLUMNS))
+    def evict(self, chain: int, depth: int, col: str) -> None:
+        h = CHAINS[chain][depth]
+        slot = self.oracle.slot(h, col)
+        if slot.oid is None or slot.status is None:
+            return
+        allowed = slot.status in ("ready", "written", "synced") and not slot.pins
+        if col.endswith(".tail") and slot.status == "partial":
+            allowed = False
+        if col == "swa" and slot.status == "partial":
+            allowed = True  # SWA_VALID with a short range is still a valid, evictable state
+        try:
+            self.state.evict(slot.oid)  # type: ignore[arg-type]
+        except IllegalTransition:
+            assert not allowed, f"evict of {col} refused though allowed"
+            return
+        assert allowed, f"evict of {col} in {slot.status} (pins {slot.pins}) went through"
+        self._gone(slot)
+        partner = {"c4": "idx", "idx": "c4"}.get(col)
+        if partner:
+            p = self.oracle.slot(h, partner)
+            if p.status in ("ready", "written", "synced") and not p.pins:
+                self._gone(p)
+
+    def _gone(self, slot: Slot) -> None:
+        slot.oid, slot.status, slot.shard, slot.pins = None, None, None, 0
+
+    # ---- disk --------------------------------------------------------------------------
+    @rule(chain=st.integers(0, 1), depth=st.integers(0, DEPTHS - 1), col=st.sampled_from(COLUMNS),
+          commit=st.booleans())
+    def offload(self, chain: int, depth: int, col: str, commit: bool) -> None:
+        h = CHAINS[chain][depth]
+        slot = self.oracle.slot(h, col)
+        mem_ready = (
+            slot.status == "ready"
+            or (col == "swa" and slot.status == "partial")  # SWA_VALID with a short range
+            or (col == "idx" and slot.status == "synced"
+                and slot.version == self.oracle.kv_version(h))
+        )
+        if slot.oid is None or slot.disk is not None:
+            return
+        try:
+            d = self.state.begin_offload(slot.oid, SHARDS[0])  # type: ignore[arg-type]
+        except IllegalTransition:
+            assert not mem_ready
+            return
+        assert mem_ready
+        slot.disk_oid, slot.disk, slot.disk_version = d.object_id, "offloading", slot.version
+        slot.disk_partial = slot.status == "partial"
+        if commit:
+            self.state.transition(d.object_id, Event.OFFLOAD_COMMITTED)
+            slot.disk = "rest"
+        else:
+            self.state.transition(d.object_id, Event.OFFLOAD_FAILED)
+            slot.disk_oid, slot.disk = None, None
+
+    @rule(chain=st.integers(0, 1), depth=st.integers(0, DEPTHS - 1), col=st.sampled_from(COLUMNS),
+          outcome=st.sampled_from(["verified", "failed", "corrupt", "inflight"]))
+    def load(self, chain: int, depth: int, col: str, outcome: str) -> None:
+        slot = self.oracle.slot(CHAINS[chain][depth], col)
+        if slot.disk != "rest":
+            return
+        target = self.state.begin_load(slot.disk_oid)  # type: ignore[arg-type]
+        slot.disk, slot.disk_copy_shard = "inflight", target.shard
+        if outcome == "verified":
+            self.state.transition(target.object_id, Event.LOAD_VERIFIED)
+            slot.disk = "ready"
+        elif outcome == "failed":
+            self.state.transition(target.object_id, Event.LOAD_FAILED)
+            slot.disk = "rest"
+        elif outcome == "corrupt":
+            self.state.transition(target.object_id, Event.MARK_CORRUPT)
+            slot.disk_oid, slot.disk = None, None
+
+    @rule(chain=st.integers(0, 1), depth=st.integers(0, DEPTHS - 1), col=st.sampled_from(COLUMNS))
+    def finish_inflight(self, chain: int, depth: int, col: str) -> None:
+        slot = self.oracle.slot(CHAINS[chain][depth], col)
+        if slot.disk == "inflight":
+            self.state.transition(slot.disk_oid, Event.LOAD_VERIFIED)  # type: ignore[arg-type]
+            slot.disk = "ready"
+
+    # ---- faults ------------------------------------------------------------------------
+    @rule(i=st.integers(0, 1))
+    def restart_owner(self, i: int) -> None:
+        shard = SHARDS[i]
+        self.state.register_owner(shard, pools_for(self.state.layout, 64))
+        for slot in self.oracle.slots.values():
+            if slot.shard == shard:
+                self._gone(slot)
+            if slot.disk is not None and shard == SHARDS[0]:  # s0 also owns the disk copies
+                slot.disk_oid, slot.disk = None, None
+            elif slot.disk in ("ready", "inflight") and slot.disk_copy_shard == shard:
+                slot.disk = "rest"
+        self.leases = [(lid, [s for s in slots if s.oid]) for lid, slots in self.leases]
+
+    # ---- readers -----------------------------------------------------------------------
+    @rule(chain=st.integers(0, 1), resume=st.integers(0, DEPTHS * H), lease=st.booleans())
+    def lookup(self, chain: int, resume: int, lease: bool) -> None:
+        hs = CHAINS[chain]
+        m = self.state.lookup(LookupRequest(hs, resume_tokens=resume, lease_ttl_s=10 if lease
+                                            else 0))
+        safe = self.oracle.safe_prefix(hs, resume)
+        assert m.usable_tokens <= safe, f"unsafe hit: {m.usable_tokens} > safe {safe}"
+        assert m.usable_tokens >= safe, f"needless miss: {m.usable_tokens} < safe {safe}"
+        by_oid = {s.oid: s for s in self.oracle.slots.values() if s.oid is not None}
+        by_oid.update({s.disk_oid: s for s in self.oracle.slots.values() if s.disk_oid})
+        used = [by_oid[h.object_id] for hs_ in m.handles.values() for h in hs_]
+        if m.lease_id is not None:
+            mem_used = [s for hs_ in m.handles.values() for h in hs_
+                        if (s := by_oid[h.object_id]).oid == h.object_id]
+            for s in mem_used:
+                s.pins += 1
+            self.leases.append((m.lease_id, mem_used))
+        assert len(used) == sum(len(v) for v in m.handles.values())
+        self.handles = [h for hs_ in m.handles.values() for h in hs_]
+
+    @precondition(lambda self: bool(self.leases))
+    @rule()
+    def release(self) -> None:
+        lease_id, slots = self.leases.pop(0)
+        self.state.release_lease(lease_id)
+        for s in slots:
+            s.pins = max(0, s.pins - 1)
+
+    @precondition(lambda self: bool(self.handles))
+    @rule(i=st.integers(0, 10_000))
+    def read(self, i: int) -> None:
+        h = self.handles[i % len(self.handles)]
+        live = any(s.oid == h.object_id or (s.disk_oid == h.object_id and s.disk == "ready")
+                   for s in self.oracle.slots.values())
+        try:
+            self.state.check_read(h)
+        except StaleHandle:
+            return
+        assert live or h.block < 0 or self.state.objects[h.object_id].generation == h.generation
+
+    @invariant()
+    def admission_balanced(self) -> None:
+        inflight = sum(s.disk in ("offloading", "inflight") for s in self.oracle.slots.values())
+        assert self.state.admission.stats().in_transit_objects == inflight
+
+
+FunnelMachine.TestCase.settings = settings(
+    max_examples=120, stateful_step_count=50, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestFunnelAgainstOracle = FunnelMachine.TestCase
