@@ -35,6 +35,8 @@ from typing import TypeVar
 
 import lmdb
 
+from hkv_service.core.errors import HkvError
+
 from .errors import DiskFull, StorageFailure
 
 __all__ = ["DB_NAMES", "DiskStore", "StoreConfig", "translate"]
@@ -56,6 +58,16 @@ class StoreConfig:
     max_readers: int = 256
 
 
+def _translated(exc: lmdb.Error, writing: bool) -> HkvError:
+    text = str(exc)
+    if writing and any(hint in text.lower() for hint in _DISK_FULL_HINTS):
+        return DiskFull(
+            f"disk write failed ({text}): the file system or the file-size limit is full; "
+            "the write was rolled back, free space (delete entries) and retry"
+        )
+    return StorageFailure(f"LMDB failed: {text}")
+
+
 @contextmanager
 def translate(writing: bool) -> Iterator[None]:
     """Map LMDB errors to hkv errors. ``MapFullError`` passes through: the store handles it."""
@@ -64,33 +76,30 @@ def translate(writing: bool) -> Iterator[None]:
     except lmdb.MapFullError:
         raise
     except lmdb.Error as exc:
-        text = str(exc)
-        if writing and any(hint in text.lower() for hint in _DISK_FULL_HINTS):
-            raise DiskFull(
-                f"disk write failed ({text}): the file system or the file-size limit is full; "
-                "the write was rolled back, free space (delete entries) and retry"
-            ) from exc
-        raise StorageFailure(f"LMDB failed: {text}") from exc
+        raise _translated(exc, writing) from exc
 
 
 class _SharedExclusive:
-    """Many holders of ``shared`` at once, or one of ``exclusive``. Not reentrant."""
+    """Many holders of the shared side at once, or one exclusive holder. Not reentrant.
+
+    The shared side is on every read, so it is two lock round trips and no generator.
+    """
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._shared = 0
         self._exclusive = False
 
-    @contextmanager
-    def shared(self) -> Iterator[None]:
+    def enter_shared(self) -> None:
         with self._cond:
-            self._cond.wait_for(lambda: not self._exclusive)
+            while self._exclusive:
+                self._cond.wait()
             self._shared += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._shared -= 1
+
+    def exit_shared(self) -> None:
+        with self._cond:
+            self._shared -= 1
+            if self._exclusive and self._shared == 0:
                 self._cond.notify_all()
 
     @contextmanager
@@ -105,6 +114,32 @@ class _SharedExclusive:
             with self._cond:
                 self._exclusive = False
                 self._cond.notify_all()
+
+
+class _ReadTxn:
+    """Context manager for one read snapshot: gate, ``begin(buffers=True)``, abort, translate."""
+
+    __slots__ = ("_env", "_gate", "_txn")
+
+    def __init__(self, env: lmdb.Environment, gate: _SharedExclusive) -> None:
+        self._env, self._gate = env, gate
+
+    def __enter__(self) -> lmdb.Transaction:
+        self._gate.enter_shared()
+        try:
+            self._txn = self._env.begin(buffers=True)
+        except lmdb.Error as exc:
+            self._gate.exit_shared()
+            raise _translated(exc, writing=False) from exc
+        return self._txn
+
+    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
+        try:
+            self._txn.abort()
+        finally:
+            self._gate.exit_shared()
+        if isinstance(exc, lmdb.Error):
+            raise _translated(exc, writing=False) from exc
 
 
 class DiskStore:
@@ -140,12 +175,10 @@ class DiskStore:
                 "open a new DiskTier inside this process"
             )
 
-    @contextmanager
-    def read(self) -> Iterator[lmdb.Transaction]:
+    def read(self) -> _ReadTxn:
         """A read snapshot whose ``get`` returns zero-copy memoryviews valid inside the block."""
         self._check_process()
-        with self._gate.shared(), translate(writing=False), self.env.begin(buffers=True) as txn:
-            yield txn
+        return _ReadTxn(self.env, self._gate)
 
     def write(self, fn: Callable[[lmdb.Transaction], T], need_bytes: int = 0) -> T:
         """Run ``fn`` in one write transaction and commit; all or nothing.
@@ -172,8 +205,12 @@ class DiskStore:
             )
 
     def _attempt(self, fn: Callable[[lmdb.Transaction], T]) -> T:
-        with self._gate.shared(), translate(writing=True), self.env.begin(write=True) as txn:
-            return fn(txn)
+        self._gate.enter_shared()
+        try:
+            with translate(writing=True), self.env.begin(write=True) as txn:
+                return fn(txn)
+        finally:
+            self._gate.exit_shared()
 
     def _grow(self, need_bytes: int) -> bool:
         current = self.map_size

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import xxhash
@@ -44,10 +45,14 @@ __all__ = [
     "KIND_CODES",
     "MAGIC",
     "DiskKey",
+    "Encoded",
     "Header",
     "RecordMeta",
-    "copy_into",
+    "check_out",
+    "copy_out",
     "encode_record",
+    "read_bytes",
+    "read_into",
     "verified_raw",
     "verify_header",
 ]
@@ -94,8 +99,9 @@ class DiskKey:
         return cls(block_hash, group, _KIND_NAMES[code], abi)
 
 
-@dataclass(frozen=True, slots=True)
-class Header:
+class Header(NamedTuple):
+    """A verified record header (a tuple: built on every read, so it must be cheap)."""
+
     codec: Codec
     kind: str
     raw_len: int
@@ -124,21 +130,39 @@ class RecordMeta:
         return HEADER.size + self.stored_len
 
 
-def encode_record(key: DiskKey, view: memoryview, now_ns: int) -> tuple[bytearray, RecordMeta]:
-    """Build the record value for ``view`` (compressed when it pays) and its meta."""
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    """A record ready to store: its header and stored payload, kept apart until the write
+    so the payload is copied once, straight into the writer's scratch buffer."""
+
+    header: bytes
+    stored: memoryview | bytes
+    meta: RecordMeta
+
+    @property
+    def size(self) -> int:
+        return len(self.header) + len(self.stored)
+
+    def assemble(self, scratch: bytearray) -> memoryview:
+        """Header + payload laid out in ``scratch`` (grown if needed); valid until reuse."""
+        if len(scratch) < self.size:
+            scratch.extend(bytes(self.size - len(scratch)))
+        view = memoryview(scratch)[: self.size]
+        view[: HEADER.size] = self.header
+        view[HEADER.size :] = self.stored
+        return view
+
+
+def encode_record(key: DiskKey, view: memoryview, now_ns: int) -> Encoded:
+    """Checksum ``view``, compress it when that pays, and seal the header."""
     checksum = xxhash.xxh3_128_digest(view)
     codec, stored = compress(view)
-    value = bytearray(HEADER.size + len(stored))
-    HEADER.pack_into(
-        value, 0, MAGIC, FORMAT_VERSION, codec, KIND_CODES[key.kind], 0,
-        len(view), len(stored), checksum, key.abi_fingerprint, now_ns, 0,
-    )
-    key_bytes = key.to_bytes()
-    sealed = xxhash.xxh3_64_intdigest(key_bytes + bytes(value[:_CHECKED]))
-    struct.pack_into("<Q", value, _CHECKED, sealed)
-    value[HEADER.size :] = stored
+    fields = (MAGIC, FORMAT_VERSION, codec, KIND_CODES[key.kind], 0, len(view), len(stored),
+              checksum, key.abi_fingerprint, now_ns)
+    unsealed = HEADER.pack(*fields, 0)
+    sealed = xxhash.xxh3_64_intdigest(key.to_bytes() + unsealed[:_CHECKED])
     meta = RecordMeta(key, codec, len(view), len(stored), checksum, now_ns, now_ns)
-    return value, meta
+    return Encoded(HEADER.pack(*fields, sealed), stored, meta)
 
 
 def _corrupt(key_bytes: bytes, reason: str, detail: str) -> CorruptEntry:
@@ -168,26 +192,65 @@ def verify_header(key_bytes: bytes, value: memoryview) -> Header:
     return Header(Codec(codec), _KIND_NAMES[kind], raw_len, stored_len, checksum, abi, created)
 
 
-def verified_raw(key_bytes: bytes, header: Header, value: memoryview) -> memoryview | bytes:
-    """The record's raw payload, after its xxh3-128 matched; raises CorruptEntry otherwise.
+def _stored(header: Header, value: memoryview) -> memoryview:
+    return value[HEADER.size :]
 
-    A raw record is hashed in place (a zero-copy view into the map, valid while the read
-    transaction is open), so corrupt bytes are never copied out; a zstd frame is decoded into
-    a fresh buffer first and that is hashed.
-    """
-    stored = value[HEADER.size :]
-    if header.codec == Codec.RAW:
-        raw: memoryview | bytes = stored
-    else:
-        try:
-            raw = decompress(stored, header.raw_len)
-        except zstandard.ZstdError as exc:
-            raise _corrupt(key_bytes, "zstd", f"zstd frame does not decode: {exc}") from exc
+
+def _decoded(key_bytes: bytes, header: Header, value: memoryview) -> bytes:
+    try:
+        return decompress(_stored(header, value), header.raw_len)
+    except zstandard.ZstdError as exc:
+        raise _corrupt(key_bytes, "zstd", f"zstd frame does not decode: {exc}") from exc
+
+
+def _check(key_bytes: bytes, header: Header, raw: memoryview | bytes) -> None:
     if len(raw) != header.raw_len or xxhash.xxh3_128_digest(raw) != header.checksum:
         raise _corrupt(key_bytes, "payload_checksum", "payload checksum mismatch")
+
+
+def verified_raw(key_bytes: bytes, header: Header, value: memoryview) -> memoryview | bytes:
+    """The raw payload, hashed in place (no copy for a raw record); raises CorruptEntry."""
+    if header.codec == Codec.RAW:
+        raw: memoryview | bytes = _stored(header, value)
+    else:
+        raw = _decoded(key_bytes, header, value)
+    _check(key_bytes, header, raw)
     return raw
 
 
-def copy_into(raw: memoryview | bytes, out: memoryview) -> None:
-    """One copy into the caller's buffer; numpy drops the GIL for it, so threads overlap."""
-    np.copyto(np.frombuffer(out, dtype=np.uint8), np.frombuffer(raw, dtype=np.uint8))
+def read_bytes(key_bytes: bytes, header: Header, value: memoryview) -> bytes:
+    """A verified private copy of the raw payload.
+
+    The one copy out of the map is made first and the *copy* is hashed: what is checked is
+    exactly what is returned, and hashing cache-hot bytes is cheaper than a second pass over
+    the map. Bytes that fail never leave this function.
+    """
+    if header.codec == Codec.RAW:
+        raw = bytes(_stored(header, value))
+    else:
+        raw = _decoded(key_bytes, header, value)
+    _check(key_bytes, header, raw)
+    return raw
+
+
+def read_into(key_bytes: bytes, header: Header, value: memoryview, out: memoryview) -> None:
+    """Copy the raw payload into ``out`` (``len(out) == raw_len``), then verify ``out``.
+
+    As in :func:`read_bytes`, the destination is what gets hashed. On CorruptEntry ``out``
+    holds unverified bytes and must not be used; the exception is the caller's signal.
+    """
+    copy_out(key_bytes, header, value, out)
+    check_out(key_bytes, header, out)
+
+
+def copy_out(key_bytes: bytes, header: Header, value: memoryview, out: memoryview) -> None:
+    """The copy half of :func:`read_into`. numpy's copy runs without the GIL."""
+    if header.codec == Codec.RAW:
+        np.copyto(np.frombuffer(out, np.uint8), np.frombuffer(_stored(header, value), np.uint8))
+    else:
+        out[:] = _decoded(key_bytes, header, value)
+
+
+def check_out(key_bytes: bytes, header: Header, out: memoryview) -> None:
+    """The verify half of :func:`read_into`: xxh3-128 of what landed in ``out``."""
+    _check(key_bytes, header, out)

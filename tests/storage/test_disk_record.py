@@ -17,9 +17,13 @@ from storage.record import HEADER, encode_record, verified_raw, verify_header
 KEY = DiskKey(b"\x11" * 16, "layer0.swa", "SWA", 0xDEADBEEF)
 
 
+def _value(key: DiskKey, payload: bytes, now: int) -> bytes:
+    return bytes(encode_record(key, memoryview(payload), now).assemble(bytearray()))
+
+
 def _roundtrip(key: DiskKey, payload: bytes) -> bytes:
-    value, _ = encode_record(key, memoryview(payload), 123)
-    view = memoryview(bytes(value))
+    value = _value(key, payload, 123)
+    view = memoryview(value)
     kb = key.to_bytes()
     return bytes(verified_raw(kb, verify_header(kb, view), view))
 
@@ -70,7 +74,8 @@ def test_record_round_trip(payload: bytes) -> None:
 @given(data=st.data(), compressible=st.booleans())
 def test_any_single_bit_flip_is_detected(data: st.DataObject, compressible: bool) -> None:
     payload = bytes(6000) if compressible else np.random.default_rng(1).bytes(6000)
-    value, meta = encode_record(KEY, memoryview(payload), 99)
+    encoded = encode_record(KEY, memoryview(payload), 99)
+    meta, value = encoded.meta, bytearray(encoded.assemble(bytearray()))
     assert (meta.codec is Codec.ZSTD) == compressible
     bit = data.draw(st.integers(0, len(value) * 8 - 1))
     value[bit // 8] ^= 1 << (bit % 8)
@@ -84,7 +89,7 @@ def _roundtrip_value(key: DiskKey, value: bytes) -> None:
 
 
 def test_record_is_bound_to_its_key() -> None:
-    value, _ = encode_record(KEY, memoryview(b"payload"), 1)
+    value = _value(KEY, b"payload", 1)
     other = DiskKey(b"\x12" * 16, KEY.group, KEY.kind, KEY.abi_fingerprint)
     with pytest.raises(CorruptEntry) as err:
         _roundtrip_value(other, bytes(value))
@@ -92,7 +97,7 @@ def test_record_is_bound_to_its_key() -> None:
 
 
 def test_truncated_record_is_detected() -> None:
-    value, _ = encode_record(KEY, memoryview(b"x" * 100), 1)
+    value = _value(KEY, b"x" * 100, 1)
     for cut in (0, HEADER.size - 1, HEADER.size, len(value) - 1):
         with pytest.raises(CorruptEntry):
             _roundtrip_value(KEY, bytes(value[:cut]))

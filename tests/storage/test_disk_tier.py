@@ -188,3 +188,11 @@ def test_bad_input_is_invalid_input(tier: DiskTier, h: Any, tmp_path: Path) -> N
     with pytest.raises(InvalidInput):
         DiskTier(tmp_path / "other", 0, AdmissionCap())
     assert tier.gate.stats().in_transit_objects == 0
+
+
+def test_get_many_missing_key_raises_and_releases(tier: DiskTier, h: Any) -> None:
+    tier.put(h.make_key(1), b"one")
+    with pytest.raises(NotOnDisk):
+        tier.get_many([h.make_key(1), h.make_key(2)])
+    assert tier.get_many([h.make_key(1)] * 70) == [b"one"] * 70  # more than one batch
+    assert tier.gate.stats().in_transit_objects == 0

@@ -1,0 +1,240 @@
+"""Disk-tier benchmark: our offload/load against raw LMDB and plain files, in one run.
+
+What bounds the figures: every store here uses the production sync mode (LMDB ``sync=True``,
+``metasync=True``, no ``writemap``; the plain file is fsynced per batch), so offload is bounded
+by the device's write bandwidth plus one fsync per batch of ``BATCH`` blocks; the data set fits
+in RAM, so loads come from the page cache and are bounded by memory bandwidth (mmap page
+faults, one copy into a preallocated numpy buffer) and, for ours, by the xxh3-128 verify
+(~12 GB/s, holding the GIL) and two short read transactions per object. Blocks are
+random-normal fp16, which zstd level 1 shrinks by only ~8%, under the 10% the tier demands,
+so they are stored raw: the ratios price the checksum, the header and the compression probe,
+not compression itself. Each figure is the best of ``reps`` passes over fresh stores.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import numpy as np
+import zstandard
+
+from hkv_service.core.admission import AdmissionCap
+from storage import DiskKey, DiskTier
+from storage.codec import Codec
+
+__all__ = ["run"]
+
+MiB = 1 << 20
+BATCH = 16  # blocks per write transaction / per fsync, the same for every store
+SIZES = {"1MiB": MiB, "256KiB": 256 << 10}
+
+
+def _blocks(size: int, count: int, seed: int) -> list[memoryview]:
+    """``count`` distinct blocks of fp16 normal values, as views into one pool."""
+    pool = np.random.default_rng(seed).standard_normal((size * 4) // 2).astype(np.float16)
+    raw = pool.view(np.uint8).data
+    span = len(raw) - size
+    return [raw[(i * 4099 * 2) % span : (i * 4099 * 2) % span + size] for i in range(count)]
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return round(nbytes / seconds / 1e9, 3)
+
+
+def _buffers(blocks: list[memoryview]) -> list[np.ndarray]:
+    """Preallocated destinations, touched once so page faults are not timed."""
+    outs = [np.empty(len(b), np.uint8) for b in blocks]
+    for out in outs:
+        out.fill(0)
+    return outs
+
+
+def _keys(count: int) -> list[DiskKey]:
+    return [DiskKey(i.to_bytes(16, "big"), "bench", "COMPRESSED", 1) for i in range(count)]
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+class _Ours:
+    """The disk tier as production runs it: put_many per batch, get_into a numpy buffer."""
+
+    def __init__(self, root: Path, blocks: list[memoryview]) -> None:
+        self.root, self.blocks, self.keys = root / "ours", blocks, _keys(len(blocks))
+        self.outs, self.kept_zstd = _buffers(blocks), False
+        self.tier: DiskTier | None = None
+        self.budget = 4 * sum(len(b) for b in blocks) + 64 * MiB
+
+    def write(self) -> float:
+        if self.tier is not None:
+            self.tier.close()
+        shutil.rmtree(self.root, ignore_errors=True)
+        self.tier = tier = DiskTier(self.root, self.budget,
+                                    AdmissionCap(max_objects=BATCH, max_bytes=1 << 40))
+        pairs = list(zip(self.keys, self.blocks, strict=True))
+        batches = [pairs[i : i + BATCH] for i in range(0, len(pairs), BATCH)]
+        seconds = _timed(lambda: [tier.put_many(batch) for batch in batches])
+        self.kept_zstd = any(m.codec is Codec.ZSTD for m in tier.scan())
+        return seconds
+
+    def read(self) -> float:
+        tier = self.tier
+        assert tier is not None
+        return _timed(lambda: [tier.get_into(k, o) for k, o in zip(self.keys, self.outs,
+                                                                     strict=True)])
+
+    def read_many(self) -> float:
+        tier = self.tier
+        assert tier is not None
+        return _timed(lambda: tier.get_many_into(self.keys, self.outs))
+
+    def close(self) -> None:
+        assert all(bytes(o) == bytes(b) for o, b in zip(self.outs, self.blocks, strict=True))
+        if self.tier is not None:
+            self.tier.close()
+
+
+class _RawLmdb:
+    """Bare py-lmdb, same sync mode and batching: put the bytes, get + one copy."""
+
+    def __init__(self, root: Path, blocks: list[memoryview]) -> None:
+        self.root, self.blocks = root / "raw", blocks
+        self.keys = [k.to_bytes() for k in _keys(len(blocks))]
+        self.outs = _buffers(blocks)
+        self.env: lmdb.Environment | None = None
+        self.map_size = 4 * sum(len(b) for b in blocks) + 64 * MiB
+
+    def write(self) -> float:
+        if self.env is not None:
+            self.env.close()
+        shutil.rmtree(self.root, ignore_errors=True)
+        self.env = env = lmdb.open(str(self.root), map_size=self.map_size, sync=True,
+                                   metasync=True, writemap=False)
+
+        def batches() -> None:
+            for i in range(0, len(self.blocks), BATCH):
+                with env.begin(write=True) as txn:
+                    for key, block in zip(self.keys[i : i + BATCH], self.blocks[i : i + BATCH],
+                                          strict=True):
+                        txn.put(key, block)
+
+        return _timed(batches)
+
+    def read(self) -> float:
+        env = self.env
+        assert env is not None
+
+        def gets() -> None:
+            for key, out in zip(self.keys, self.outs, strict=True):
+                with env.begin(buffers=True) as txn:
+                    view = txn.get(key)
+                    assert view is not None
+                    np.copyto(out, np.frombuffer(view, np.uint8))
+
+        return _timed(gets)
+
+    def close(self) -> None:
+        if self.env is not None:
+            self.env.close()
+
+
+class _PlainFile:
+    """One file, writev + fsync per batch; read back with readinto."""
+
+    def __init__(self, root: Path, blocks: list[memoryview]) -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        self.path, self.blocks, self.outs = root / "plain.bin", blocks, _buffers(blocks)
+
+    def write(self) -> float:
+        def batches() -> None:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                for i in range(0, len(self.blocks), BATCH):
+                    os.writev(fd, self.blocks[i : i + BATCH])
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+
+        return _timed(batches)
+
+    def read(self) -> float:
+        def reads() -> None:
+            with self.path.open("rb", buffering=0) as f:
+                for out in self.outs:
+                    f.readinto(out.data)
+
+        return _timed(reads)
+
+    def close(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def _measure(root: Path, blocks: list[memoryview], reps: int) -> dict[str, dict[str, Any]]:
+    """Best-of-``reps`` figures; contenders alternate inside each rep, so drift in the disk
+    (other tenants, writeback) hits all of them alike."""
+    ours, raw, plain = _Ours(root, blocks), _RawLmdb(root, blocks), _PlainFile(root, blocks)
+    best: dict[str, float] = {}
+
+    def note(name: str, seconds: float) -> None:
+        best[name] = min(seconds, best.get(name, float("inf")))
+
+    writers = [("raw_put", raw.write), ("ours_put", ours.write), ("file_write", plain.write)]
+    readers = [("raw_get", raw.read), ("ours_get", ours.read),
+               ("ours_get_many", ours.read_many), ("file_read", plain.read)]
+    for rep in range(reps):  # rotate the order: no contender always follows another's I/O
+        for name, fn in writers[rep % 3 :] + writers[: rep % 3]:
+            note(name, fn())
+    for rep in range(reps + 1):  # the first pass also maps the pages; best-of drops it
+        for name, fn in readers[rep % 4 :] + readers[: rep % 4]:
+            note(name, fn())
+    total = sum(len(b) for b in blocks)
+    gbps = {name: _gbps(total, seconds) for name, seconds in best.items()}
+    for contender in (ours, raw, plain):
+        contender.close()
+    return {
+        "ours": {"offload_gbps": gbps["ours_put"], "load_gbps": gbps["ours_get"],
+                 "load_many_gbps": gbps["ours_get_many"], "zstd_kept": ours.kept_zstd},
+        "lmdb": {"put_gbps": gbps["raw_put"], "get_gbps": gbps["raw_get"]},
+        "file": {"write_gbps": gbps["file_write"], "read_gbps": gbps["file_read"]},
+    }
+
+
+def _zstd_ratio(block: memoryview) -> float:
+    frame = zstandard.ZstdCompressor(level=1, write_checksum=False).compress(block)
+    return round(len(frame) / len(block), 4)
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    """Measure and return ``{"name", "quick", "figures", "baseline", "ratios"}``."""
+    total_bytes, reps = (32 * MiB, 2) if quick else (256 * MiB, 3)
+    figures: dict[str, Any] = {"batch_blocks": BATCH}
+    baseline: dict[str, Any] = {}
+    ratios: dict[str, float] = {}
+    root = Path(tempfile.mkdtemp(prefix="hkv-bench-disk-"))
+    try:
+        for label, size in SIZES.items():
+            blocks = _blocks(size, total_bytes // size, seed=size)
+            got = _measure(root / label, blocks, reps)
+            ours, raw, plain = got["ours"], got["lmdb"], got["file"]
+            figures[label] = {**ours, "zstd_ratio": _zstd_ratio(blocks[0])}
+            baseline[label] = {"lmdb": raw, "file": plain}
+            ratios.update({
+                f"offload_vs_lmdb_put_{label}": ours["offload_gbps"] / raw["put_gbps"],
+                f"load_vs_lmdb_get_{label}": ours["load_gbps"] / raw["get_gbps"],
+                f"load_many_vs_lmdb_get_{label}": ours["load_many_gbps"] / raw["get_gbps"],
+                f"offload_vs_file_write_{label}": ours["offload_gbps"] / plain["write_gbps"],
+            })
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return {"name": "disk", "quick": quick, "figures": figures, "baseline": baseline,
+            "ratios": {name: round(value, 3) for name, value in ratios.items()}}
