@@ -90,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     stats = sub.add_parser("stats", help="print a running service's counters")
     stats.add_argument("--endpoint", default=f"127.0.0.1:{DEFAULT_PORT}", help="host:port")
     stats.add_argument("--json", action="store_true", help="print one JSON object")
-    stats.add_argument("--auth-token-file", default=None, help="token file, if the server wants one")
+    stats.add_argument("--auth-token-file", default=None,
+                       help="token file, if the server wants one")
     return parser
 
 

@@ -16,7 +16,7 @@ import xxhash
 
 from ..core.funnel import LookupRequest, run_funnel, validate_request
 from ..core.hashing import ExtraKeys, hash_blocks, naive_hash_blocks
-from ..core.ids import ShardId
+from ..core.ids import BlockHash, ShardId
 from ..core.state_view import CacheState
 from ..specs import default_spec
 from ..testing import commit_prefix, pools_for
@@ -25,17 +25,17 @@ from .timing import best_of
 __all__ = ["run"]
 
 
-def _filled_state(n_blocks: int) -> tuple[CacheState, list[bytes]]:
+def _filled_state(n_blocks: int, pool_blocks: int = 0) -> tuple[CacheState, list[BlockHash]]:
     spec = default_spec()
     st = CacheState(spec)
-    st.register_owner(ShardId("s0"), pools_for(st.layout, n_blocks + 8))
+    st.register_owner(ShardId("s0"), pools_for(st.layout, max(pool_blocks, n_blocks + 8)))
     toks = np.random.default_rng(0).integers(0, 50_000, n_blocks * spec.hash_block_size)
     hashes = hash_blocks(toks, spec.hash_block_size, ExtraKeys(spec.model_id))
     commit_prefix(st, hashes)
     return st, list(hashes)
 
 
-def _dict_walk(table: dict[bytes, int], hashes: list[bytes]) -> int:
+def _dict_walk(table: dict[BlockHash, int], hashes: list[BlockHash]) -> int:
     n = 0
     get = table.get
     for h in hashes:
@@ -76,10 +76,10 @@ def _hash_figures(n_blocks: int, repeat: int, number: int) -> dict[str, float]:
     }
 
 
-def _traced_bytes(n_blocks: int) -> tuple[int, int]:
+def _traced_bytes(n_blocks: int, pool_blocks: int) -> tuple[int, int]:
     tracemalloc.start()
     before = tracemalloc.take_snapshot()
-    st, _ = _filled_state(n_blocks)
+    st, _ = _filled_state(n_blocks, pool_blocks)
     after = tracemalloc.take_snapshot()
     tracemalloc.stop()
     grown = sum(s.size_diff for s in after.compare_to(before, "filename"))
@@ -88,12 +88,11 @@ def _traced_bytes(n_blocks: int) -> tuple[int, int]:
 
 def _bytes_per_object(n_blocks: int) -> float:
     """Marginal metadata bytes per tracked object: the slope between two fill sizes, so the
-    fixed-size parts (bounded transition log, interpreter caches) do not count."""
-    small_bytes, small_objs = _traced_bytes(n_blocks // 2)
-    big_bytes, big_objs = _traced_bytes(n_blocks)
-    # pools are sized by capacity (n_blocks + 8 per column), not by objects: count them out
-    pool_delta = 6 * (n_blocks - n_blocks // 2) * 3 * 8
-    return (big_bytes - small_bytes - pool_delta) / (big_objs - small_objs)
+    fixed-size parts (bounded transition log, pools sized by capacity) do not count."""
+    pools = n_blocks + 8  # the same capacity in both fills: pools cancel out
+    small_bytes, small_objs = _traced_bytes(n_blocks // 2, pools)
+    big_bytes, big_objs = _traced_bytes(n_blocks, pools)
+    return (big_bytes - small_bytes) / (big_objs - small_objs)
 
 
 def run(quick: bool = False) -> dict[str, Any]:

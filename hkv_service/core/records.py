@@ -13,11 +13,12 @@ Column layout of a prefix entry (one entry per hash block)::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from .ids import BlockHash, GroupName, ObjectId, ShardId
 from .states import Kind, State
 
-__all__ = ["Handle", "ObjRecord", "PrefixEntry"]
+__all__ = ["DiskRecord", "Handle", "ObjRecord", "PrefixEntry"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,8 +56,18 @@ class ObjRecord:
     seq: int = 0  # transitions applied; compare-and-set token
     pins: int = 0  # live leases
     captures: int = 0  # live graph captures
-    inner: Kind | None = None  # DISK: kind of the object it holds
-    disk_owner: ShardId | None = None  # DISK: owner of the LMDB copy
+    # Only DiskRecord stores these; memory records read the class defaults (saves 16 B each).
+    inner: ClassVar[Kind | None] = None
+    disk_owner: ClassVar[ShardId | None] = None
+
+
+@dataclass(slots=True, eq=False)
+class DiskRecord(ObjRecord):
+    """A DISK object: a copy of a memory object in an owner's disk tier."""
+
+    # These slots shadow ObjRecord's class-level defaults (mypy cannot express that).
+    inner: Kind | None = None  # type: ignore[misc]
+    disk_owner: ShardId | None = None  # type: ignore[misc]
 
 
 @dataclass(slots=True, eq=False)

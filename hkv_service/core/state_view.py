@@ -46,7 +46,8 @@ from .errors import (
 from .funnel import Downgrade, LookupRequest, run_funnel, validate_request
 from .ids import BLOCK_HASH_BYTES, BlockHash, CaptureId, LeaseId, ObjectId, ShardId
 from .layout import Column, Layout
-from .records import Handle, ObjRecord, PrefixEntry
+from .objects import ObjectTable
+from .records import DiskRecord, Handle, ObjRecord, PrefixEntry
 from .spec import CacheSpec
 from .states import TERMINAL_STATES, Event, Kind, State
 from .transitions import Params, apply
@@ -178,7 +179,7 @@ class CacheState:
         self.admission = AdmissionGate(self.config.admission)
         self.counters = Counters()
         self.index: dict[BlockHash, PrefixEntry] = {}
-        self.objects: dict[ObjectId, ObjRecord] = {}
+        self.objects = ObjectTable()
         self.owners: dict[ShardId, _Owner] = {}
         self.leases = LeaseBook()
         self.captures: dict[CaptureId, Capture] = {}
@@ -187,7 +188,6 @@ class CacheState:
         self._tickets: dict[ObjectId, Ticket] = {}
         self._disk_records = 0  # 0 lets lookups skip per-record verdicts
         self._lock = threading.RLock()
-        self._ids = itertools.count(1)
         self._versions = itertools.count(1)
         self._log_seq = 0
         self._tick = 0
@@ -278,7 +278,7 @@ class CacheState:
         shard, pool, block = self._take_block(col, owner)
         column = self.layout.columns[col]
         rec = ObjRecord(
-            ObjectId(next(self._ids)),
+            self.objects.new_id(),
             column.kind,
             col,
             entry,
@@ -290,7 +290,7 @@ class CacheState:
         )
         pool.owner[block] = rec
         entry.mem[col] = rec
-        self.objects[rec.object_id] = rec
+        self.objects.put(rec)
         self._after_change(rec)
         return Allocation(self._handle(rec), False, rec.state)
 
@@ -417,7 +417,7 @@ class CacheState:
         else:
             entry.mem[col] = None
         self._release_copy(rec)
-        self.objects.pop(rec.object_id, None)
+        self.objects.pop(rec.object_id)
 
     def _release_copy(self, rec: ObjRecord) -> None:
         """Free the memory block behind ``rec`` (if any): its generation moves on."""
@@ -473,8 +473,8 @@ class CacheState:
             if entry.disk[src.column] is not None:
                 return self._handle(entry.disk[src.column])  # type: ignore[arg-type]
             ticket = self.admission.acquire(self.layout.columns[src.column].nbytes)
-            rec = ObjRecord(
-                ObjectId(next(self._ids)),
+            rec = DiskRecord(
+                self.objects.new_id(),
                 Kind.DISK,
                 src.column,
                 entry,
@@ -491,7 +491,7 @@ class CacheState:
             self._tickets[rec.object_id] = ticket
             entry.disk[src.column] = rec
             self._disk_records += 1
-            self.objects[rec.object_id] = rec
+            self.objects.put(rec)
             self._after_change(rec)
             return self._handle(rec)
 
@@ -685,13 +685,14 @@ class CacheState:
         self, o: _Owner, owner: ShardId, entry: PrefixEntry, col: int, r: ObjectReport
     ) -> int:
         column = self.layout.columns[col]
+        rec: ObjRecord
         if r.state is State.ON_DISK:
             if entry.disk is None:
                 entry.disk = [None] * len(self.layout.columns)
             if entry.disk[col] is not None:
                 return 0
-            rec = ObjRecord(
-                ObjectId(next(self._ids)),
+            rec = DiskRecord(
+                self.objects.new_id(),
                 Kind.DISK,
                 col,
                 entry,
@@ -716,7 +717,7 @@ class CacheState:
             pool.free.remove(r.block)
             pool.generation[r.block] = max(pool.generation[r.block], r.generation)
             rec = ObjRecord(
-                ObjectId(next(self._ids)),
+                self.objects.new_id(),
                 column.kind,
                 col,
                 entry,
@@ -733,7 +734,7 @@ class CacheState:
             entry.mem[col] = rec
             if column.kind is Kind.TAIL:
                 self._track_resume_point(rec, State.ALLOCATED)
-        self.objects[rec.object_id] = rec
+        self.objects.put(rec)
         self._after_change(rec)
         return 1
 

@@ -59,7 +59,7 @@ def test_tail_being_written_is_never_evicted(spec, clock) -> None:
     hs = prompt_hashes(spec, 2)
     (t,) = st.allocate(hs, [AllocRequest(1, "c4.tail")])
     st.transition(t.handle.object_id, Event.TAIL_APPEND, Params(tail_len=1))
-    with pytest.raises(PoolExhausted, match="c4.tail"):
+    with pytest.raises(PoolExhausted, match=r"c4\.tail"):
         st.allocate(prompt_hashes(spec, 2, seed=4), [AllocRequest(1, "c4.tail")])
     assert st.objects[t.handle.object_id].state is State.TAIL_PARTIAL
 

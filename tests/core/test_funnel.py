@@ -148,8 +148,10 @@ def test_abi_mismatch_makes_the_hit_unusable(state: CacheState, spec) -> None:
 
 def test_misaligned_handle(spec, clock) -> None:
     st = CacheState(spec, clock=clock)
-    odd = {n: PoolConfig(p.num_blocks, p.stride + 8, p.base_align)
-           for n, p in pools_for(st.layout, 64).items()}
+    odd = {
+        n: PoolConfig(p.num_blocks, p.stride + 8, p.base_align)
+        for n, p in pools_for(st.layout, 64).items()
+    }
     st.register_owner(ShardId("odd"), odd)
     hs = prompt_hashes(spec, N)
     commit_prefix(st, hs)

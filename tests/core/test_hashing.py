@@ -27,7 +27,8 @@ def test_chaining_and_extra_keys() -> None:
     changed[10] = 999
     other = hash_blocks(changed, 64, E)
     assert all(a != b for a, b in zip(base, other, strict=True))  # a change flows down the chain
-    for extra in (ExtraKeys("m2"), ExtraKeys("m", adapter_id="lora"), ExtraKeys("m", cache_salt="s")):
+    extras = (ExtraKeys("m2"), ExtraKeys("m", adapter_id="lora"), ExtraKeys("m", cache_salt="s"))
+    for extra in extras:
         assert hash_blocks(t, 64, extra)[0] != base[0]
     assert all(len(h) == 16 for h in base)
 

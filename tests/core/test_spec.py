@@ -20,10 +20,21 @@ def base() -> dict:
         "model_id": "m",
         "hash_block_size": 64,
         "groups": [
-            {"name": "c4", "kind": "COMPRESSED", "block_size": 64, "ratio": 4, "overlap": 4,
-             "abi": {"dtype": "float16", "head_shape": [1, 512]}},
-            {"name": "swa", "kind": "SWA", "block_size": 64, "window": 128,
-             "abi": {"dtype": "bfloat16", "head_shape": [2, 64]}},
+            {
+                "name": "c4",
+                "kind": "COMPRESSED",
+                "block_size": 64,
+                "ratio": 4,
+                "overlap": 4,
+                "abi": {"dtype": "float16", "head_shape": [1, 512]},
+            },
+            {
+                "name": "swa",
+                "kind": "SWA",
+                "block_size": 64,
+                "window": 128,
+                "abi": {"dtype": "bfloat16", "head_shape": [2, 64]},
+            },
         ],
     }
 

@@ -54,9 +54,18 @@ def test_rebuild_only_from_confirmed_objects(spec, clock) -> None:
     old.register_owner(S0, pools_for(old.layout, 64))
     commit_prefix(old, hs)
     reports = [
-        ObjectReport(r.entry.block_hash, r.entry.parent.block_hash if r.entry.parent else None,
-                     r.entry.depth, old.layout.columns[r.column].name, r.state, r.block,
-                     r.generation, r.version, r.lo, r.hi)
+        ObjectReport(
+            r.entry.block_hash,
+            r.entry.parent.block_hash if r.entry.parent else None,
+            r.entry.depth,
+            old.layout.columns[r.column].name,
+            r.state,
+            r.block,
+            r.generation,
+            r.version,
+            r.lo,
+            r.hi,
+        )
         for r in old.objects.values()
     ]
     new = CacheState(spec, clock=clock)

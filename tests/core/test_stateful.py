@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -104,11 +105,16 @@ class FunnelMachine(RuleBasedStateMachine):
             self.state.register_owner(s, pools_for(self.state.layout, 64))
         self.oracle = Oracle()
         self.leases: list[tuple[int, list[Slot]]] = []
+        self.captures: list[tuple[int, list[Slot], set[ShardId]]] = []
         self.handles: list = []
 
     # ---- writers -----------------------------------------------------------------------
-    @rule(chain=st.integers(0, 1), depth=st.integers(0, DEPTHS - 1),
-          col=st.sampled_from(COLUMNS), complete=st.booleans())
+    @rule(
+        chain=st.integers(0, 1),
+        depth=st.integers(0, DEPTHS - 1),
+        col=st.sampled_from(COLUMNS),
+        complete=st.booleans(),
+    )
     def write(self, chain: int, depth: int, col: str, complete: bool) -> None:
         if not lives_at(col, depth):
             return
@@ -191,16 +197,23 @@ class FunnelMachine(RuleBasedStateMachine):
         slot.oid, slot.status, slot.shard, slot.pins = None, None, None, 0
 
     # ---- disk --------------------------------------------------------------------------
-    @rule(chain=st.integers(0, 1), depth=st.integers(0, DEPTHS - 1), col=st.sampled_from(COLUMNS),
-          commit=st.booleans())
+    @rule(
+        chain=st.integers(0, 1),
+        depth=st.integers(0, DEPTHS - 1),
+        col=st.sampled_from(COLUMNS),
+        commit=st.booleans(),
+    )
     def offload(self, chain: int, depth: int, col: str, commit: bool) -> None:
         h = CHAINS[chain][depth]
         slot = self.oracle.slot(h, col)
         mem_ready = (
             slot.status == "ready"
             or (col == "swa" and slot.status == "partial")  # SWA_VALID with a short range
-            or (col == "idx" and slot.status == "synced"
-                and slot.version == self.oracle.kv_version(h))
+            or (
+                col == "idx"
+                and slot.status == "synced"
+                and slot.version == self.oracle.kv_version(h)
+            )
         )
         if slot.oid is None or slot.disk is not None:
             return
@@ -219,8 +232,12 @@ class FunnelMachine(RuleBasedStateMachine):
             self.state.transition(d.object_id, Event.OFFLOAD_FAILED)
             slot.disk_oid, slot.disk = None, None
 
-    @rule(chain=st.integers(0, 1), depth=st.integers(0, DEPTHS - 1), col=st.sampled_from(COLUMNS),
-          outcome=st.sampled_from(["verified", "failed", "corrupt", "inflight"]))
+    @rule(
+        chain=st.integers(0, 1),
+        depth=st.integers(0, DEPTHS - 1),
+        col=st.sampled_from(COLUMNS),
+        outcome=st.sampled_from(["verified", "failed", "corrupt", "inflight"]),
+    )
     def load(self, chain: int, depth: int, col: str, outcome: str) -> None:
         slot = self.oracle.slot(CHAINS[chain][depth], col)
         if slot.disk != "rest":
@@ -262,8 +279,9 @@ class FunnelMachine(RuleBasedStateMachine):
     @rule(chain=st.integers(0, 1), resume=st.integers(0, DEPTHS * H), lease=st.booleans())
     def lookup(self, chain: int, resume: int, lease: bool) -> None:
         hs = CHAINS[chain]
-        m = self.state.lookup(LookupRequest(hs, resume_tokens=resume, lease_ttl_s=10 if lease
-                                            else 0))
+        m = self.state.lookup(
+            LookupRequest(hs, resume_tokens=resume, lease_ttl_s=10 if lease else 0)
+        )
         safe = self.oracle.safe_prefix(hs, resume)
         assert m.usable_tokens <= safe, f"unsafe hit: {m.usable_tokens} > safe {safe}"
         assert m.usable_tokens >= safe, f"needless miss: {m.usable_tokens} < safe {safe}"
@@ -271,13 +289,55 @@ class FunnelMachine(RuleBasedStateMachine):
         by_oid.update({s.disk_oid: s for s in self.oracle.slots.values() if s.disk_oid})
         used = [by_oid[h.object_id] for hs_ in m.handles.values() for h in hs_]
         if m.lease_id is not None:
-            mem_used = [s for hs_ in m.handles.values() for h in hs_
-                        if (s := by_oid[h.object_id]).oid == h.object_id]
+            mem_used = [
+                s
+                for hs_ in m.handles.values()
+                for h in hs_
+                if (s := by_oid[h.object_id]).oid == h.object_id
+            ]
             for s in mem_used:
                 s.pins += 1
             self.leases.append((m.lease_id, mem_used))
         assert len(used) == sum(len(v) for v in m.handles.values())
         self.handles = [h for hs_ in m.handles.values() for h in hs_]
+
+    @precondition(lambda self: bool(self.handles))
+    @rule(n=st.integers(1, 6))
+    def capture(self, n: int) -> None:
+        """A worker captures a CUDA graph over some matched blocks: they are pinned."""
+        by_oid = {s.oid: s for s in self.oracle.slots.values() if s.oid is not None}
+        mem = [h for h in self.handles if h.block >= 0 and h.object_id in by_oid][:n]
+        gone = [
+            h
+            for h in self.handles
+            if h.block >= 0
+            and not any(h.object_id in (s.oid, s.disk_oid) for s in self.oracle.slots.values())
+        ]
+        if gone:  # a block freed since the lookup: capturing it must be refused
+            with pytest.raises(StaleHandle):
+                self.state.register_capture(gone[:1])
+        if not mem:
+            return
+        slots = [by_oid[h.object_id] for h in mem]
+        handles = mem
+        cap_id, _ = self.state.register_capture(handles)
+        for s in slots:
+            s.pins += 1
+        self.captures.append((cap_id, slots, {h.shard for h in handles}))
+
+    @precondition(lambda self: bool(self.captures))
+    @rule()
+    def release_capture(self) -> None:
+        cap_id, slots, _ = self.captures.pop(0)
+        self.state.release_capture(cap_id)
+        for s in slots:
+            s.pins = max(0, s.pins - 1)
+
+    @invariant()
+    def captures_invalid_only_after_owner_loss(self) -> None:
+        for cap_id, slots, _shards in self.captures:
+            valid, _ = self.state.capture_status(cap_id)
+            assert valid == all(s.oid is not None for s in slots)
 
     @precondition(lambda self: bool(self.leases))
     @rule()
@@ -291,8 +351,10 @@ class FunnelMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 10_000))
     def read(self, i: int) -> None:
         h = self.handles[i % len(self.handles)]
-        live = any(s.oid == h.object_id or (s.disk_oid == h.object_id and s.disk == "ready")
-                   for s in self.oracle.slots.values())
+        live = any(
+            s.oid == h.object_id or (s.disk_oid == h.object_id and s.disk == "ready")
+            for s in self.oracle.slots.values()
+        )
         try:
             self.state.check_read(h)
         except StaleHandle:
@@ -306,7 +368,9 @@ class FunnelMachine(RuleBasedStateMachine):
 
 
 FunnelMachine.TestCase.settings = settings(
-    max_examples=120, stateful_step_count=50, deadline=None,
+    max_examples=120,
+    stateful_step_count=50,
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestFunnelAgainstOracle = FunnelMachine.TestCase

@@ -53,11 +53,7 @@ def test_every_legal_transition_applies(kind: Kind, state: State, event: Event) 
     assert rec.state is TABLE[kind][(state, event)] and rec.seq == 1
 
 
-ILLEGAL = [
-    (k, s, e)
-    for k, s, e in itertools.product(Kind, State, Event)
-    if (s, e) not in TABLE[k]
-]
+ILLEGAL = [(k, s, e) for k, s, e in itertools.product(Kind, State, Event) if (s, e) not in TABLE[k]]
 
 
 @pytest.mark.parametrize(("kind", "state", "event"), ILLEGAL, ids=lambda v: str(v))
