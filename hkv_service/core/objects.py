@@ -2,11 +2,13 @@
 
 A dict entry costs ~50-100 bytes per object; a slab slot costs 8. Ids stay unique forever:
 ``id = serial << 32 | slot``, so a freed and reused slot never answers to an old id (a late
-commit for an evicted object is "unknown object", never a transition of its successor).
+commit for an evicted object is "unknown object", never a transition of its successor). Ids
+stay below 2**63 (serial < 2**30), so they fit a signed 64-bit field.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 
 from .ids import ObjectId
@@ -19,10 +21,14 @@ _SLOT_MASK = (1 << _SLOT_BITS) - 1
 
 
 class ObjectTable:
-    def __init__(self) -> None:
+    def __init__(self, serial_base: int | None = None) -> None:
         self._slab: list[ObjRecord | None] = []
         self._free: list[int] = []
-        self._serial = 0
+        # A random base per state view: ids issued before a service restart do not match ids
+        # issued after it, so a pre-restart handle can never name a new object.
+        self._serial = (
+            random.SystemRandom().getrandbits(20) << 10 if serial_base is None else (serial_base)
+        )
         self._count = 0
 
     def new_id(self) -> ObjectId:

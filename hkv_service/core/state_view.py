@@ -86,6 +86,7 @@ class Allocation:
     handle: Handle
     existing: bool  # True: a live object was already there (idempotent retry); don't rewrite
     state: State
+    version: int = 0  # KV version of an existing COMPRESSED object (to sync its indexer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +140,31 @@ class Match:
     @property
     def needs_load(self) -> bool:
         return bool(self.load)
+
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+        # Crossing a process boundary (Ray, pickle) snapshots the handles: records stay home.
+        return (
+            _detached_match,
+            (
+                self.usable_tokens,
+                self.matched_tokens,
+                self.downgrades,
+                self.lease_id,
+                dict(self.handles),
+            ),
+        )
+
+
+def _detached_match(
+    usable: int,
+    matched: int,
+    downgrades: tuple[Downgrade, ...],
+    lease_id: LeaseId | None,
+    handles: dict[str, tuple[Handle, ...]],
+) -> Match:
+    match = Match(usable, matched, downgrades, lease_id)
+    match.__dict__["handles"] = handles  # fills the cached_property
+    return match
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,7 +300,7 @@ class CacheState:
     def _allocate_one(self, entry: PrefixEntry, col: int, owner: ShardId | None) -> Allocation:
         existing = entry.mem[col]
         if existing is not None:
-            return Allocation(self._handle(existing), True, existing.state)
+            return Allocation(self._handle(existing), True, existing.state, existing.version)
         shard, pool, block = self._take_block(col, owner)
         column = self.layout.columns[col]
         rec = ObjRecord(
@@ -834,7 +860,7 @@ class CacheState:
         return Handle(
             rec.object_id,
             rec.generation,
-            rec.shard,
+            rec.shard if rec.block >= 0 or rec.disk_owner is None else rec.disk_owner,
             rec.column,
             rec.block,
             rec.inner or rec.kind,
@@ -881,6 +907,8 @@ class CacheState:
                 "topology_epoch": self.topology_epoch,
                 "in_transit_objects": adm.in_transit_objects,
                 "in_transit_bytes": adm.in_transit_bytes,
+                "in_transit_peak_objects": adm.peak_objects,
+                "admission_refused": adm.refused,
                 "owners_alive": sum(o.alive for o in self.owners.values()),
             }
             return snap
