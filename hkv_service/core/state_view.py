@@ -292,10 +292,17 @@ class CacheState:
             for r in requests:
                 self._check_slot(r, len(block_hashes))
             entries = self._ensure_path(block_hashes, max((r.depth for r in requests), default=-1))
-            return [
-                self._allocate_one(entries[r.depth], c, owner)
-                for r, c in zip(requests, cols, strict=True)
-            ]
+            done: list[Allocation] = []
+            try:
+                for r, c in zip(requests, cols, strict=True):
+                    done.append(self._allocate_one(entries[r.depth], c, owner))
+            except PoolExhausted:
+                # All or nothing: blocks reserved by this call go back, or they would leak.
+                for a in done:
+                    if not a.existing:
+                        self._apply(self.objects[a.handle.object_id], Event.EVICT, Params())
+                raise
+            return done
 
     def _allocate_one(self, entry: PrefixEntry, col: int, owner: ShardId | None) -> Allocation:
         existing = entry.mem[col]

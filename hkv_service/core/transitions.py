@@ -46,6 +46,9 @@ def _memory_kind(ready: State, *, rewrite: bool = False) -> dict[tuple[State, Ev
 _INDEXER = {
     **_memory_kind(S.INDEXER_WRITTEN),
     (S.INDEXER_WRITTEN, E.INDEXER_SYNC): S.INDEXER_SYNCED,
+    # Keys rewritten for a KV that moved on (a stale indexer is refreshed, never re-read).
+    (S.INDEXER_WRITTEN, E.WRITE_DONE): S.INDEXER_WRITTEN,
+    (S.INDEXER_SYNCED, E.WRITE_DONE): S.INDEXER_WRITTEN,
     (S.INDEXER_SYNCED, E.INDEXER_SYNC): S.INDEXER_SYNCED,
     (S.INDEXER_SYNCED, E.EVICT): S.EVICTED,
     (S.INDEXER_SYNCED, E.LOSE): S.LOST,
@@ -160,6 +163,7 @@ def _tail_done(rec: ObjRecord, p: Params, ctx: TransitionContext) -> str | None:
 PRECONDITIONS: dict[tuple[Kind, Event], Check] = {
     **{(k, Event.EVICT): _no_pins for k in Kind},
     (Kind.INDEXER, Event.INDEXER_SYNC): _indexer_sync,
+    (Kind.INDEXER, Event.WRITE_DONE): _no_pins,  # never rewrite bytes under a reader
     (Kind.SWA, Event.WRITE_DONE): _swa_range,
     (Kind.TAIL, Event.TAIL_APPEND): _tail_append,
     (Kind.TAIL, Event.TAIL_DONE): _tail_done,

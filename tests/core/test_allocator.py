@@ -83,3 +83,12 @@ def test_alignment_from_pool_layout() -> None:
     pool = BlockPool(PoolConfig(4, 2048 + 8, 4096))
     assert pool.alignment_of(0, 2048) == 2048
     assert pool.alignment_of(1, 2048) == 8
+
+
+def test_allocate_is_all_or_nothing(spec, clock) -> None:
+    st = small_state(spec, clock, 2)
+    hs = prompt_hashes(spec, 4)
+    with pytest.raises(PoolExhausted):
+        st.allocate(hs, [AllocRequest(d, "c4") for d in range(4)])  # 4 blocks, pool of 2
+    assert len(st.objects) == 0
+    assert len(st.owners[ShardId("s0")].pools[0].free) == 2  # nothing leaked

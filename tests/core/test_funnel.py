@@ -196,3 +196,22 @@ def test_owner_lost_means_miss_never_hit(state: CacheState, spec) -> None:
     state.mark_owner_lost(ShardId("s0"))
     assert state.lookup(LookupRequest(hs)).usable_tokens == 0
     assert all(r.state is not State.COMPRESSED_READY for r in state.objects.values())
+
+
+def test_stale_indexer_can_be_refreshed(state: CacheState, spec) -> None:
+    hs = prompt_hashes(spec, N)
+    ids = commit_prefix(state, hs)
+    m = state.lookup(LookupRequest(hs, lease_ttl_s=5))  # a reader pins the indexer...
+    state.release_lease(m.lease_id)  # ...then lets go; the KV moves on, the indexer stays
+    idx = state.objects[ids[(5, "idx")]]
+    idx.pins += 1
+    state.evict(ids[(5, "c4")])
+    idx.pins -= 1
+    (kv,) = state.allocate(hs, [AllocRequest(5, "c4")])
+    v = state.transition(kv.handle.object_id, Event.WRITE_DONE).version
+    (again,) = state.allocate(hs, [AllocRequest(5, "idx")])
+    assert again.existing and again.version != v  # the writer can see it is stale
+    assert state.lookup(LookupRequest(hs)).usable_tokens == 256
+    state.transition(again.handle.object_id, Event.WRITE_DONE)  # rewrite the keys
+    state.transition(again.handle.object_id, Event.INDEXER_SYNC, Params(version=v))
+    assert state.lookup(LookupRequest(hs)).usable_tokens == 512
