@@ -1,0 +1,208 @@
+"""``hkv demo``: drive the reference-model workload through hkv and report.
+
+Backend choice (``cli.py`` has no flag for it): ``HKV_DEMO_BACKEND=inprocess`` (default) or
+``system``. The system backend needs the embedded service (``workers.launcher``); when it cannot
+start, the demo says so on stderr and runs in-process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+
+from hkv_service.refmodel import RefModel
+from hkv_service.specs import default_spec
+
+from .backend import CacheBackend, InProcessBackend
+from .faults import EXPECTED, FaultPlan, FaultSpecError, parse_faults
+from .worker import Totals, Worker
+from .workload import make_workload
+
+__all__ = ["DemoConfig", "run_demo", "run_workload"]
+
+NORMAL_POOL = 192  # blocks per column per shard; long prompts spill to disk
+PRESSURE_POOL = 48  # pool_pressure: constant eviction
+
+
+class DemoConfig(argparse.Namespace):
+    requests: int = 48
+    duration: float | None = None
+    seed: int = 0
+    faults: str = "none"
+    check: bool = False
+    workers: int = 2
+    json: bool = False
+    endpoint: str | None = None
+
+
+def make_backend(model: RefModel, rates: dict[str, float], note: Any = None) -> CacheBackend:
+    choice = os.environ.get("HKV_DEMO_BACKEND", "inprocess").strip().lower()
+    if choice not in ("inprocess", "system"):
+        raise FaultSpecError(f"HKV_DEMO_BACKEND must be 'inprocess' or 'system', got {choice!r}")
+    if choice == "system" and note is not None:
+        note("system backend is not available in this build; running in-process")
+    spec = model.spec
+    shapes: dict[str, tuple[int, ...]] = {}
+    for g in spec.groups:
+        shapes[g.name] = model.block_shape(g.name)
+        if g.kind.value == "COMPRESSED":
+            shapes[f"{g.name}.tail"] = model.tail_shape(g.name)
+    pool = PRESSURE_POOL if rates.get("pool_pressure", 0.0) > 0 else NORMAL_POOL
+    return InProcessBackend(
+        spec, shapes, pool_blocks=pool, misaligned_shard=rates.get("misaligned_handle", 0.0) > 0
+    )
+
+
+def run_workload(
+    requests: int = 48,
+    seed: int = 0,
+    faults: str | dict[str, float] = "none",
+    check: bool = True,
+    workers: int = 2,
+    duration: float | None = None,
+    progress: Any = None,
+) -> dict[str, Any]:
+    rates = parse_faults(faults) if isinstance(faults, str) else dict(faults)
+    spec = default_spec()
+    model = RefModel(spec)
+    plan = FaultPlan(rates, seed)
+    backend = make_backend(model, rates, progress)
+    wl = make_workload(requests, seed, vocab=model.config.vocab)
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // max(1, workers)))
+    totals = Totals()
+    todo: queue.Queue[Any] = queue.Queue()
+    for r in wl.requests:
+        todo.put(r)
+    start = time.perf_counter()
+    errors: list[BaseException] = []
+
+    def loop() -> None:
+        w = Worker(model, backend, plan, check)
+        while True:
+            if duration is not None and time.perf_counter() - start > duration:
+                return
+            try:
+                req = todo.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                w.run(req, totals)
+            except BaseException as err:
+                errors.append(err)
+                return
+            if progress is not None and totals.requests % 8 == 0:
+                progress(f"{totals.requests}/{len(wl.requests)} requests, "
+                         f"reused {totals.reused_tokens}/{totals.prompt_tokens} tokens")
+
+    threads = [threading.Thread(target=loop, daemon=True) for _ in range(max(1, workers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - start
+    try:
+        st = backend.stats()
+    finally:
+        backend.close()
+    if errors:
+        raise errors[0]
+    return _report(totals, plan, st, elapsed, rates)
+
+
+def _report(totals: Totals, plan: FaultPlan, st: dict[str, Any], elapsed: float,
+            rates: dict[str, float]) -> dict[str, Any]:
+    transitions: dict[str, dict[str, int]] = {}
+    for key, n in st["transitions"].items():
+        kind, _, state = key.partition(":")
+        transitions.setdefault(kind, {})[state] = n
+    expected = {}
+    for name in sorted(rates):
+        want = EXPECTED[name]
+        if want == "EVICTED":
+            seen = sum(s.get("EVICTED", 0) for s in transitions.values())
+        else:
+            seen = totals.fallbacks.get(want, 0)
+        expected[name] = {"reason": want, "seen": seen}
+    return {
+        "requests": totals.requests,
+        "prompt_tokens": totals.prompt_tokens,
+        "reused_tokens": totals.reused_tokens,
+        "recomputed_tokens": totals.recomputed_tokens,
+        "oracle_reusable_tokens": totals.oracle_tokens,
+        "reuse_efficiency": round(totals.reused_tokens / totals.oracle_tokens, 4)
+        if totals.oracle_tokens else 1.0,
+        "checked": totals.checked,
+        "silent_errors": totals.silent_errors,
+        "fallbacks": dict(sorted(totals.fallbacks.items())),
+        "transitions": transitions,
+        "faults_injected": dict(sorted(plan.injected.items())),
+        "faults_expected": expected,
+        "time_s": {k: round(v, 4) for k, v in sorted(totals.time_s.items())},
+        "elapsed_s": round(elapsed, 3),
+        "backend": st.get("backend"),
+        "disk": st.get("disk"),
+        "disk_corruption": st.get("disk_corruption", 0),
+        "per_request": totals.per_request,
+    }
+
+
+def _summary(rep: dict[str, Any]) -> str:
+    lines = [
+        f"hkv demo: {rep['requests']} requests on the {rep['backend']} backend "
+        f"(disk tier: {rep['disk']}) in {rep['elapsed_s']:.1f} s",
+        f"  prompt tokens     {rep['prompt_tokens']}",
+        f"  reused tokens     {rep['reused_tokens']} "
+        f"({rep['reused_tokens'] / max(1, rep['prompt_tokens']):.1%} of prompt; "
+        f"{rep['reuse_efficiency']:.1%} of what was safely reusable)",
+        f"  recomputed tokens {rep['recomputed_tokens']}",
+        f"  silent errors     {rep['silent_errors']}"
+        + ("" if rep["checked"] else "  (not checked; pass --check)"),
+    ]
+    if rep["fallbacks"]:
+        lines.append("  fallbacks         " + ", ".join(f"{k}={v}" for k, v in
+                                                         rep["fallbacks"].items()))
+    if rep["faults_injected"]:
+        lines.append("  faults injected   " + ", ".join(f"{k}={v}" for k, v in
+                                                         rep["faults_injected"].items()))
+    t = rep["time_s"]
+    lines.append(f"  time (s)          lookup {t.get('lookup', 0):.3f}  transfer "
+                 f"{t.get('transfer', 0):.3f}  compute {t.get('compute', 0):.3f}  "
+                 f"write-back {t.get('writeback', 0):.3f}")
+    return "\n".join(lines)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    def note(msg: str) -> None:
+        sys.stderr.write(f"hkv demo: {msg}\n")
+
+    if getattr(args, "endpoint", None):
+        note(f"--endpoint {args.endpoint}: attaching to a running service needs the system "
+             "backend, which this build lacks; running in-process")
+    try:
+        rates = parse_faults(args.faults)
+    except FaultSpecError as err:
+        sys.stderr.write(f"hkv: error: {err}.\n")
+        return 2
+    if args.requests < 1 or args.workers < 1:
+        sys.stderr.write("hkv: error: --requests and --workers must be at least 1.\n")
+        return 2
+    try:
+        rep = run_workload(args.requests, args.seed, rates, args.check, args.workers,
+                           args.duration, note)
+    except FaultSpecError as err:
+        sys.stderr.write(f"hkv: error: {err}.\n")
+        return 2
+    rep.pop("per_request", None)
+    if args.json:
+        print(json.dumps(rep, sort_keys=True))
+    else:
+        print(_summary(rep))
+    return 1 if args.check and rep["silent_errors"] else 0
