@@ -1,0 +1,212 @@
+"""Service bench: Lookup over gRPC against the in-process lookup and a bare gRPC echo.
+
+One process hosts the metadata service (127.0.0.1:0, reference spec, a 2,048-block prefix
+committed) and an echo server (a generic bytes-in/bytes-out handler, no protobuf at all).
+Measured in the same run:
+
+* latency p50/p99 of Lookup for 1- and 2,048-block prefixes (request pre-serialized, reply
+  left as bytes: the service's cost plus transport) and through the typed client (plus
+  decoding into core types); the in-process ``CacheState.lookup`` with its handles built;
+  the echo of the very same request bytes;
+* throughput of 1-block lookups with 1 and 4 client threads, batched 16 per call, and
+  ping-pong over the ``LookupStream`` bidi stream, against echo (unary and bidi) the same way.
+
+Client and servers share one process, hence one GIL: the figures bound what Python gRPC can
+do here, and 4 threads show GIL plus state-lock contention together.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+
+from ..client import MetadataClient
+from ..core.funnel import LookupRequest
+from ..core.ids import BlockHash, ShardId
+from ..core.state_view import CacheState
+from ..proto_gen.hkv.v1 import hkv_pb2 as pb
+from ..server.app import ServerConfig, Service, build_service
+from ..server.codec import encode_lookup
+from ..specs import default_spec
+from ..testing import commit_prefix, pools_for, prompt_hashes
+from .timing import percentile, samples
+
+__all__ = ["run"]
+
+_LOOKUP = "/hkv.v1.MetadataService/Lookup"
+_STREAM = "/hkv.v1.MetadataService/LookupStream"
+_ECHO = "/bench.Echo/Echo"
+_ECHO_STREAM = "/bench.Echo/EchoStream"
+
+
+def _echo_server() -> tuple[grpc.Server, int]:
+    handlers = {
+        "Echo": grpc.unary_unary_rpc_method_handler(lambda req, _ctx: req),
+        "EchoStream": grpc.stream_stream_rpc_method_handler(lambda it, _ctx: it),
+    }
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16),
+                         options=[("grpc.max_receive_message_length", 64 << 20)])
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bench.Echo",
+                                                                          handlers),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, port
+
+
+def _service(n_blocks: int) -> tuple[Service, list[BlockHash]]:
+    state = CacheState(default_spec())
+    state.register_owner(ShardId("s0"), pools_for(state.layout, n_blocks + 8))
+    hashes = prompt_hashes(state.spec, n_blocks)
+    commit_prefix(state, hashes)
+    service = build_service(ServerConfig(port=0), state)
+    service.server.start()
+    return service, hashes
+
+
+def _batch_bytes(requests: list[LookupRequest]) -> bytes:
+    msg = pb.LookupBatchRequest()
+    for r in requests:
+        encode_lookup(r, msg.requests.add())
+    return bytes(msg.SerializeToString())
+
+
+def _stream_bytes(requests: list[LookupRequest]) -> bytes:
+    msg = pb.LookupStreamRequest(tag=1)
+    for r in requests:
+        encode_lookup(r, msg.requests.add())
+    return bytes(msg.SerializeToString())
+
+
+def _latency(fn: Callable[[], object], count: int) -> dict[str, float]:
+    fn()  # warm up
+    times = samples(fn, count)
+    return {"p50_s": percentile(times, 0.5), "p99_s": percentile(times, 0.99)}
+
+
+def _rps(make_call: Callable[[], Callable[[], object]], threads: int, per_thread: int) -> float:
+    """Calls/s with ``threads`` client threads, each with its own channel, fixed count."""
+    calls = [make_call() for _ in range(threads)]
+    for c in calls:
+        c()
+    start = threading.Barrier(threads + 1)
+
+    def work(call: Callable[[], object]) -> None:
+        start.wait()
+        for _ in range(per_thread):
+            call()
+
+    pool = [threading.Thread(target=work, args=(c,)) for c in calls]
+    for t in pool:
+        t.start()
+    start.wait()
+    t0 = time.perf_counter()
+    for t in pool:
+        t.join()
+    return threads * per_thread / (time.perf_counter() - t0)
+
+
+def _unary(endpoint: str, method: str, payload: bytes) -> Callable[[], Callable[[], object]]:
+    def make() -> Callable[[], object]:
+        channel = grpc.insecure_channel(endpoint, options=[
+            ("grpc.max_receive_message_length", 64 << 20)])
+        stub = channel.unary_unary(method)
+        return lambda: stub(payload, timeout=30)
+    return make
+
+
+def _ping_pong_rps(endpoint: str, method: str, payload: bytes, count: int) -> float:
+    """Request/response round trips per second over one bidi stream."""
+    channel = grpc.insecure_channel(endpoint)
+    outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+
+    def requests() -> Iterator[bytes]:
+        while (item := outbox.get()) is not None:
+            yield item
+
+    responses: Any = channel.stream_stream(method)(requests(), timeout=120)
+    outbox.put(payload)
+    next(responses)  # warm up
+    t0 = time.perf_counter()
+    for _ in range(count):
+        outbox.put(payload)
+        next(responses)
+    elapsed = time.perf_counter() - t0
+    outbox.put(None)
+    responses.cancel()
+    channel.close()
+    return count / elapsed
+
+
+def _latencies(endpoint: str, echo: str, state: CacheState, hashes: list[BlockHash],
+               n: int, count: int) -> dict[str, float]:
+    req = LookupRequest(hashes[:n])
+    payload = _batch_bytes([req])
+    svc, ech = _unary(endpoint, _LOOKUP, payload)(), _unary(echo, _ECHO, payload)()
+    out: dict[str, float] = {}
+    for name, fn in (("service", svc), ("echo", ech),
+                     ("core", lambda: state.lookup(req).handles)):
+        for k, v in _latency(fn, count).items():
+            out[f"lookup{n}_{name}_{k}"] = v
+    with MetadataClient(endpoint, timeout_s=30) as client:
+        for k, v in _latency(lambda: client.lookup(req), count).items():
+            out[f"lookup{n}_client_{k}"] = v
+    out[f"lookup{n}_request_bytes"] = float(len(payload))
+    return out
+
+
+def _throughput(endpoint: str, echo: str, hashes: list[BlockHash], calls: int
+                ) -> dict[str, float]:
+    one = [LookupRequest(hashes[:1])]
+    single, batch16 = _batch_bytes(one), _batch_bytes(one * 16)
+    out = {
+        "lookups_per_s_1thread": _rps(_unary(endpoint, _LOOKUP, single), 1, calls),
+        "lookups_per_s_4threads": _rps(_unary(endpoint, _LOOKUP, single), 4, calls // 4),
+        "echo_rps_1thread": _rps(_unary(echo, _ECHO, single), 1, calls),
+        "echo_rps_4threads": _rps(_unary(echo, _ECHO, single), 4, calls // 4),
+        "lookups_per_s_batched16": 16 * _rps(_unary(endpoint, _LOOKUP, batch16), 1,
+                                             calls // 4),
+        "stream_lookups_per_s": _ping_pong_rps(endpoint, _STREAM, _stream_bytes(one), calls),
+        "echo_stream_rps": _ping_pong_rps(echo, _ECHO_STREAM, _stream_bytes(one), calls),
+    }
+    return out
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    n_blocks = 2048
+    count, calls = (60, 600) if quick else (300, 3000)
+    service, hashes = _service(n_blocks)
+    echo_server, echo_port = _echo_server()
+    endpoint, echo = f"127.0.0.1:{service.port}", f"127.0.0.1:{echo_port}"
+    try:
+        lat = _latencies(endpoint, echo, service.state, hashes, 1, count)
+        lat.update(_latencies(endpoint, echo, service.state, hashes, n_blocks, count // 3))
+        thr = _throughput(endpoint, echo, hashes, calls)
+    finally:
+        service.stop(0).wait(10)
+        echo_server.stop(0).wait(10)
+    baseline_keys = [k for k in {**lat, **thr} if "echo" in k or "core" in k]
+    merged = {**lat, **thr}
+    figures = {k: v for k, v in merged.items() if k not in baseline_keys}
+    baseline = {k: merged[k] for k in baseline_keys}
+    ratios = {
+        "lookup2048_vs_echo_latency":
+            lat["lookup2048_service_p50_s"] / lat["lookup2048_echo_p50_s"],
+        "lookup1_vs_echo_latency": lat["lookup1_service_p50_s"] / lat["lookup1_echo_p50_s"],
+        "lookup2048_service_vs_core_latency":
+            lat["lookup2048_service_p50_s"] / lat["lookup2048_core_p50_s"],
+        "lookups_per_s_vs_echo_rps": thr["lookups_per_s_1thread"] / thr["echo_rps_1thread"],
+        "lookups_per_s_4threads_vs_echo_rps":
+            thr["lookups_per_s_4threads"] / thr["echo_rps_4threads"],
+        "lookups_per_s_4threads_vs_1thread":
+            thr["lookups_per_s_4threads"] / thr["lookups_per_s_1thread"],
+        "stream_lookups_per_s_vs_echo_stream_rps":
+            thr["stream_lookups_per_s"] / thr["echo_stream_rps"],
+    }
+    return {"name": "service", "quick": quick, "figures": figures, "baseline": baseline,
+            "ratios": ratios}

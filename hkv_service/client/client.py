@@ -1,0 +1,301 @@
+"""``MetadataClient``: the typed Python face of ``hkv.v1.MetadataService``.
+
+Calls take and return the core's own types (Match, Handle, Allocation, TransitionResult,
+TransitionEvent, ObjectReport, CacheSpec); no protobuf type leaks out. Every call has a
+deadline (``timeout_s``). Only idempotent calls are retried, a bounded number of times with
+exponential backoff, and only on UNAVAILABLE (the server restarting or not yet up). Errors
+come back as the core's domain exception: by the ``hkv-error`` trailing metadata when the
+server sent it, else by status code; a status with no domain meaning (DEADLINE_EXCEEDED,
+UNAUTHENTICATED, INTERNAL ...) raises :class:`RpcFailed`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from hkv_service.core.allocator import PoolConfig
+from hkv_service.core.errors import AdmissionRefused, HkvError
+from hkv_service.core.funnel import LookupRequest
+from hkv_service.core.ids import BlockHash, CaptureId, LeaseId, ObjectId, ShardId
+from hkv_service.core.records import Handle
+from hkv_service.core.spec import CacheSpec, spec_from_dict
+from hkv_service.core.state_view import (
+    Allocation,
+    AllocRequest,
+    Match,
+    ObjectReport,
+    TransitionEvent,
+    TransitionResult,
+)
+from hkv_service.core.states import Event
+from hkv_service.core.transitions import Params
+from hkv_service.proto_gen.hkv.v1 import hkv_pb2 as pb
+from hkv_service.proto_gen.hkv.v1 import hkv_pb2_grpc as pb_grpc
+from hkv_service.server import codec
+from hkv_service.server.status_map import ERROR_CLASS_KEY, RETRY_AFTER_KEY, error_class
+
+__all__ = ["MetadataClient", "RetryPolicy", "RpcFailed", "TlsConfig", "TransitionItem"]
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+class RpcFailed(HkvError):
+    """A gRPC failure with no domain meaning; ``code`` is the status code's name."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+
+
+@dataclass(frozen=True, slots=True)
+class TlsConfig:
+    ca: bytes | None = None  # PEM roots; None: the system's
+    cert: bytes | None = None  # client certificate chain (mTLS)
+    key: bytes | None = None  # client private key (mTLS)
+    server_name: str | None = None  # override the name checked against the certificate
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    attempts: int = 5
+    first_backoff_s: float = 0.05
+    max_backoff_s: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class TransitionItem:
+    object_id: ObjectId
+    event: Event
+    params: Params | None = None
+    generation: int | None = None
+
+
+def _to_error(code: grpc.StatusCode | None, details: str, cls_name: str | None,
+              retry_ms: str | None) -> HkvError:
+    cls = error_class(cls_name, code)
+    if cls is None:
+        return RpcFailed(code.name if code is not None else "UNKNOWN", details)
+    if issubclass(cls, AdmissionRefused):
+        return cls(details, retry_after_s=int(retry_ms or 50) / 1000)
+    return cls(details)
+
+
+def _from_rpc_error(err: grpc.RpcError) -> HkvError:
+    call: Any = err
+    md = dict(call.trailing_metadata() or ())
+    return _to_error(call.code(), call.details() or "", md.get(ERROR_CLASS_KEY),
+                     md.get(RETRY_AFTER_KEY))
+
+
+def _from_item_error(msg: Any) -> HkvError:
+    return _to_error(_CODES.get(msg.code), msg.message, msg.error_class,
+                     str(msg.retry_after_ms) if msg.retry_after_ms else None)
+
+
+def _channel(endpoint: str, tls: TlsConfig | None) -> grpc.Channel:
+    options: list[tuple[str, Any]] = [
+        ("grpc.max_receive_message_length", 64 << 20),
+        ("grpc.max_send_message_length", 64 << 20),
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+    ]
+    if tls is None:
+        return grpc.insecure_channel(endpoint, options=options)
+    if tls.server_name:
+        options.append(("grpc.ssl_target_name_override", tls.server_name))
+    creds = grpc.ssl_channel_credentials(tls.ca, tls.key, tls.cert)
+    return grpc.secure_channel(endpoint, creds, options=options)
+
+
+class MetadataClient:
+    def __init__(self, endpoint: str, token: str | None = None, tls: TlsConfig | None = None,
+                 timeout_s: float = 5.0, retry: RetryPolicy | None = None) -> None:
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self.retry = retry or RetryPolicy()
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._channel = _channel(endpoint, tls)
+        self._stub = pb_grpc.MetadataServiceStub(self._channel)  # type: ignore[no-untyped-call]
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> MetadataClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- plumbing -----------------------------------------------------------------------
+
+    def _call(self, method: str, request: Any, *, idempotent: bool) -> Any:
+        attempts = self.retry.attempts if idempotent else 1
+        backoff = self.retry.first_backoff_s
+        for attempt in range(attempts):
+            try:
+                return getattr(self._stub, method)(request, timeout=self.timeout_s,
+                                                   metadata=self._metadata)
+            except grpc.RpcError as err:
+                call: Any = err
+                if call.code() is not grpc.StatusCode.UNAVAILABLE or attempt + 1 == attempts:
+                    raise _from_rpc_error(err) from None
+            time.sleep(backoff)
+            backoff = min(backoff * 2, self.retry.max_backoff_s)
+        raise AssertionError("unreachable")
+
+    # ---- spec and owners ----------------------------------------------------------------
+
+    def get_spec(self) -> CacheSpec:
+        resp = self._call("GetSpec", pb.GetSpecRequest(), idempotent=True)
+        return spec_from_dict(json.loads(resp.spec_json))
+
+    def register_owner(self, owner: str, pools: Mapping[str, PoolConfig]) -> int:
+        req = pb.RegisterOwnerRequest(owner=owner)
+        for name, cfg in pools.items():
+            req.pools[name].CopyFrom(pb.PoolConfig(num_blocks=cfg.num_blocks, stride=cfg.stride,
+                                                   base_align=cfg.base_align))
+        return int(self._call("RegisterOwner", req, idempotent=False).incarnation)
+
+    def heartbeat(self, owner: str, incarnation: int) -> None:
+        self._call("Heartbeat", pb.HeartbeatRequest(owner=owner, incarnation=incarnation),
+                   idempotent=True)
+
+    def mark_owner_lost(self, owner: str) -> int:
+        return int(self._call("MarkOwnerLost", pb.MarkOwnerLostRequest(owner=owner),
+                              idempotent=False).lost)
+
+    def confirm(self, owner: str, reports: Sequence[ObjectReport]) -> int:
+        req = pb.ConfirmRequest(owner=owner)
+        for r in reports:
+            codec.encode_report(r, req.reports.add())
+        return int(self._call("Confirm", req, idempotent=False).confirmed)
+
+    # ---- allocation and transitions -----------------------------------------------------
+
+    def allocate(self, block_hashes: Sequence[BlockHash], requests: Sequence[AllocRequest],
+                 owner: ShardId | str | None = None) -> list[Allocation]:
+        req = pb.AllocateRequest(block_hashes=block_hashes, owner=owner or "")
+        for r in requests:
+            req.slots.add(depth=r.depth, column=r.column)
+        return codec.decode_allocations(self._call("Allocate", req, idempotent=True))
+
+    def transition_many(self, items: Sequence[TransitionItem]
+                        ) -> list[TransitionResult | HkvError]:
+        """Apply each item on its own; a failed item comes back as its domain error."""
+        req = pb.TransitionRequest()
+        for it in items:
+            msg = req.items.add(object_id=it.object_id, event=codec.EVENTS.to_pb[it.event])
+            if it.params is not None:
+                codec.encode_params(it.params, msg)
+            if it.generation is not None:
+                msg.generation = it.generation
+        resp = self._call("Transition", req, idempotent=False)
+        return [codec.decode_result(o.result) if o.HasField("result")
+                else _from_item_error(o.error) for o in resp.outcomes]
+
+    def transition(self, object_id: ObjectId | int, event: Event, params: Params | None = None,
+                   generation: int | None = None) -> TransitionResult:
+        (out,) = self.transition_many([TransitionItem(ObjectId(object_id), event, params,
+                                                      generation)])
+        if isinstance(out, HkvError):
+            raise out
+        return out
+
+    def evict(self, object_id: ObjectId | int) -> None:
+        self._call("Evict", pb.EvictRequest(object_id=object_id), idempotent=False)
+
+    def begin_offload(self, object_id: ObjectId | int, disk_owner: str) -> Handle:
+        req = pb.BeginOffloadRequest(object_id=object_id, disk_owner=disk_owner)
+        return codec.decode_handle(self._call("BeginOffload", req, idempotent=False).handle)
+
+    def begin_load(self, object_id: ObjectId | int, owner: str | None = None) -> Handle:
+        req = pb.BeginLoadRequest(object_id=object_id, owner=owner or "")
+        return codec.decode_handle(self._call("BeginLoad", req, idempotent=False).handle)
+
+    # ---- lookup -------------------------------------------------------------------------
+
+    def lookup_many(self, requests: Sequence[LookupRequest]) -> list[Match]:
+        req = pb.LookupBatchRequest()
+        for r in requests:
+            codec.encode_lookup(r, req.requests.add())
+        leased = any(r.lease_ttl_s > 0 for r in requests)
+        resp = self._call("Lookup", req, idempotent=not leased)
+        return [codec.decode_match(m) for m in resp.matches]
+
+    def lookup(self, request: LookupRequest) -> Match:
+        return self.lookup_many([request])[0]
+
+    def lookup_stream(self, batches: Iterable[Sequence[LookupRequest]],
+                      timeout_s: float | None = None) -> Iterator[list[Match] | HkvError]:
+        """One result per batch, in order, over one bidirectional stream."""
+        def requests() -> Iterator[Any]:
+            for tag, batch in enumerate(batches):
+                msg = pb.LookupStreamRequest(tag=tag)
+                for r in batch:
+                    codec.encode_lookup(r, msg.requests.add())
+                yield msg
+
+        stream = self._stub.LookupStream(requests(), timeout=timeout_s,
+                                         metadata=self._metadata)
+        try:
+            for resp in stream:
+                yield (_from_item_error(resp.error) if resp.HasField("error")
+                       else [codec.decode_match(m) for m in resp.matches])
+        except grpc.RpcError as err:
+            raise _from_rpc_error(err) from None
+        finally:
+            stream.cancel()
+
+    # ---- leases, reads, captures --------------------------------------------------------
+
+    def release_lease(self, lease_id: LeaseId | int) -> None:
+        self._call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=lease_id), idempotent=False)
+
+    def check_read(self, handle: Handle, lease_id: LeaseId | int | None = None) -> None:
+        req = pb.CheckReadRequest(handle=codec.encode_handle(handle))
+        if lease_id is not None:
+            req.lease_id = lease_id
+        self._call("CheckRead", req, idempotent=True)
+
+    def register_capture(self, handles: Sequence[Handle]) -> tuple[CaptureId, int]:
+        req = pb.RegisterCaptureRequest(handles=[codec.encode_handle(h) for h in handles])
+        resp = self._call("RegisterCapture", req, idempotent=False)
+        return CaptureId(resp.capture_id), int(resp.topology_epoch)
+
+    def release_capture(self, capture_id: CaptureId | int) -> None:
+        self._call("ReleaseCapture", pb.ReleaseCaptureRequest(capture_id=capture_id),
+                   idempotent=False)
+
+    def capture_status(self, capture_id: CaptureId | int) -> tuple[bool, int]:
+        resp = self._call("CaptureStatus", pb.CaptureStatusRequest(capture_id=capture_id),
+                          idempotent=True)
+        return bool(resp.valid), int(resp.topology_epoch)
+
+    # ---- watch and stats ----------------------------------------------------------------
+
+    def watch(self, from_seq: int = 0, timeout_s: float | None = None
+              ) -> Iterator[TransitionEvent]:
+        """Events with seq > from_seq until ``timeout_s`` passes (DEADLINE_EXCEEDED ends the
+        iteration quietly) or the caller stops iterating."""
+        stream = self._stub.Watch(pb.WatchRequest(from_seq=from_seq), timeout=timeout_s,
+                                  metadata=self._metadata)
+        try:
+            for resp in stream:
+                yield from (codec.decode_event(ev) for ev in resp.events)
+        except grpc.RpcError as err:
+            call: Any = err
+            if call.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED,
+                                   grpc.StatusCode.CANCELLED):
+                raise _from_rpc_error(err) from None
+        finally:
+            stream.cancel()
+
+    def stats(self) -> dict[str, object]:
+        return codec.stats_to_dict(self._call("Stats", pb.StatsRequest(), idempotent=True))

@@ -1,0 +1,131 @@
+"""``hkv stats``: a running service's counters, and which kind's transition rate jumped.
+
+The service's counters are monotone, so rates come from samples taken ``SAMPLE_GAP_S`` apart.
+:func:`rate_jumps` is pure: the last interval's rate of each kind is compared with the mean
+rate of the earlier intervals, and flagged when it is more than ``factor`` times that mean
+and above ``floor`` transitions/s (so an idle service's 0 -> 1 is not an alarm)::
+
+    samples:   s0 ---- s1 ---- s2 ---- s3
+    rates:        r1      r2      r3        mean(r1, r2) vs r3
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from hkv_service.core.errors import HkvError
+
+from .client import MetadataClient
+
+__all__ = ["RateJump", "kind_totals", "rate_jumps", "run_stats"]
+
+SAMPLES = 4
+SAMPLE_GAP_S = 0.5
+JUMP_FACTOR = 4.0
+JUMP_FLOOR_PER_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class RateJump:
+    kind: str
+    rate_per_s: float  # last interval
+    mean_per_s: float  # mean of the earlier intervals
+    ratio: float  # rate / mean (inf when the mean is 0)
+
+
+def kind_totals(transitions: Mapping[str, int]) -> dict[str, int]:
+    """Sum ``"KIND:STATE" -> n`` counters per kind."""
+    out: dict[str, int] = {}
+    for key, n in transitions.items():
+        kind = key.partition(":")[0]
+        out[kind] = out.get(kind, 0) + n
+    return out
+
+
+def _rates(samples: Sequence[tuple[float, Mapping[str, int]]], kind: str) -> list[float]:
+    out = []
+    for (t0, c0), (t1, c1) in itertools.pairwise(samples):
+        dt = t1 - t0
+        out.append((c1.get(kind, 0) - c0.get(kind, 0)) / dt if dt > 0 else 0.0)
+    return out
+
+
+def rate_jumps(samples: Sequence[tuple[float, Mapping[str, int]]],
+               factor: float = JUMP_FACTOR, floor: float = JUMP_FLOOR_PER_S) -> list[RateJump]:
+    """Kinds whose last-interval rate exceeds ``factor`` x the earlier mean and ``floor``.
+
+    ``samples`` are ``(time_s, {kind: monotone count})``, oldest first; at least three are
+    needed (two intervals) to say anything.
+    """
+    if len(samples) < 3:
+        return []
+    kinds = sorted({k for _, counts in samples for k in counts})
+    out = []
+    for kind in kinds:
+        rates = _rates(samples, kind)
+        last, earlier = rates[-1], rates[:-1]
+        mean = sum(earlier) / len(earlier)
+        if last > floor and last > factor * mean:
+            out.append(RateJump(kind, last, mean, last / mean if mean > 0 else float("inf")))
+    return out
+
+
+def _sample(client: MetadataClient) -> tuple[dict[str, object], dict[str, int]]:
+    stats = client.stats()
+    transitions = stats.get("transitions", {})
+    assert isinstance(transitions, Mapping)
+    return stats, kind_totals(transitions)
+
+
+def _print_table(stats: Mapping[str, object], rates: Mapping[str, float],
+                 jumps: Sequence[RateJump]) -> None:
+    flagged = {j.kind for j in jumps}
+    for section in ("gauges", "lookups", "transitions", "downgrades", "evictions", "events"):
+        values = stats.get(section, {})
+        assert isinstance(values, Mapping)
+        print(f"{section}:")
+        if not values:
+            print("  (none)")
+        for key in sorted(values):
+            print(f"  {key:<40} {values[key]:>12}")
+    print("transition rate per kind (last interval):")
+    for kind in sorted(rates):
+        mark = "  <-- JUMP" if kind in flagged else ""
+        print(f"  {kind:<40} {rates[kind]:>10.1f}/s{mark}")
+
+
+def run_stats(args: argparse.Namespace) -> int:
+    token = None
+    if args.auth_token_file:
+        path = Path(args.auth_token_file)
+        if not path.is_file():
+            sys.stderr.write(f"hkv stats: error: --auth-token-file {path} is not a readable "
+                             "file\n")
+            return 2
+        token = path.read_text().strip()
+    samples: list[tuple[float, dict[str, int]]] = []
+    try:
+        with MetadataClient(args.endpoint, token=token, timeout_s=3.0) as client:
+            for i in range(SAMPLES):
+                if i:
+                    time.sleep(SAMPLE_GAP_S)
+                stats, totals = _sample(client)
+                samples.append((time.monotonic(), totals))
+    except HkvError as err:
+        sys.stderr.write(f"hkv stats: cannot read stats from {args.endpoint}: {err}\n")
+        return 1
+    jumps = rate_jumps(samples)
+    rates = {k: r[-1] for k in samples[-1][1] if (r := _rates(samples, k))}
+    if args.json:
+        print(json.dumps({"endpoint": args.endpoint, "stats": stats, "rates_per_s": rates,
+                          "rate_jumps": [asdict(j) for j in jumps]}, sort_keys=True))
+    else:
+        _print_table(stats, rates, jumps)
+    return 0

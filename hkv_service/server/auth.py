@@ -1,0 +1,87 @@
+"""Transport security: an optional shared bearer token, TLS and mTLS.
+
+The token interceptor compares ``authorization: Bearer <token>`` in constant time
+(:func:`hmac.compare_digest`) and answers UNAUTHENTICATED otherwise. It never logs or echoes
+the token. Health checks and reflection are exempt by default so probes and tooling work
+without it (``exempt`` configures the method prefixes).
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+__all__ = ["DEFAULT_EXEMPT", "TlsFiles", "TokenInterceptor", "server_credentials"]
+
+DEFAULT_EXEMPT: tuple[str, ...] = (
+    "/grpc.health.v1.Health/",
+    "/grpc.reflection.v1alpha.ServerReflection/",
+    "/grpc.reflection.v1.ServerReflection/",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class TlsFiles:
+    cert: Path
+    key: Path
+    ca: Path | None = None  # given: client certificates are required (mTLS)
+
+
+def server_credentials(tls: TlsFiles) -> grpc.ServerCredentials:
+    ca = tls.ca.read_bytes() if tls.ca is not None else None
+    return grpc.ssl_server_credentials(
+        [(tls.key.read_bytes(), tls.cert.read_bytes())],
+        root_certificates=ca,
+        require_client_auth=ca is not None,
+    )
+
+
+def _denied(details: str) -> Callable[[Any, grpc.ServicerContext], Any]:
+    def deny(_request: Any, context: grpc.ServicerContext) -> Any:
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, details)
+    return deny
+
+
+def _deny_like(handler: grpc.RpcMethodHandler, details: str) -> grpc.RpcMethodHandler:
+    """An aborting handler of the same streaming shape as ``handler``."""
+    deny = _denied(details)
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(deny)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(deny)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(deny)
+    return grpc.unary_unary_rpc_method_handler(deny)
+
+
+class TokenInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
+    def __init__(self, token: str, exempt: Sequence[str] = DEFAULT_EXEMPT) -> None:
+        if not token:
+            raise ValueError("an auth token must not be empty")
+        self._expected = f"Bearer {token}".encode()
+        self._exempt = tuple(exempt)
+
+    def _allowed(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> bool:
+        got = next((v for k, v in metadata or () if k == "authorization"), None)
+        if got is None:
+            return False
+        value = got.encode() if isinstance(got, str) else got
+        return hmac.compare_digest(value, self._expected)
+
+    def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        method: str = handler_call_details.method
+        handler = continuation(handler_call_details)
+        if handler is None or method.startswith(self._exempt):
+            return handler
+        if self._allowed(handler_call_details.invocation_metadata):
+            return handler
+        return _deny_like(handler, "missing or wrong auth token: send metadata "
+                                   "'authorization: Bearer <token>'")

@@ -1,0 +1,265 @@
+"""The wire format: core types <-> hkv.v1 protobuf messages, both directions, in one place.
+
+The server decodes requests and encodes results here; the client does the reverse with the
+same functions, so a round trip is tested once. Enums cross as ``<ENUM>_<core value>``
+(``Kind.SWA`` <-> ``KIND_SWA``); number 0 and numbers this build does not know are rejected
+with :class:`InvalidInput`, never guessed.
+
+A Match's handles are packed per column (see ``HandleColumn`` in the proto)::
+
+    Match.handles[c] = HandleColumn{group, column, kind, nbytes, abi,   <- once per column
+                                    object_ids[i], generations[i], shards[i] -> shard_names,
+                                    blocks[i], addresses[i]}           <- once per handle
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, Generic, TypeVar
+
+from hkv_service.core.errors import InvalidInput
+from hkv_service.core.funnel import Downgrade, LookupRequest
+from hkv_service.core.ids import BlockHash, GroupName, LeaseId, ObjectId, ShardId
+from hkv_service.core.records import Handle
+from hkv_service.core.state_view import (
+    Allocation,
+    Match,
+    ObjectReport,
+    TransitionEvent,
+    TransitionResult,
+)
+from hkv_service.core.states import Event, Kind, Reason, State
+from hkv_service.core.transitions import Params
+from hkv_service.proto_gen.hkv.v1 import hkv_pb2 as pb
+
+__all__ = [
+    "EVENTS",
+    "KINDS",
+    "REASONS",
+    "STATES",
+    "EnumCodec",
+    "decode_handle",
+    "decode_lookup",
+    "decode_match",
+    "decode_params",
+    "decode_report",
+    "decode_result",
+    "encode_handle",
+    "encode_lookup",
+    "encode_match",
+    "encode_report",
+    "encode_result",
+]
+
+E = TypeVar("E", bound=enum.Enum)
+
+
+class EnumCodec(Generic[E]):
+    """Core StrEnum <-> proto enum number, checked complete at import."""
+
+    def __init__(self, core: type[E], proto: Any, prefix: str) -> None:
+        self.name = prefix.rstrip("_").lower()
+        self.to_pb: dict[E, int] = {m: proto.Value(prefix + str(m.value)) for m in core}
+        self.from_pb: dict[int, E] = {v: k for k, v in self.to_pb.items()}
+
+    def decode(self, number: int, where: str) -> E:
+        value = self.from_pb.get(number)
+        if value is None:
+            raise InvalidInput(f"{where}: {self.name} value {number} is unknown or unspecified")
+        return value
+
+
+KINDS = EnumCodec(Kind, pb.Kind, "KIND_")
+STATES = EnumCodec(State, pb.State, "STATE_")
+EVENTS = EnumCodec(Event, pb.Event, "EVENT_")
+REASONS = EnumCodec(Reason, pb.Reason, "REASON_")
+
+
+# ---- handles --------------------------------------------------------------------------------
+
+def encode_handle(h: Handle, out: Any = None) -> Any:
+    msg = pb.Handle() if out is None else out
+    msg.object_id, msg.generation, msg.shard, msg.column = (
+        h.object_id, h.generation, h.shard, h.column)
+    msg.block, msg.kind, msg.group, msg.nbytes = h.block, KINDS.to_pb[h.kind], h.group, h.nbytes
+    msg.abi_fingerprint, msg.address = h.abi_fingerprint, h.address
+    return msg
+
+
+def decode_handle(msg: Any, where: str = "handle") -> Handle:
+    return Handle(
+        ObjectId(msg.object_id), msg.generation, ShardId(msg.shard), msg.column, msg.block,
+        KINDS.decode(msg.kind, where), GroupName(msg.group), msg.nbytes, msg.abi_fingerprint,
+        msg.address,
+    )
+
+
+def _encode_column(name: str, handles: Sequence[Handle], shards: dict[str, int], out: Any) -> None:
+    first = handles[0]
+    out.group, out.column, out.kind = name, first.column, KINDS.to_pb[first.kind]
+    out.nbytes, out.abi_fingerprint = first.nbytes, first.abi_fingerprint
+    for h in handles:
+        assert (h.column, h.kind, h.nbytes) == (first.column, first.kind, first.nbytes), \
+            "handles of one column differ in column constants"
+    out.object_ids.extend([h.object_id for h in handles])
+    out.generations.extend([h.generation for h in handles])
+    out.shards.extend([shards.setdefault(h.shard, len(shards)) for h in handles])
+    out.blocks.extend([h.block for h in handles])
+    out.addresses.extend([h.address for h in handles])
+
+
+def _decode_column(msg: Any, shard_names: Sequence[str]) -> tuple[Handle, ...]:
+    kind = KINDS.decode(msg.kind, "handle column")
+    col, group, nbytes, abi = msg.column, GroupName(msg.group), msg.nbytes, msg.abi_fingerprint
+    return tuple(
+        Handle(ObjectId(oid), gen, ShardId(shard_names[s]), col, blk, kind, group, nbytes, abi,
+               addr)
+        for oid, gen, s, blk, addr in zip(msg.object_ids, msg.generations, msg.shards,
+                                          msg.blocks, msg.addresses, strict=True)
+    )
+
+
+# ---- lookup ---------------------------------------------------------------------------------
+
+def encode_match(m: Match, out: Any) -> Any:
+    out.usable_tokens, out.matched_tokens = m.usable_tokens, m.matched_tokens
+    out.lease_id = m.lease_id or 0
+    shards: dict[str, int] = {}
+    for name, handles in m.handles.items():
+        if handles:
+            _encode_column(name, handles, shards, out.handles.add())
+    for d in m.downgrades:
+        out.downgrades.add(reason=REASONS.to_pb[d.reason], group=d.group or "",
+                           position=d.position)
+    out.shard_names.extend(shards)
+    return out
+
+
+def decode_match(msg: Any) -> Match:
+    names = list(msg.shard_names)
+    handles = {c.group: _decode_column(c, names) for c in msg.handles}
+    downgrades = tuple(
+        Downgrade(REASONS.decode(d.reason, "downgrade"), GroupName(d.group) if d.group else None,
+                  d.position)
+        for d in msg.downgrades
+    )
+    lease = LeaseId(msg.lease_id) if msg.lease_id else None
+    match = Match(msg.usable_tokens, msg.matched_tokens, downgrades, lease)
+    # Match builds ``handles`` lazily from state-view records; a decoded one has no records,
+    # so its (cached) handles are filled in directly. ``load`` derives from them as usual.
+    match.__dict__["handles"] = handles
+    return match
+
+
+def encode_lookup(req: LookupRequest, out: Any) -> Any:
+    out.block_hashes.extend(req.block_hashes)
+    if req.resume_tokens is not None:
+        out.resume_tokens = req.resume_tokens
+    for name, fp in (req.reader_abi or {}).items():
+        out.reader_abi[name] = fp
+    out.alignment = req.alignment
+    out.lease_ttl_s = req.lease_ttl_s
+    return out
+
+
+def decode_lookup(msg: Any, where: str = "lookup") -> LookupRequest:
+    ttl = msg.lease_ttl_s
+    if not math.isfinite(ttl) or ttl < 0:
+        raise InvalidInput(f"{where}: lease_ttl_s must be a finite number >= 0, got {ttl}")
+    return LookupRequest(
+        [BlockHash(h) for h in msg.block_hashes],
+        msg.resume_tokens if msg.HasField("resume_tokens") else None,
+        dict(msg.reader_abi) or None,
+        msg.alignment or 1,
+        ttl,
+    )
+
+
+# ---- transitions ----------------------------------------------------------------------------
+
+_PARAM_FIELDS = ("version", "lo", "hi", "tail_len", "expect_seq")
+
+
+def decode_params(msg: Any, where: str) -> Params:
+    values: dict[str, int | None] = {
+        f: getattr(msg, f) if msg.HasField(f) else None for f in _PARAM_FIELDS}
+    for f in ("lo", "hi", "tail_len"):
+        value = values[f]
+        if value is not None and value < 0:
+            raise InvalidInput(f"{where}: {f} must not be negative, got {value}")
+    lo, hi = values["lo"], values["hi"]
+    if lo is not None and hi is not None and lo > hi:
+        raise InvalidInput(f"{where}: lo {lo} is greater than hi {hi}; a range needs lo <= hi")
+    return Params(**values)
+
+
+def encode_params(p: Params, out: Any) -> Any:
+    for f in _PARAM_FIELDS:
+        value = getattr(p, f)
+        if value is not None:
+            setattr(out, f, value)
+    return out
+
+
+def encode_result(r: TransitionResult, out: Any) -> Any:
+    out.object_id, out.state, out.version, out.seq = (
+        r.object_id, STATES.to_pb[r.state], r.version, r.seq)
+    return out
+
+
+def decode_result(msg: Any) -> TransitionResult:
+    return TransitionResult(ObjectId(msg.object_id), STATES.decode(msg.state, "result"),
+                            msg.version, msg.seq)
+
+
+def encode_event(ev: TransitionEvent, out: Any) -> Any:
+    out.seq, out.object_id, out.kind, out.state = (
+        ev.seq, ev.object_id, KINDS.to_pb[ev.kind], STATES.to_pb[ev.state])
+    out.column, out.block_hash, out.at = ev.column, ev.block_hash, ev.at
+    return out
+
+
+def decode_event(msg: Any) -> TransitionEvent:
+    return TransitionEvent(msg.seq, ObjectId(msg.object_id), KINDS.decode(msg.kind, "event"),
+                           STATES.decode(msg.state, "event"), msg.column,
+                           BlockHash(msg.block_hash), msg.at)
+
+
+def decode_allocations(msg: Any) -> list[Allocation]:
+    return [Allocation(decode_handle(h), bool(e), STATES.decode(s, "allocation"))
+            for h, e, s in zip(msg.handles, msg.existing, msg.states, strict=True)]
+
+
+# ---- confirm --------------------------------------------------------------------------------
+
+def encode_report(r: ObjectReport, out: Any) -> Any:
+    out.block_hash, out.parent_hash, out.depth = r.block_hash, r.parent_hash or b"", r.depth
+    out.column, out.state, out.block, out.generation = (
+        r.column, STATES.to_pb[r.state], r.block, r.generation)
+    out.version, out.lo, out.hi = r.version, r.lo, r.hi
+    return out
+
+
+def decode_report(msg: Any, where: str) -> ObjectReport:
+    if msg.lo < 0 or msg.hi < 0 or msg.lo > msg.hi:
+        raise InvalidInput(f"{where}: range [{msg.lo}, {msg.hi}) needs 0 <= lo <= hi")
+    return ObjectReport(
+        BlockHash(msg.block_hash), BlockHash(msg.parent_hash) if msg.parent_hash else None,
+        msg.depth, msg.column, STATES.decode(msg.state, where), msg.block, msg.generation,
+        msg.version, msg.lo, msg.hi,
+    )
+
+
+def stats_to_dict(msg: Any) -> dict[str, object]:
+    return {f: dict(getattr(msg, f)) for f in
+            ("transitions", "downgrades", "lookups", "evictions", "events", "gauges")}
+
+
+def encode_stats(stats: Mapping[str, object], out: Any) -> Any:
+    for f in ("transitions", "downgrades", "lookups", "evictions", "events", "gauges"):
+        value = stats.get(f, {})
+        assert isinstance(value, Mapping)
+        getattr(out, f).update({str(k): int(v) for k, v in value.items()})
+    return out

@@ -1,0 +1,260 @@
+"""``hkv.v1.MetadataService``: decode -> call the CacheState -> encode. No logic of its own.
+
+Domain errors (:class:`HkvError`) become statuses through ``status_map`` in exactly one
+place (:func:`_abort`); anything else escapes to grpcio, which answers UNKNOWN and logs it.
+Batched calls validate every item before applying any (a rejected request changes nothing);
+``Transition`` then applies items one by one and reports an outcome per item.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn, TypeVar
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from hkv_service.core.allocator import PoolConfig
+from hkv_service.core.errors import HkvError, InvalidInput
+from hkv_service.core.funnel import LookupRequest
+from hkv_service.core.ids import BlockHash, CaptureId, LeaseId, ObjectId, ShardId
+from hkv_service.core.state_view import AllocRequest, CacheState, Match
+from hkv_service.proto_gen.hkv.v1 import hkv_pb2 as pb
+from hkv_service.proto_gen.hkv.v1 import hkv_pb2_grpc as pb_grpc
+
+from . import codec, validation
+from .status_map import map_error
+
+__all__ = ["MetadataServicer"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+WATCH_POLL_S = 0.02
+WATCH_MAX_BATCH = 1024
+
+
+def _abort(context: grpc.ServicerContext, err: HkvError) -> NoReturn:
+    mapped = map_error(err)
+    context.set_trailing_metadata(mapped.trailing_metadata())
+    context.abort(mapped.code, mapped.message)
+    raise AssertionError("context.abort returned")  # grpcio raises; keeps mypy honest
+
+
+def _item_error(err: HkvError, out: Any) -> None:
+    mapped = map_error(err)
+    out.code, out.error_class, out.message = mapped.code.value[0], mapped.error_class, \
+        mapped.message
+    out.retry_after_ms = mapped.retry_after_ms or 0
+
+
+def _unary(method: F) -> F:
+    @functools.wraps(method)
+    def wrapper(self: MetadataServicer, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return method(self, request, context)
+        except HkvError as err:
+            _abort(context, err)
+    return wrapper  # type: ignore[return-value]
+
+
+class MetadataServicer(pb_grpc.MetadataServiceServicer):
+    def __init__(self, state: CacheState, stopping: threading.Event | None = None) -> None:
+        self.state = state
+        self.stopping = stopping or threading.Event()
+
+    # ---- spec and owners ----------------------------------------------------------------
+
+    @_unary
+    def GetSpec(self, request: Any, context: grpc.ServicerContext) -> Any:
+        spec, layout = self.state.spec, self.state.layout
+        out = pb.GetSpecResponse(spec_json=json.dumps(spec.to_dict()), model_id=spec.model_id,
+                                 hash_block_size=spec.hash_block_size,
+                                 lcm_block_size=spec.lcm_block_size)
+        for c in layout.columns:
+            out.columns.add(index=c.index, name=c.name, kind=codec.KINDS.to_pb[c.kind],
+                            nbytes=c.nbytes, abi_fingerprint=c.group.abi.fingerprint())
+        return out
+
+    @_unary
+    def RegisterOwner(self, request: Any, context: grpc.ServicerContext) -> Any:
+        if not request.owner:
+            raise InvalidInput("RegisterOwner: owner id must be a non-empty string")
+        pools = {name: PoolConfig(p.num_blocks, p.stride, p.base_align or 4096)
+                 for name, p in request.pools.items()}
+        validation.check_pools(self.state, pools)
+        inc = self.state.register_owner(ShardId(request.owner), pools)
+        return pb.RegisterOwnerResponse(incarnation=inc)
+
+    @_unary
+    def Heartbeat(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self.state.heartbeat(ShardId(request.owner), request.incarnation)
+        return pb.HeartbeatResponse()
+
+    @_unary
+    def MarkOwnerLost(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return pb.MarkOwnerLostResponse(lost=self.state.mark_owner_lost(ShardId(request.owner)))
+
+    @_unary
+    def Confirm(self, request: Any, context: grpc.ServicerContext) -> Any:
+        owner = validation.check_owner(self.state, request.owner, "Confirm")
+        reports = [codec.decode_report(r, f"report {i}") for i, r in enumerate(request.reports)]
+        for i, r in enumerate(reports):
+            hashes = [r.block_hash] + ([r.parent_hash] if r.parent_hash is not None else [])
+            validation.check_hashes(hashes, f"report {i}")
+        validation.check_columns(self.state, (r.column for r in reports), "Confirm")
+        return pb.ConfirmResponse(confirmed=self.state.confirm(owner, reports))
+
+    # ---- allocation and transitions -----------------------------------------------------
+
+    @_unary
+    def Allocate(self, request: Any, context: grpc.ServicerContext) -> Any:
+        owner = (validation.check_owner(self.state, request.owner, "Allocate")
+                 if request.owner else None)
+        hashes = [BlockHash(h) for h in request.block_hashes]
+        validation.check_hashes(hashes, "Allocate")
+        slots = [AllocRequest(s.depth, s.column) for s in request.slots]
+        allocations = self.state.allocate(hashes, slots, owner)
+        out = pb.AllocateResponse()
+        for a in allocations:
+            codec.encode_handle(a.handle, out.handles.add())
+        out.existing.extend([a.existing for a in allocations])
+        states: Any = out.states
+        states.extend([codec.STATES.to_pb[a.state] for a in allocations])
+        return out
+
+    @_unary
+    def Transition(self, request: Any, context: grpc.ServicerContext) -> Any:
+        items = [(ObjectId(it.object_id), codec.EVENTS.decode(it.event, f"item {i}"),
+                  codec.decode_params(it, f"item {i}"),
+                  it.generation if it.HasField("generation") else None)
+                 for i, it in enumerate(request.items)]
+        out = pb.TransitionResponse()
+        for oid, event, params, generation in items:
+            outcome = out.outcomes.add()
+            try:
+                result = self.state.transition(oid, event, params, generation)
+            except HkvError as err:
+                _item_error(err, outcome.error)
+            else:
+                codec.encode_result(result, outcome.result)
+        return out
+
+    @_unary
+    def Evict(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self.state.evict(ObjectId(request.object_id))
+        return pb.EvictResponse()
+
+    @_unary
+    def BeginOffload(self, request: Any, context: grpc.ServicerContext) -> Any:
+        h = self.state.begin_offload(ObjectId(request.object_id), ShardId(request.disk_owner))
+        return pb.BeginOffloadResponse(handle=codec.encode_handle(h))
+
+    @_unary
+    def BeginLoad(self, request: Any, context: grpc.ServicerContext) -> Any:
+        owner = (validation.check_owner(self.state, request.owner, "BeginLoad")
+                 if request.owner else None)
+        h = self.state.begin_load(ObjectId(request.object_id), owner)
+        return pb.BeginLoadResponse(handle=codec.encode_handle(h))
+
+    # ---- lookup -------------------------------------------------------------------------
+
+    def _lookup_batch(self, requests: Any, out: Any) -> None:
+        decoded = [codec.decode_lookup(r, f"lookup {i}") for i, r in enumerate(requests)]
+        validation.check_lookups(self.state, decoded)
+        for req in decoded:
+            codec.encode_match(self._lookup(req), out.add())
+
+    def _lookup(self, req: LookupRequest) -> Match:
+        # Match.handles is built lazily from live records; building it after the view's lock
+        # is released could read a block/generation changed by a concurrent call (a handle
+        # newer than the lookup). So it is built under the lock (re-entrant) here.
+        with self.state._lock:
+            match = self.state.lookup(req)
+            _ = match.handles
+        return match
+
+    @_unary
+    def Lookup(self, request: Any, context: grpc.ServicerContext) -> Any:
+        out = pb.LookupBatchResponse()
+        self._lookup_batch(request.requests, out.matches)
+        return out
+
+    def LookupStream(self, request_iterator: Iterator[Any],
+                     context: grpc.ServicerContext) -> Iterator[Any]:
+        for request in request_iterator:
+            yield self._stream_batch(request)
+
+    def LookupStreamRaw(self, raw_iterator: Iterator[bytes],
+                        context: grpc.ServicerContext) -> Iterator[Any]:
+        """LookupStream over undecoded messages (see ``app._add_servicer``): undecodable
+        bytes end the stream with INTERNAL, as grpcio does for unary calls."""
+        for raw in raw_iterator:
+            try:
+                request = pb.LookupStreamRequest.FromString(raw)
+            except DecodeError:
+                context.abort(grpc.StatusCode.INTERNAL, "cannot decode LookupStreamRequest")
+            yield self._stream_batch(request)
+
+    def _stream_batch(self, request: Any) -> Any:
+        out = pb.LookupStreamResponse(tag=request.tag)
+        try:
+            self._lookup_batch(request.requests, out.matches)
+        except HkvError as err:
+            del out.matches[:]
+            _item_error(err, out.error)
+        return out
+
+    # ---- leases, reads, captures --------------------------------------------------------
+
+    @_unary
+    def ReleaseLease(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self.state.release_lease(LeaseId(request.lease_id))
+        return pb.ReleaseLeaseResponse()
+
+    @_unary
+    def CheckRead(self, request: Any, context: grpc.ServicerContext) -> Any:
+        lease = LeaseId(request.lease_id) if request.HasField("lease_id") else None
+        self.state.check_read(codec.decode_handle(request.handle), lease)
+        return pb.CheckReadResponse()
+
+    @_unary
+    def RegisterCapture(self, request: Any, context: grpc.ServicerContext) -> Any:
+        handles = [codec.decode_handle(h, f"handle {i}") for i, h in enumerate(request.handles)]
+        if not handles:
+            raise InvalidInput("RegisterCapture: a capture needs at least one handle")
+        capture, epoch = self.state.register_capture(handles)
+        return pb.RegisterCaptureResponse(capture_id=capture, topology_epoch=epoch)
+
+    @_unary
+    def ReleaseCapture(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self.state.release_capture(CaptureId(request.capture_id))
+        return pb.ReleaseCaptureResponse()
+
+    @_unary
+    def CaptureStatus(self, request: Any, context: grpc.ServicerContext) -> Any:
+        valid, epoch = self.state.capture_status(CaptureId(request.capture_id))
+        return pb.CaptureStatusResponse(valid=valid, topology_epoch=epoch)
+
+    # ---- watch and stats ----------------------------------------------------------------
+
+    def Watch(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        seq, limit = request.from_seq, request.max_batch or WATCH_MAX_BATCH
+        while context.is_active() and not self.stopping.is_set():
+            remaining = context.time_remaining()
+            if remaining is not None and remaining <= 0:
+                return
+            events = self.state.events_since(seq, min(limit, WATCH_MAX_BATCH))
+            if not events:
+                self.stopping.wait(WATCH_POLL_S)
+                continue
+            out = pb.WatchResponse(gap=events[0].seq > seq + 1)
+            for ev in events:
+                codec.encode_event(ev, out.events.add())
+            seq = events[-1].seq
+            yield out
+
+    @_unary
+    def Stats(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return codec.encode_stats(self.state.stats(), pb.StatsResponse())

@@ -1,0 +1,79 @@
+"""Checks a request must pass before it may touch the state view.
+
+The core validates its own inputs; these checks exist where a core method would mutate
+something before discovering the request is bad (so a rejected request would not leave the
+state unchanged), or where input is outside what the core can represent (a pool of 2**60
+blocks). Every failure is a core :class:`InvalidInput` / :class:`UnknownOwner`, so the one
+status table maps it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+from hkv_service.core.allocator import PoolConfig
+from hkv_service.core.errors import BadHash, InvalidInput, UnknownGroup, UnknownOwner
+from hkv_service.core.funnel import LookupRequest, validate_request
+from hkv_service.core.ids import BLOCK_HASH_BYTES, ShardId
+from hkv_service.core.state_view import CacheState
+
+__all__ = [
+    "MAX_POOL_BLOCKS",
+    "check_columns",
+    "check_hashes",
+    "check_lookups",
+    "check_owner",
+    "check_pools",
+]
+
+MAX_POOL_BLOCKS = 1 << 24  # the metadata twin of a pool costs ~3 words per block
+
+
+def check_owner(state: CacheState, owner: str, where: str) -> ShardId:
+    if not owner:
+        raise InvalidInput(f"{where}: owner id must be a non-empty string")
+    if owner not in state.owners:
+        raise UnknownOwner(f"owner {owner!r} is not registered")
+    return ShardId(owner)
+
+
+def check_columns(state: CacheState, names: Iterable[str], where: str) -> None:
+    known = state.layout.by_name
+    for name in names:
+        if name not in known:
+            raise UnknownGroup(f"{where}: unknown group {name!r}; the spec has {sorted(known)}")
+
+
+def check_pools(state: CacheState, pools: Mapping[str, PoolConfig]) -> None:
+    check_columns(state, pools, "RegisterOwner")
+    for name, cfg in pools.items():
+        if not 0 < cfg.num_blocks <= MAX_POOL_BLOCKS:
+            raise InvalidInput(f"pool {name!r}: num_blocks must be in [1, {MAX_POOL_BLOCKS}], "
+                               f"got {cfg.num_blocks}")
+        if cfg.stride <= 0:
+            raise InvalidInput(f"pool {name!r}: stride must be > 0 bytes, got {cfg.stride}")
+        if cfg.base_align & (cfg.base_align - 1):
+            raise InvalidInput(f"pool {name!r}: base_align must be a power of two, "
+                               f"got {cfg.base_align}")
+
+
+def check_hashes(hashes: Sequence[bytes], where: str) -> None:
+    if not hashes:
+        raise BadHash(f"{where}: no block hashes given; a prefix needs at least one")
+    for i, h in enumerate(hashes):
+        if len(h) != BLOCK_HASH_BYTES:
+            raise BadHash(f"{where}: block hash {i} must be {BLOCK_HASH_BYTES} bytes, "
+                          f"got {len(h)}")
+
+
+def check_lookups(state: CacheState, requests: Sequence[LookupRequest]) -> None:
+    """Validate a whole batch first, so a bad item rejects it before any lease is taken."""
+    max_ttl = state.config.max_lease_ttl_s
+    for i, req in enumerate(requests):
+        try:
+            validate_request(req, state.layout)
+        except InvalidInput as err:
+            raise type(err)(f"lookup {i}: {err}") from None
+        if req.lease_ttl_s > max_ttl:
+            raise InvalidInput(f"lookup {i}: lease_ttl_s {req.lease_ttl_s} exceeds the "
+                               f"maximum {max_ttl}")

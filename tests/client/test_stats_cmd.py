@@ -1,0 +1,72 @@
+"""``hkv stats``: the pure rate-jump logic, and ``--json`` against a live server."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from hkv_service.client.stats_cmd import kind_totals, rate_jumps
+from hkv_service.core.ids import ShardId
+from hkv_service.core.state_view import CacheState
+from hkv_service.server.app import ServerConfig, build_service
+from hkv_service.specs import default_spec
+from hkv_service.testing import commit_prefix, pools_for, prompt_hashes
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _samples(counts: list[dict[str, int]]) -> list[tuple[float, dict[str, int]]]:
+    return [(0.5 * i, c) for i, c in enumerate(counts)]
+
+
+def test_jump_flagged_only_for_the_kind_that_jumped() -> None:
+    s = _samples([{"SWA": 0, "TAIL": 0}, {"SWA": 10, "TAIL": 10}, {"SWA": 20, "TAIL": 20},
+                  {"SWA": 200, "TAIL": 30}])
+    (jump,) = rate_jumps(s)
+    assert jump.kind == "SWA" and jump.rate_per_s == 360.0 and jump.mean_per_s == 20.0
+    assert jump.ratio == 18.0
+
+
+def test_no_jump_below_factor_or_floor() -> None:
+    assert rate_jumps(_samples([{"SWA": 0}, {"SWA": 10}, {"SWA": 20}, {"SWA": 35}])) == []
+    assert rate_jumps(_samples([{"SWA": 0}, {"SWA": 0}, {"SWA": 0}, {"SWA": 2}])) == []  # floor
+    assert rate_jumps(_samples([{"SWA": 0}, {"SWA": 100}])) == []  # one interval: no history
+
+
+def test_jump_from_idle_has_infinite_ratio() -> None:
+    (jump,) = rate_jumps(_samples([{"DISK": 0}, {"DISK": 0}, {"DISK": 0}, {"DISK": 50}]))
+    assert jump.ratio == float("inf")
+
+
+def test_kind_totals() -> None:
+    assert kind_totals({"SWA:SWA_VALID": 3, "SWA:EVICTED": 1, "TAIL:TAIL_COMPLETE": 2}) == {
+        "SWA": 4, "TAIL": 2}
+
+
+def test_stats_json_against_a_live_server() -> None:
+    state = CacheState(default_spec())
+    state.register_owner(ShardId("s0"), pools_for(state.layout, 64))
+    commit_prefix(state, prompt_hashes(state.spec, 4))
+    service = build_service(ServerConfig(port=0), state)
+    service.server.start()
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "hkv_service.cli", "stats", "--endpoint",
+             f"127.0.0.1:{service.port}", "--json"],
+            capture_output=True, text=True, timeout=60, cwd=ROOT)
+    finally:
+        service.stop(0).wait(10)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["stats"]["gauges"]["objects"] == len(state.objects)
+    assert doc["stats"]["transitions"]["COMPRESSED:COMPRESSED_READY"] == 6
+    assert doc["rate_jumps"] == [] and set(doc["rates_per_s"]) >= {"COMPRESSED"}
+
+
+def test_stats_unreachable_exits_1() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "hkv_service.cli", "stats", "--endpoint", "127.0.0.1:1"],
+        capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 1 and "cannot read stats" in out.stderr

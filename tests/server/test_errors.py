@@ -1,0 +1,214 @@
+"""Every error case: the status code, a key phrase of the message, the hkv-error class, and
+for rejected requests an unchanged state (Stats before == after)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import pytest
+from svc_util import Live, commit_remote, hashes, register
+
+from hkv_service.client import MetadataClient
+from hkv_service.core import errors as E
+from hkv_service.core.admission import AdmissionCap
+from hkv_service.core.state_view import CacheState, StateConfig
+from hkv_service.proto_gen.hkv.v1 import hkv_pb2 as pb
+from hkv_service.proto_gen.hkv.v1 import hkv_pb2_grpc as pb_grpc
+from hkv_service.server import status_map
+from hkv_service.specs import default_spec
+
+C = grpc.StatusCode
+H16 = b"\x01" * 16
+
+
+@dataclass
+class Filled:
+    hs: list[bytes]  # a committed 4-block prefix
+    oid: int  # the COMPRESSED (c4) object at depth 0
+
+
+@pytest.fixture
+def filled(live: Live, client: MetadataClient) -> Filled:
+    register(client)
+    hs = hashes(4)
+    ids = commit_remote(client, hs)
+    return Filled(list(hs), ids[(0, "c4")])
+
+
+def expect(stub_call: Callable[[], Any], code: grpc.StatusCode, phrase: str,
+           cls: str | None = None) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        stub_call()
+    err: Any = info.value
+    assert err.code() is code, (err.code(), err.details())
+    assert phrase in err.details(), err.details()
+    md = dict(err.trailing_metadata() or ())
+    if cls is not None:
+        assert md.get("hkv-error") == cls
+    return info.value
+
+
+def state_of(client: MetadataClient) -> dict[str, object]:
+    """Stats minus the stale-read counter (counting refused stale reads is the point of it)."""
+    stats = client.stats()
+    events = dict(stats["events"])  # type: ignore[call-overload]
+    events.pop("stale_read", None)
+    return {**stats, "events": events}
+
+
+def lookup(**kw: Any) -> pb.LookupBatchRequest:
+    return pb.LookupBatchRequest(requests=[pb.LookupRequest(**kw)])
+
+
+CASES: list[tuple[str, str, Callable[[Filled], Any], grpc.StatusCode, str, str | None]] = [
+    ("empty hash", "Lookup", lambda f: lookup(block_hashes=[b""]),
+     C.INVALID_ARGUMENT, "16 bytes, got 0", "BadHash"),
+    ("15-byte hash", "Lookup", lambda f: lookup(block_hashes=[b"x" * 15]),
+     C.INVALID_ARGUMENT, "got 15", "BadHash"),
+    ("17-byte hash", "Allocate",
+     lambda f: pb.AllocateRequest(block_hashes=[b"x" * 17],
+                                   slots=[pb.AllocSlot(depth=0, column="c4")]),
+     C.INVALID_ARGUMENT, "got 17", "BadHash"),
+    ("position beyond hashes", "Lookup", lambda f: lookup(block_hashes=f.hs, resume_tokens=10**6),
+     C.INVALID_ARGUMENT, "outside the 256 tokens", "PositionBeyondHashes"),
+    ("ABI for a group the spec lacks", "Lookup",
+     lambda f: lookup(block_hashes=f.hs, reader_abi={"nope": 1}),
+     C.INVALID_ARGUMENT, "lacks", "UnknownGroup"),
+    ("alignment not a power of two", "Lookup", lambda f: lookup(block_hashes=f.hs, alignment=3),
+     C.INVALID_ARGUMENT, "power of two", None),
+    ("negative lease ttl", "Lookup", lambda f: lookup(block_hashes=f.hs, lease_ttl_s=-1.0),
+     C.INVALID_ARGUMENT, "lease_ttl_s", "InvalidInput"),
+    ("lease ttl over max", "Lookup", lambda f: lookup(block_hashes=f.hs, lease_ttl_s=1e9),
+     C.INVALID_ARGUMENT, "exceeds the maximum", "InvalidInput"),
+    ("unknown group", "Allocate",
+     lambda f: pb.AllocateRequest(block_hashes=f.hs, slots=[pb.AllocSlot(depth=0, column="zz")]),
+     C.INVALID_ARGUMENT, "unknown group 'zz'", "UnknownGroup"),
+    ("slot beyond hashes", "Allocate",
+     lambda f: pb.AllocateRequest(block_hashes=f.hs, slots=[pb.AllocSlot(depth=9, column="c4")]),
+     C.INVALID_ARGUMENT, "outside the 4 hashes", "InvalidInput"),
+    ("unknown owner on allocate", "Allocate",
+     lambda f: pb.AllocateRequest(block_hashes=[H16], owner="ghost",
+                                   slots=[pb.AllocSlot(depth=0, column="c4")]),
+     C.NOT_FOUND, "not registered", "UnknownOwner"),
+    ("unknown enum value", "Transition",
+     lambda f: pb.TransitionRequest(items=[
+         pb.TransitionItem(object_id=f.oid, event=99)]),  # type: ignore[arg-type]
+     C.INVALID_ARGUMENT, "event value 99 is unknown", "InvalidInput"),
+    ("unspecified enum", "Transition",
+     lambda f: pb.TransitionRequest(items=[pb.TransitionItem(object_id=f.oid)]),
+     C.INVALID_ARGUMENT, "event value 0", "InvalidInput"),
+    ("negative lo", "Transition",
+     lambda f: pb.TransitionRequest(items=[pb.TransitionItem(
+         object_id=f.oid, event=pb.EVENT_WRITE_DONE, lo=-1, hi=5)]),
+     C.INVALID_ARGUMENT, "lo must not be negative", "InvalidInput"),
+    ("lo > hi", "Transition",
+     lambda f: pb.TransitionRequest(items=[pb.TransitionItem(
+         object_id=f.oid, event=pb.EVENT_WRITE_DONE, lo=9, hi=5)]),
+     C.INVALID_ARGUMENT, "greater than hi", "InvalidInput"),
+    ("unknown lease", "ReleaseLease", lambda f: pb.ReleaseLeaseRequest(lease_id=777),
+     C.NOT_FOUND, "does not exist", "UnknownLease"),
+    ("expired lease on read", "CheckRead",
+     lambda f: pb.CheckReadRequest(handle=pb.Handle(object_id=f.oid, kind=pb.KIND_COMPRESSED),
+                                    lease_id=777),
+     C.FAILED_PRECONDITION, "expired", "LeaseExpired"),
+    ("stale handle", "CheckRead",
+     lambda f: pb.CheckReadRequest(handle=pb.Handle(object_id=f.oid, generation=5, block=0,
+                                                     kind=pb.KIND_COMPRESSED)),
+     C.FAILED_PRECONDITION, "stale, recompute", "StaleHandle"),
+    ("unknown object", "Evict", lambda f: pb.EvictRequest(object_id=10**9),
+     C.NOT_FOUND, "unknown", "UnknownObject"),
+    ("unknown capture", "CaptureStatus", lambda f: pb.CaptureStatusRequest(capture_id=5),
+     C.NOT_FOUND, "not registered", "UnknownCapture"),
+    ("unknown owner heartbeat", "Heartbeat", lambda f: pb.HeartbeatRequest(owner="ghost"),
+     C.NOT_FOUND, "not registered", "UnknownOwner"),
+    ("pool of zero blocks", "RegisterOwner",
+     lambda f: pb.RegisterOwnerRequest(owner="s9", pools={"c4": pb.PoolConfig(stride=256)}),
+     C.INVALID_ARGUMENT, "num_blocks", "InvalidInput"),
+    ("pool for unknown column", "RegisterOwner",
+     lambda f: pb.RegisterOwnerRequest(owner="s0", pools={"zz": pb.PoolConfig(
+         num_blocks=4, stride=256)}),
+     C.INVALID_ARGUMENT, "unknown group", "UnknownGroup"),
+    ("confirm with bad hash", "Confirm",
+     lambda f: pb.ConfirmRequest(owner="s0", reports=[pb.ObjectReport(
+         block_hash=b"x", column="c4", state=pb.STATE_COMPRESSED_READY)]),
+     C.INVALID_ARGUMENT, "16 bytes", "BadHash"),
+    ("begin load of a memory object", "BeginLoad", lambda f: pb.BeginLoadRequest(object_id=f.oid),
+     C.FAILED_PRECONDITION, "only a DISK object", "IllegalTransition"),
+    ("capture with no handles", "RegisterCapture", lambda f: pb.RegisterCaptureRequest(),
+     C.INVALID_ARGUMENT, "at least one handle", "InvalidInput"),
+]
+
+
+@pytest.mark.parametrize(("method", "make", "code", "phrase", "cls"),
+                         [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_rejected_with_status_and_state_unchanged(
+    stub: pb_grpc.MetadataServiceStub, client: MetadataClient, filled: Filled,
+    method: str, make: Callable[[Filled], Any], code: grpc.StatusCode, phrase: str,
+    cls: str | None,
+) -> None:
+    before = state_of(client)
+    expect(lambda: getattr(stub, method)(make(filled), timeout=5), code, phrase, cls)
+    assert state_of(client) == before
+
+
+def test_item_errors_in_a_transition_batch(stub: pb_grpc.MetadataServiceStub,
+                                           client: MetadataClient, filled: Filled) -> None:
+    before = client.stats()
+    resp = stub.Transition(pb.TransitionRequest(items=[
+        pb.TransitionItem(object_id=10**9, event=pb.EVENT_WRITE_DONE),
+        pb.TransitionItem(object_id=filled.oid, event=pb.EVENT_TAIL_DONE),  # c4 object: illegal
+        pb.TransitionItem(object_id=filled.oid, event=pb.EVENT_WRITE_DONE, generation=99),
+    ]), timeout=5)
+    errs = [o.error for o in resp.outcomes]
+    assert [e.code for e in errs] == [C.NOT_FOUND.value[0], C.FAILED_PRECONDITION.value[0],
+                                      C.INVALID_ARGUMENT.value[0]]
+    assert [e.error_class for e in errs] == ["UnknownObject", "IllegalTransition",
+                                             "FutureGeneration"]
+    assert "never issued" in errs[2].message
+    assert client.stats() == before  # illegal transitions leave the state unchanged
+
+
+def test_unknown_hash_is_a_miss_not_an_error(client: MetadataClient, filled: Filled) -> None:
+    from hkv_service.core.funnel import LookupRequest
+
+    m = client.lookup(LookupRequest(hashes(3, seed=42)))
+    assert m.usable_tokens == 0 and not m.handles
+
+
+def test_admission_refused_carries_retry_after() -> None:
+    from svc_util import start_live
+
+    st = CacheState(default_spec(), StateConfig(admission=AdmissionCap(max_objects=1)))
+    lv = start_live(state=st)
+    try:
+        with MetadataClient(lv.endpoint) as c, grpc.insecure_channel(lv.endpoint) as ch:
+            register(c, "s0")
+            register(c, "d0")
+            ids = commit_remote(c, hashes(2), "s0")
+            c.begin_offload(ids[(0, "c4")], "d0")
+            stub = pb_grpc.MetadataServiceStub(ch)  # type: ignore[no-untyped-call]
+            err: Any = expect(lambda: stub.BeginOffload(pb.BeginOffloadRequest(
+                object_id=ids[(1, "c4")], disk_owner="d0"), timeout=5),
+                C.RESOURCE_EXHAUSTED, "admission cap", "AdmissionRefused")
+            assert int(dict(err.trailing_metadata())["retry-after-ms"]) > 0
+            with pytest.raises(E.AdmissionRefused) as info:
+                c.begin_offload(ids[(1, "c4")], "d0")
+            assert info.value.retry_after_s > 0
+    finally:
+        lv.service.stop(0).wait()
+
+
+def test_oversize_message_is_resource_exhausted(stub: pb_grpc.MetadataServiceStub) -> None:
+    big = lookup(block_hashes=[b"x" * 16] * (5 << 20))  # ~90 MiB > 64 MiB limit
+    expect(lambda: stub.Lookup(big, timeout=30), C.RESOURCE_EXHAUSTED, "")
+
+
+def test_status_table_covers_the_tree() -> None:
+    for name in E.__all__:
+        cls = getattr(E, name)
+        mapped = status_map.map_error(cls("x"))
+        assert mapped.code is not C.INTERNAL or cls is E.HkvError
+        assert status_map.error_class(mapped.error_class, mapped.code) is cls

@@ -1,0 +1,146 @@
+"""``hkv serve`` as a subprocess: flag checks, metrics, SIGTERM, and rebuild after kill -9."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from svc_util import ROOT, Proc, commit_remote, hashes, register, serve_cmd, start_serve
+
+from hkv_service.client import MetadataClient, RetryPolicy
+from hkv_service.core.errors import Unavailable
+from hkv_service.core.funnel import LookupRequest
+from hkv_service.core.state_view import ObjectReport
+from hkv_service.core.states import State
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(serve_cmd(*args), capture_output=True, text=True, timeout=60, cwd=ROOT)
+
+
+@pytest.mark.parametrize(("args", "phrase"), [
+    (("--host", "0.0.0.0", "--port", "0"), "refusing to bind non-loopback"),
+    (("--port", "70000"), "--port must be between"),
+    (("--grace-s", "-1"), "--grace-s must not be negative"),
+    (("--tls-cert", "/nonexistent.pem", "--tls-key", "/nonexistent.pem"), "not a readable file"),
+    (("--port", "abc"), "invalid int value"),
+])
+def test_bad_flags_exit_2_with_one_sentence(args: tuple[str, ...], phrase: str) -> None:
+    out = _run(*args)
+    assert out.returncode == 2, out.stderr
+    assert phrase in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_bad_spec_exits_2(tmp_path: Path) -> None:
+    bad = tmp_path / "spec.yaml"
+    bad.write_text("model_id: x\nhash_block_size: 0\ngroups: []\n")
+    out = _run("--port", "0", "--spec", str(bad))
+    assert out.returncode == 2 and "--spec" in out.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_insecure_allows_any_host_with_a_warning(procs: list[Proc]) -> None:
+    metrics_port = _free_port()
+    p = start_serve("--host", "0.0.0.0", "--port", "0", "--insecure",
+                    "--metrics-port", str(metrics_port))
+    procs.append(p)
+    with MetadataClient(f"127.0.0.1:{p.port}") as c:
+        register(c)
+        commit_remote(c, hashes(2))
+        c.lookup(LookupRequest(hashes(2)))
+    body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read()
+    text = body.decode()
+    assert 'hkv_lookups_total{result="hit"} 1.0' in text
+    assert 'hkv_transitions_total{kind="COMPRESSED",state="COMPRESSED_READY"} 3.0' in text
+    assert "hkv_in_transit_objects 0.0" in text and "hkv_objects " in text
+    assert p.stop() == 0
+    assert p.popen.stderr is not None and "--insecure" in p.popen.stderr.read()
+
+
+def test_sigterm_sets_not_serving_first(procs: list[Proc]) -> None:
+    p = start_serve("--port", "0", "--grace-s", "2")
+    procs.append(p)
+    seen: list[int] = []
+    with grpc.insecure_channel(f"127.0.0.1:{p.port}") as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        stream = stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=10)
+        first = next(stream).status
+        assert first == health_pb2.HealthCheckResponse.SERVING
+
+        def read() -> None:
+            try:
+                for r in stream:
+                    seen.append(r.status)
+            except grpc.RpcError:
+                pass
+
+        t = threading.Thread(target=read)
+        t.start()
+        p.popen.send_signal(signal.SIGTERM)
+        assert p.popen.wait(15) == 0
+        t.join(5)
+    assert seen and seen[0] == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def test_restart_rebuilds_only_from_confirmed_objects(procs: list[Proc]) -> None:
+    p = start_serve("--port", "0")
+    procs.append(p)
+    port = p.port
+    endpoint = f"127.0.0.1:{port}"
+    hs_a, hs_b = hashes(4, seed=1), hashes(4, seed=2)
+    client = MetadataClient(endpoint, retry=RetryPolicy(attempts=3, first_backoff_s=0.05))
+    register(client, "s0")
+    ids_a = commit_remote(client, hs_a, "s0")
+    commit_remote(client, hs_b, "s0")
+    # what the owner remembers of prefix A: every object's block and generation (versions
+    # are the owner's: it reports each KV and its indexer at the same one)
+    m_a = client.lookup(LookupRequest(hs_a))
+    assert m_a.usable_tokens == 256
+    p.stop(signal.SIGKILL)
+    with pytest.raises(Unavailable):
+        client.stats()
+    p2 = start_serve("--port", str(port))
+    procs.append(p2)
+    deadline = time.monotonic() + 20
+    while True:  # the client recovers once the port is back
+        try:
+            client.stats()
+            break
+        except Unavailable:
+            assert time.monotonic() < deadline
+    assert client.lookup(LookupRequest(hs_a)).usable_tokens == 0
+    register(client, "s0")
+    assert client.lookup(LookupRequest(hs_a)).usable_tokens == 0  # registered, not confirmed
+    by_id = {h.object_id: h for hs in m_a.handles.values() for h in hs}
+    reports = []
+    for (depth, column), oid in ids_a.items():
+        h = by_id.get(oid)
+        if h is None:  # not needed by a reader at 256 (e.g. early SWA blocks)
+            continue
+        state = {"c4": State.COMPRESSED_READY, "c128": State.COMPRESSED_READY,
+                 "swa": State.SWA_VALID, "idx": State.INDEXER_SYNCED,
+                 "c4.tail": State.TAIL_COMPLETE, "c128.tail": State.TAIL_COMPLETE}[column]
+        lo, hi = (depth * 64, depth * 64 + 64) if column == "swa" else (0, 0)
+        if column.endswith(".tail"):
+            hi = 4 if column == "c4.tail" else 0
+        reports.append(ObjectReport(hs_a[depth], hs_a[depth - 1] if depth else None, depth,
+                                    column, state, h.block, h.generation, depth + 1, lo, hi))
+    assert client.confirm("s0", reports) == len(reports)
+    assert client.lookup(LookupRequest(hs_a)).usable_tokens == 256  # confirmed: hits again
+    assert client.lookup(LookupRequest(hs_b)).usable_tokens == 0  # never confirmed: miss
+    client.close()
+    assert p2.stop() == 0

@@ -1,0 +1,214 @@
+"""DataPlane + shard actors on a real local Ray, against the real gRPC metadata server:
+write -> commit -> lookup -> read, stale reads, offload/load, corruption, shard kills.
+
+The shards reach the service over gRPC (``MetadataClient``); the test's own DataPlane uses
+the same in-process ``CacheState`` directly (``LocalMetadata``), which also lets the tests
+look at states.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import ray
+
+from hkv_service.core.funnel import LookupRequest
+from hkv_service.core.ids import ShardId
+from hkv_service.core.state_view import CacheState, StateConfig
+from hkv_service.server.app import ServerConfig, build_service
+from hkv_service.specs import default_spec
+from workers.dataplane import DataPlane, Recompute
+from workers.launcher import SystemConfig, place_shards, shard_actor_class
+from workers.local import LocalMetadata
+from workers.shard import ShardConfig
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+
+@pytest.fixture(scope="module")
+def service() -> Iterator[Any]:
+    state = CacheState(default_spec(), StateConfig(heartbeat_timeout_s=30.0))
+    svc = build_service(ServerConfig("127.0.0.1", 0), state)
+    svc.server.start()
+    yield svc
+    svc.stop(0)
+
+
+@pytest.fixture(scope="module")
+def endpoint(service: Any) -> str:
+    return f"127.0.0.1:{service.port}"
+
+
+@pytest.fixture(scope="module")
+def system(service: Any, endpoint: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    cfg = SystemConfig(data_dir=str(tmp_path_factory.mktemp("dp")), blocks_per_group=16,
+                       disk_budget_bytes=32 << 20, device="cpu")
+    shards = place_shards(cfg, endpoint)
+    meta = LocalMetadata(service.state)
+    yield DataPlane(meta, shards, timeout_s=10.0), shards, meta
+    for a in shards.values():
+        ray.kill(a, no_restart=True)
+
+
+def write_and_lookup(dp: DataPlane, w: Any, n: int, seed: int) -> tuple[Any, Any, Any]:
+    hashes = w.prompt(n, seed=seed)
+    blocks, tails = w.prefix_payload(dp.layout, n, seed)
+    report = dp.write_prefix(hashes, blocks, tails)
+    assert report.ok, report.failed
+    match = dp.meta.lookup(LookupRequest(hashes, lease_ttl_s=5.0))
+    return hashes, {**blocks, **{k: v[0] for k, v in tails.items()}}, match
+
+
+def expected(dp: DataPlane, payload: dict[Any, np.ndarray], column: str,
+             depths: list[int]) -> list[bytes]:
+    return [payload[(d, column)].tobytes() for d in depths]
+
+
+def check_bytes(dp: DataPlane, match: Any, out: Any, payload: Any) -> None:
+    from workers.dataplane import handle_depths
+
+    assert not isinstance(out, Recompute), out
+    for column, arrays in out.items():
+        depths = handle_depths(dp.layout, column, match.usable_tokens)
+        assert [a.tobytes() for a in arrays] == expected(dp, payload, column, depths)
+
+
+def test_write_commit_lookup_read_round_trip(system: Any, w: Any) -> None:
+    dp, _, _ = system
+    hashes, payload, match = write_and_lookup(dp, w, 4, seed=1)
+    assert match.usable_tokens == 256 and not match.needs_load
+    out = dp.read(match, hashes)
+    check_bytes(dp, match, out, payload)
+    assert set(out) == {"c4", "c128", "swa", "idx", "c4.tail", "c128.tail"}
+
+
+def test_generation_recheck_catches_evict_and_reuse(system: Any, w: Any, service: Any) -> None:
+    dp, _, meta = system
+    hashes, _, match = write_and_lookup(dp, w, 2, seed=2)
+    meta.release_lease(match.lease_id)
+    victim = match.handles["c4"][0]
+    meta.evict(victim.object_id)
+    # Reuse the freed block: allocate on the same shard until it comes back, and write it.
+    rewritten = False
+    for i in range(40):
+        rep = dp.write_prefix(w.prompt(1, seed=1000 + i),
+                              {(0, "c4"): np.full(2048, 7, np.uint8)}, owner=victim.shard)
+        h = rep.handles[(0, "c4")]
+        if h.block == victim.block:
+            rewritten = True
+            break
+    assert rewritten
+    out = dp.read(match, hashes, release=False)
+    assert isinstance(out, Recompute) and out.reason.value == "STALE_HANDLE"
+
+
+def test_offload_evict_lookup_load_read(system: Any, w: Any) -> None:
+    dp, _, meta = system
+    hashes, payload, match = write_and_lookup(dp, w, 2, seed=3)
+    meta.release_lease(match.lease_id)
+    mem = [h for hs in match.handles.values() for h in hs]
+    results = dp.offload(mem, evict_memory=True)
+    assert all(r.ok for r in results), results
+    again = meta.lookup(LookupRequest(hashes, lease_ttl_s=5.0))
+    assert again.usable_tokens == 128 and again.needs_load
+    out = dp.read(again, hashes)
+    check_bytes(dp, again, out, payload)
+
+
+def test_corrupt_disk_entry_marks_corrupt_and_lookup_downgrades(system: Any, w: Any,
+                                                                  service: Any) -> None:
+    dp, shards, meta = system
+    hashes, payload, match = write_and_lookup(dp, w, 2, seed=4)
+    meta.release_lease(match.lease_id)
+    c4, idx = match.handles["c4"][0], match.handles["idx"][0]
+    assert all(r.ok for r in dp.offload([c4, idx], evict_memory=True))  # KV goes with index
+    data_dir = Path(ray.get(shards[c4.shard].stats.remote())["data_dir"])
+    needle = payload[(0, "c4")][200:232].tobytes()
+    raw = (data_dir / "data.mdb").read_bytes()
+    assert raw.count(needle) == 1
+    with (data_dir / "data.mdb").open("r+b") as f:
+        f.seek(raw.index(needle))
+        f.write(bytes([needle[0] ^ 0x10]))
+    m = meta.lookup(LookupRequest(hashes, lease_ttl_s=5.0))
+    assert m.needs_load
+    out = dp.read(m, hashes)
+    assert isinstance(out, Recompute) and out.reason.value == "CORRUPT"
+    assert meta.lookup(LookupRequest(hashes)).usable_tokens == 0  # c4 at depth 0 is gone
+    assert ray.get(shards[c4.shard].stats.remote())["disk"]["quarantined"] >= 1
+
+
+def _spare_shard(endpoint: str, data_dir: Path, sid: str, max_restarts: int) -> Any:
+    cls = shard_actor_class(max_restarts=max_restarts)
+    cfg = ShardConfig(sid, endpoint, str(data_dir), 16, 8 << 20, heartbeat_interval_s=0.5,
+                      device="cpu")
+    actor = cls.options(name=sid, namespace="hkv-test").remote(cfg)
+    ray.get(actor.ping.remote(), timeout=60)
+    return actor
+
+
+@pytest.mark.parametrize("restart", [False, True])
+def test_killed_shard_objects_lost_and_lookup_downgrades(service: Any, endpoint: str,
+                                                         tmp_path: Path, w: Any,
+                                                         restart: bool) -> None:
+    sid = f"victim-{int(restart)}"
+    actor = _spare_shard(endpoint, tmp_path, sid, max_restarts=1 if restart else 0)
+    meta = LocalMetadata(service.state)
+    dp = DataPlane(meta, {sid: actor}, timeout_s=5.0)
+    hashes, _, match = write_and_lookup_on(dp, w, sid, seed=10 + restart)
+    first = ray.get(actor.ping.remote())
+    ray.kill(actor, no_restart=not restart)
+    if restart:  # wait for the new incarnation: re-registered, and empty
+        info = _await_restart(actor, first["incarnation"])
+        assert ray.get(actor.stats.remote())["counts"].get("writes", 0) == 0
+        assert info["pid"] != first["pid"]
+    out = dp.read(match, hashes)  # fails cleanly as recompute, never old bytes
+    assert isinstance(out, Recompute)
+    # no restart: the dead shard is marked lost; restart: the shard came back empty, so the
+    # handle is stale (and its objects were marked lost when it re-registered).
+    assert out.reason.value == ("STALE_HANDLE" if restart else "OWNER_LOST")
+    assert meta.lookup(LookupRequest(hashes)).usable_tokens == 0
+    ray.kill(actor, no_restart=True)
+
+
+def _await_restart(actor: Any, incarnation: int) -> dict[str, Any]:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            info: dict[str, Any] = ray.get(actor.ping.remote(), timeout=10)
+            if info["incarnation"] > incarnation:
+                return info
+        except Exception:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("shard did not restart within 60 s")
+
+
+def write_and_lookup_on(dp: DataPlane, w: Any, sid: str, seed: int) -> tuple[Any, Any, Any]:
+    hashes = w.prompt(2, seed=seed)
+    blocks, tails = w.prefix_payload(dp.layout, 2, seed)
+    assert dp.write_prefix(hashes, blocks, tails, owner=ShardId(sid)).ok
+    match = dp.meta.lookup(LookupRequest(hashes))
+    assert match.usable_tokens == 128
+    return hashes, None, match
+
+
+def test_inflight_call_to_killed_shard_fails_within_deadline(service: Any, endpoint: str,
+                                                             tmp_path: Path, w: Any) -> None:
+    sid = "victim-inflight"
+    actor = _spare_shard(endpoint, tmp_path, sid, max_restarts=0)
+    meta = LocalMetadata(service.state)
+    dp = DataPlane(meta, {sid: actor}, timeout_s=3.0)
+    hashes, _, match = write_and_lookup_on(dp, w, sid, seed=20)
+    actor.__ray_call__.remote(lambda self: time.sleep(30))  # occupy the shard
+    start = time.monotonic()
+    import threading
+
+    threading.Timer(0.5, lambda: ray.kill(actor, no_restart=True)).start()
+    out = dp.read(match, hashes)
+    assert isinstance(out, Recompute) and out.reason.value == "OWNER_LOST"
+    assert time.monotonic() - start < 3.0 + 2.0

@@ -1,0 +1,94 @@
+"""workers/launcher.py: `hkv up` as a subprocess (endpoint printed, a lookup served, SIGINT ->
+exit 0 and nothing left running) and --config validation."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hkv_service.core.funnel import LookupRequest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
+
+
+def _group_pids(pgid: int) -> list[int]:
+    out = subprocess.run(["ps", "-eo", "pid=,pgid=,stat="], capture_output=True, text=True,
+                         check=True).stdout
+    return [int(p) for p, g, st in (line.split()[:3] for line in out.splitlines())
+            if int(g) == pgid and not st.startswith("Z")]
+
+
+def test_hkv_up_serves_and_stops_cleanly(tmp_path: Path, w: Any) -> None:
+    w.clear_stale_ray()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hkv_service.cli", "up", "--port", "0", "--data-dir",
+         str(tmp_path / "data"), "--blocks-per-group", "8", "--disk-budget-bytes",
+         str(16 << 20)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(),
+        start_new_session=True, cwd=tmp_path)
+    assert proc.stdout is not None
+    endpoint, lines = None, []
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line.rstrip())
+            if line.startswith("hkv up: endpoint "):
+                endpoint = line.split()[-1]
+                break
+        assert endpoint, "\n".join(lines)
+        assert any("shard(s) up" in ln for ln in lines)
+        from hkv_service.client import MetadataClient
+
+        with MetadataClient(endpoint) as client:
+            match = client.lookup(LookupRequest(w.prompt(2, seed=1)))
+            assert match.usable_tokens == 0
+            assert client.stats()["gauges"]["owners_alive"] == 1  # type: ignore[index]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0, proc.stdout.read()
+        time.sleep(1.0)
+        assert _group_pids(proc.pid) == []
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        if _group_pids(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("bogus_key: 1\n", "unknown key 'bogus_key'"),
+    ("- a\n- b\n", "must be a mapping"),
+    ("blocks-per-group: 0\n", "--blocks-per-group must be a positive integer"),
+])
+def test_bad_config_exits_2_with_a_sentence(tmp_path: Path, text: str, needle: str) -> None:
+    cfg = tmp_path / "up.yaml"
+    cfg.write_text(text)
+    res = subprocess.run([sys.executable, "-m", "hkv_service.cli", "up", "--config", str(cfg)],
+                         capture_output=True, text=True, env=_env(), timeout=60)
+    assert res.returncode == 2
+    assert needle in res.stderr and res.stderr.count("\n") == 1
+
+
+def test_config_file_values_apply_and_flags_win(tmp_path: Path) -> None:
+    from hkv_service.cli import build_parser
+    from workers.launcher import config_from_args
+
+    cfg = tmp_path / "up.yaml"
+    cfg.write_text("blocks-per-group: 32\nport: 7000\ngrace_s: 2.5\n")
+    args = build_parser().parse_args(["up", "--config", str(cfg), "--port", "7100"])
+    config = config_from_args(args)
+    assert config.blocks_per_group == 32 and config.port == 7100
+    assert config.serve_args == ("--grace-s", "2.5")

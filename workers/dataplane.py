@@ -1,0 +1,309 @@
+"""The inference worker's side of the data plane: lookup results in, bytes out (and back).
+
+:class:`DataPlane` joins the metadata service (state) and the shard actors (bytes). It never
+raises into model code for a cache problem: every failure becomes a :class:`Recompute` that
+names the reason, and every Ray wait has a deadline. A shard that died or timed out is marked
+lost at the metadata service, so the next lookup downgrades instead of pointing at it.
+
+Read path::
+
+    match.load (DISK at rest) --load on the shards' disk tiers--> memory handles
+    match.handles (per column, token order) --read_blocks per shard, in parallel--> arrays
+
+Write path (``write_prefix``)::
+
+    allocate --> per shard: write_blocks(+commits) for COMPRESSED/SWA/TAIL      (phase A)
+             --> per shard: write_blocks(+WRITE_DONE, INDEXER_SYNC at A's KV version)  (B)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import numpy as np
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from hkv_service.core.errors import HkvError
+from hkv_service.core.ids import BlockHash, ShardId
+from hkv_service.core.layout import Layout
+from hkv_service.core.records import Handle
+from hkv_service.core.state_view import Allocation, AllocRequest, Match
+from hkv_service.core.states import Event, Kind, Reason
+from hkv_service.core.transitions import Params
+
+from .ports import BlockTag, Commit, ItemResult, MetadataPort, Outcome
+
+__all__ = ["DataPlane", "Recompute", "WriteReport", "handle_depths"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+Slot = tuple[int, str]  # (depth, column name)
+_UNAVAILABLE = (RayActorError, GetTimeoutError)  # ActorDiedError/ActorUnavailableError inside
+
+
+@dataclass(frozen=True, slots=True)
+class Recompute:
+    """The cached prefix cannot be used now: recompute it. Never carries bytes."""
+
+    reason: Reason
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return False
+
+
+@dataclass(slots=True)
+class WriteReport:
+    written: int = 0
+    existing: int = 0
+    versions: dict[Slot, int] = field(default_factory=dict)  # KV versions of COMPRESSED
+    failed: dict[Slot, ItemResult] = field(default_factory=dict)
+    handles: dict[Slot, Handle] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+
+_OUTCOME_REASON = {
+    Outcome.STALE: Reason.STALE_HANDLE,
+    Outcome.LOST: Reason.OWNER_LOST,
+    Outcome.UNAVAILABLE: Reason.OWNER_LOST,
+    Outcome.ADMISSION: Reason.ADMISSION,
+    Outcome.CORRUPT: Reason.CORRUPT,
+    Outcome.MISSING: Reason.MISSING_COMPONENT,
+    Outcome.NOT_HERE: Reason.MISSING_COMPONENT,
+    Outcome.NOT_READABLE: Reason.DISK_INFLIGHT,
+}
+
+
+class DataPlane:
+    def __init__(self, metadata: MetadataPort, shards: Mapping[str, Any],
+                 timeout_s: float = 10.0) -> None:
+        self.meta = metadata
+        self.shards = dict(shards)
+        self.timeout_s = timeout_s
+        self.layout = Layout(metadata.get_spec())
+
+    # -- read -------------------------------------------------------------------------------
+
+    def read(self, match: Match, block_hashes: Sequence[BlockHash] | None = None,
+             release: bool = True) -> dict[str, list[np.ndarray]] | Recompute:
+        """Bytes of every handle in ``match`` (loading disk objects first), or a Recompute.
+        ``block_hashes`` (the lookup's) are needed only when ``match.needs_load``."""
+        try:
+            return self._read(match, block_hashes)
+        finally:
+            if release and match.lease_id is not None:
+                self._quietly(lambda: self.meta.release_lease(match.lease_id))  # type: ignore[arg-type]
+
+    def _read(self, match: Match, block_hashes: Sequence[BlockHash] | None
+              ) -> dict[str, list[np.ndarray]] | Recompute:
+        handles = {col: list(hs) for col, hs in match.handles.items()}
+        if match.needs_load:
+            loaded = self.load(match, block_hashes)
+            if isinstance(loaded, Recompute):
+                return loaded
+            for hs in handles.values():
+                hs[:] = [loaded.get(h.object_id, h) for h in hs]
+        flat = [(col, i, h) for col, hs in handles.items() for i, h in enumerate(hs)]
+        results = self._by_shard([h for _, _, h in flat], "read_blocks")
+        out: dict[str, list[np.ndarray]] = {col: [None] * len(hs)  # type: ignore[list-item]
+                                            for col, hs in handles.items()}
+        for (col, i, _), res in zip(flat, results, strict=True):
+            if isinstance(res, ItemResult):
+                return Recompute(_OUTCOME_REASON.get(res.outcome, Reason.STALE_HANDLE),
+                                 res.detail)
+            out[col][i] = res
+        return out
+
+    def load(self, match: Match, block_hashes: Sequence[BlockHash] | None
+             ) -> dict[int, Handle] | Recompute:
+        """Load ``match.load`` on the shards; returns ``{object id: memory handle}``."""
+        if block_hashes is None:
+            return Recompute(Reason.MISSING_COMPONENT, "a disk load needs the lookup's hashes")
+        depth_of = {h.object_id: d for col, hs in match.handles.items()
+                    for h, d in zip(hs, handle_depths(self.layout, col, match.usable_tokens),
+                                    strict=False)}
+        items = [(h, block_hashes[depth_of[h.object_id]]) for h in match.load]
+        # The handle of a DISK object at rest does not name its disk owner: ask every shard;
+        # each loads only the records its own tier holds (NOT_HERE for the rest).
+        refs = {sid: actor.load.remote(items) for sid, actor in self.shards.items()}
+        loaded: dict[int, Handle] = {}
+        failures: list[ItemResult] = []
+        for sid, ref in refs.items():
+            res = self._get(sid, ref)
+            if res is None:
+                continue
+            for item in res:
+                if item.ok and item.handle is not None:
+                    loaded[item.handle.object_id] = item.handle
+                elif item.outcome is not Outcome.NOT_HERE:
+                    failures.append(item)
+        missing = [h for h in match.load if h.object_id not in loaded]
+        if missing:
+            why = failures[0] if failures else ItemResult(Outcome.MISSING, "no shard holds it")
+            return Recompute(_OUTCOME_REASON.get(why.outcome, Reason.MISSING_COMPONENT),
+                             why.detail)
+        return loaded
+
+    # -- write ------------------------------------------------------------------------------
+
+    def write_prefix(
+        self,
+        block_hashes: Sequence[BlockHash],
+        blocks: Mapping[Slot, Any],
+        tails: Mapping[Slot, tuple[Any, int]] | None = None,
+        swa_ranges: Mapping[Slot, tuple[int, int]] | None = None,
+        owner: ShardId | None = None,
+    ) -> WriteReport:
+        """Allocate, write and commit every block of a prefix. ``blocks[(depth, column)]`` is
+        the bytes of a COMPRESSED/SWA/INDEXER block; ``tails[(depth, "<group>.tail")]`` is
+        ``(bytes, raw tokens held)``; ``swa_ranges`` optionally narrows an SWA block's
+        ``[lo, hi)``. Objects already present are left alone (``existing``)."""
+        data: dict[Slot, tuple[Any, Commit]] = {}
+        for slot, arr in blocks.items():
+            data[slot] = (arr, self._commit_for(slot, (swa_ranges or {}).get(slot)))
+        for slot, (arr, n) in (tails or {}).items():
+            data[slot] = (arr, Commit((Event.TAIL_DONE,), (Params(tail_len=n),)))
+        report = WriteReport()
+        slots = sorted(data)
+        try:
+            allocs = self.meta.allocate(
+                block_hashes, [AllocRequest(d, c) for d, c in slots], owner
+            )
+        except HkvError as exc:
+            for slot in slots:
+                report.failed[slot] = ItemResult(Outcome.FAILED, str(exc))
+            return report
+        fresh = self._note_allocations(slots, allocs, report)
+        kinds = {s: self.layout.columns[self.layout.by_name[s[1]]].kind for s in fresh}
+        first = [s for s in fresh if kinds[s] is not Kind.INDEXER]
+        self._write(block_hashes, first, data, report)
+        second = []
+        for s in fresh:
+            if kinds[s] is Kind.INDEXER:
+                kv = self.layout.columns[self.layout.by_name[s[1]]].indexes
+                assert kv is not None
+                version = report.versions.get((s[0], self.layout.columns[kv].name))
+                if version is None:
+                    report.failed[s] = ItemResult(
+                        Outcome.FAILED, "its compressed KV was not written in this call")
+                    continue
+                arr, _ = data[s]
+                data[s] = (arr, Commit((Event.WRITE_DONE, Event.INDEXER_SYNC),
+                                       (None, Params(version=version))))
+                second.append(s)
+        self._write(block_hashes, second, data, report)
+        return report
+
+    def _commit_for(self, slot: Slot, swa: tuple[int, int] | None) -> Commit:
+        kind = self.layout.columns[self.layout.by_name[slot[1]]].kind
+        if kind is Kind.SWA and swa is not None:
+            return Commit((Event.WRITE_DONE,), (Params(lo=swa[0], hi=swa[1]),))
+        return Commit((Event.WRITE_DONE,))
+
+    def _note_allocations(self, slots: list[Slot], allocs: Sequence[Allocation],
+                          report: WriteReport) -> list[Slot]:
+        fresh = []
+        for slot, a in zip(slots, allocs, strict=True):
+            report.handles[slot] = a.handle
+            if a.existing:
+                report.existing += 1
+            else:
+                fresh.append(slot)
+        return fresh
+
+    def _write(self, hashes: Sequence[BlockHash], slots: list[Slot],
+               data: Mapping[Slot, tuple[Any, Commit]], report: WriteReport) -> None:
+        if not slots:
+            return
+        handles = [report.handles[s] for s in slots]
+        tags = [BlockTag(hashes[d], hashes[d - 1] if d else None, d) for d, _ in slots]
+        extra = {"arrays": [data[s][0] for s in slots], "tags": tags,
+                 "commits": [data[s][1] for s in slots]}
+        results = self._by_shard(handles, "write_blocks", extra)
+        for slot, res in zip(slots, results, strict=True):
+            if isinstance(res, ItemResult) and res.ok:
+                report.written += 1
+                if self.layout.columns[self.layout.by_name[slot[1]]].kind is Kind.COMPRESSED:
+                    report.versions[slot] = res.version
+            else:
+                report.failed[slot] = res if isinstance(res, ItemResult) else ItemResult(
+                    Outcome.FAILED, "unexpected reply")
+
+    # -- offload ----------------------------------------------------------------------------
+
+    def offload(self, handles: Sequence[Handle], tags: Sequence[BlockTag | None] | None = None,
+                evict_memory: bool = False) -> list[ItemResult]:
+        """Offload memory objects to the disk tier of the shard that holds them."""
+        extra: dict[str, list[Any]] = {"tags": list(tags) if tags else [None] * len(handles)}
+        results = self._by_shard(list(handles), "offload", extra, evict_memory=evict_memory)
+        return [r if isinstance(r, ItemResult) else ItemResult(Outcome.FAILED) for r in results]
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    def _by_shard(self, handles: Sequence[Handle], method: str,
+                  extra: Mapping[str, Sequence[Any]] | None = None, **kwargs: Any) -> list[Any]:
+        """Call ``method`` once per shard with its handles (and the matching slices of
+        ``extra``), all shards in parallel; results in the order of ``handles``."""
+        groups: dict[str, list[int]] = defaultdict(list)
+        for i, h in enumerate(handles):
+            groups[h.shard].append(i)
+        refs = {}
+        out: list[Any] = [ItemResult(Outcome.UNAVAILABLE, "no such shard")] * len(handles)
+        for sid, idx in groups.items():
+            actor = self.shards.get(sid)
+            if actor is None:
+                continue
+            args = {k: [v[i] for i in idx] for k, v in (extra or {}).items()}
+            refs[sid] = getattr(actor, method).remote([handles[i] for i in idx], **args, **kwargs)
+        for sid, ref in refs.items():
+            res = self._get(sid, ref)
+            for j, i in enumerate(groups[sid]):
+                out[i] = res[j] if res is not None else ItemResult(
+                    Outcome.UNAVAILABLE, f"shard {sid} died or timed out: recompute")
+        return out
+
+    def _get(self, shard: str, ref: Any) -> Any:
+        """``ray.get`` with the deadline; a dead or silent shard is marked lost (None)."""
+        try:
+            return ray.get(ref, timeout=self.timeout_s)
+        except _UNAVAILABLE as exc:
+            log.warning("shard %s unavailable (%s); marking it lost", shard, type(exc).__name__)
+            self._quietly(lambda: ray.cancel(ref, force=True))
+            self._quietly(lambda: self.meta.mark_owner_lost(ShardId(shard)))
+            return None
+
+    @staticmethod
+    def _quietly(fn: Callable[[], T]) -> T | None:
+        try:
+            return fn()
+        except Exception as exc:
+            log.debug("ignored: %s", exc)
+            return None
+
+
+def handle_depths(layout: Layout, column: str, usable: int) -> list[int]:
+    """Depths of the entries whose objects a lookup returns for ``column``, in token order
+    (mirrors the state view's choice of needed columns: every block in ``[0, usable)``; an SWA
+    block only when it meets ``[usable - W, usable)``; a TAIL only at ``usable``)."""
+    col = layout.by_name[column]
+    c = layout.columns[col]
+    hb = layout.hash_block
+    depths = []
+    for depth in range(usable // hb):
+        if not layout.lives_at(col, depth):
+            continue
+        if c.kind is Kind.TAIL and (depth + 1) * hb != usable:
+            continue
+        if c.kind is Kind.SWA and (depth + 1) * hb <= usable - c.group.window:
+            continue
+        depths.append(depth)
+    return depths

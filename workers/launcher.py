@@ -1,0 +1,382 @@
+"""``hkv up``: the metadata service, one cache shard per Ray node, each node's disk tier.
+
+:func:`start_system` brings the parts up and returns a :class:`System`; ``System.stop()``
+takes everything down again (shards killed, service stopped by pid, Ray shut down if we
+started it): nothing is left running. :func:`run_up` is the CLI around them::
+
+    ray (local instance, or --address)  ->  metadata service (subprocess `hkv serve`, or a
+    detached named Ray actor with --address)  ->  shards (node affinity, one per alive node)
+    -> print the endpoint -> wait for SIGINT/SIGTERM -> stop
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from hkv_service.core.admission import AdmissionCap
+
+from .dataplane import DataPlane
+from .shard import ShardActor, ShardConfig
+
+__all__ = ["System", "SystemConfig", "config_from_args", "run_up", "start_system"]
+
+NAMESPACE = "hkv"
+_ray: Any = ray  # some ray entry points are untyped
+RAY_CURRENT = Path("/tmp/ray/ray_current_cluster")
+_LISTENING = re.compile(r"listening on (\S+):(\d+)")
+Emit = Callable[[str], None]
+
+
+@dataclass(frozen=True, slots=True)
+class SystemConfig:
+    host: str = "127.0.0.1"
+    port: int = 0
+    data_dir: str = "hkv-data"
+    spec: str | None = None
+    auth_token_file: str | None = None
+    heartbeat_timeout_s: float = 10.0
+    blocks_per_group: int = 256
+    disk_budget_bytes: int = 1 << 30
+    max_inflight_objects: int = 64
+    max_inflight_bytes: int = 256 << 20
+    shards_per_node: int = 1
+    address: str | None = None
+    num_cpus: int | None = None
+    max_restarts: int = 1
+    device: str = "auto"
+    serve_args: tuple[str, ...] = ()  # extra `hkv serve` flags (TLS, --insecure, metrics)
+    start_timeout_s: float = 60.0
+
+
+@dataclass(slots=True)
+class System:
+    config: SystemConfig
+    endpoint: str
+    shards: dict[str, Any] = field(default_factory=dict)
+    service: subprocess.Popen[str] | None = None
+    service_actor: Any = None
+    ray_started: bool = False
+    token: str | None = None
+
+    def metadata(self) -> Any:
+        from hkv_service.client import MetadataClient
+
+        return MetadataClient(self.endpoint, token=self.token)
+
+    def dataplane(self, timeout_s: float = 10.0) -> DataPlane:
+        return DataPlane(self.metadata(), self.shards, timeout_s)
+
+    def stop(self, emit: Emit | None = None) -> None:
+        """Kill shards, stop the service, shut Ray down if we started it. Idempotent."""
+        say = emit or (lambda _msg: None)
+        for sid, actor in list(self.shards.items()):
+            with contextlib.suppress(Exception):
+                ray.get(actor.shutdown.remote(), timeout=5)
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+            say(f"shard {sid} stopped")
+        self.shards.clear()
+        if self.service is not None:
+            _stop_process(self.service)
+            say(f"metadata service (pid {self.service.pid}) stopped")
+            self.service = None
+        if self.service_actor is not None:
+            with contextlib.suppress(Exception):
+                ray.kill(self.service_actor, no_restart=True)
+            self.service_actor = None
+        if self.ray_started and ray.is_initialized():
+            ray.shutdown()
+            self.ray_started = False
+
+
+def start_system(config: SystemConfig, emit: Emit | None = None) -> System:
+    say = emit or (lambda _msg: None)
+    started = _init_ray(config)
+    say(f"ray: {'started a local instance' if started else 'joined'} "
+        f"({len(_alive_nodes())} node(s))")
+    token = Path(config.auth_token_file).read_text().strip() if config.auth_token_file else None
+    system = System(config, "", ray_started=started, token=token)
+    try:
+        if config.address is None:
+            system.service = _spawn_service(config)
+            system.endpoint = _await_listening(system.service, config.start_timeout_s)
+        else:
+            system.service_actor, system.endpoint = _service_actor(config)
+        say(f"metadata service listening on {system.endpoint}")
+        system.shards = place_shards(config, system.endpoint, token)
+        say(f"{len(system.shards)} shard(s) up: {', '.join(sorted(system.shards))}")
+    except BaseException:
+        system.stop()
+        raise
+    return system
+
+
+# -- ray ------------------------------------------------------------------------------------
+
+def _init_ray(config: SystemConfig) -> bool:
+    if ray.is_initialized():
+        return False
+    if config.address is not None:
+        ray.init(address=config.address, namespace=NAMESPACE, include_dashboard=False)
+        return False
+    kwargs: dict[str, Any] = {"address": "local", "include_dashboard": False,
+                              "namespace": NAMESPACE, "num_cpus": config.num_cpus,
+                              "runtime_env": {"env_vars": {"PYTHONPATH": _pythonpath()}}}
+    try:
+        ray.init(**kwargs)
+    except ConnectionError:  # a stale session file from a killed instance
+        RAY_CURRENT.unlink(missing_ok=True)
+        ray.init(**kwargs)
+    return True
+
+
+def _pythonpath() -> str:
+    root = str(Path(__file__).resolve().parent.parent)
+    return os.pathsep.join([root, *filter(None, os.environ.get("PYTHONPATH", "").split(":"))])
+
+
+def _alive_nodes() -> list[dict[str, Any]]:
+    return [n for n in _ray.nodes() if n.get("Alive")]
+
+
+# -- metadata service -----------------------------------------------------------------------
+
+def serve_argv(config: SystemConfig) -> list[str]:
+    argv = [sys.executable, "-m", "hkv_service.cli", "serve", "--host", config.host,
+            "--port", str(config.port), "--data-dir", config.data_dir,
+            "--heartbeat-timeout-s", str(config.heartbeat_timeout_s)]
+    if config.spec:
+        argv += ["--spec", config.spec]
+    if config.auth_token_file:
+        argv += ["--auth-token-file", config.auth_token_file]
+    return argv + list(config.serve_args)
+
+
+def _spawn_service(config: SystemConfig) -> subprocess.Popen[str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=_pythonpath())
+    return subprocess.Popen(serve_argv(config), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def _await_listening(proc: subprocess.Popen[str], timeout_s: float) -> str:
+    """Wait for ``hkv serve: listening on HOST:PORT``; then keep draining its output."""
+    assert proc.stdout is not None
+    found: list[str] = []
+    seen: list[str] = []
+    ready = threading.Event()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            m = _LISTENING.search(line)
+            if m and not found:
+                found.append(f"{m.group(1)}:{m.group(2)}")
+                ready.set()
+            elif not found:
+                seen.append(line.rstrip())
+        ready.set()
+
+    threading.Thread(target=pump, name="hkv-serve-output", daemon=True).start()
+    ready.wait(timeout_s)
+    if not found:
+        _stop_process(proc)
+        tail = " | ".join(seen[-3:]) or "no output"
+        raise RuntimeError(f"metadata service did not start within {timeout_s:.0f}s: {tail}")
+    return found[0]
+
+
+def _stop_process(proc: subprocess.Popen[str], grace_s: float = 10.0) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+class _ServiceHost:
+    """The metadata service inside a detached Ray actor (``--address`` mode)."""
+
+    def __init__(self, config: SystemConfig) -> None:
+        from hkv_service.core.state_view import CacheState, StateConfig
+        from hkv_service.server.app import ServerConfig, build_service
+        from hkv_service.specs import resolve_spec
+
+        token = (Path(config.auth_token_file).read_text().strip()
+                 if config.auth_token_file else None)
+        state = CacheState(resolve_spec(config.spec),
+                           StateConfig(heartbeat_timeout_s=config.heartbeat_timeout_s))
+        self.service = build_service(ServerConfig(config.host, config.port, auth_token=token),
+                                     state)
+        self.service.server.start()
+        self._stop = threading.Event()
+        threading.Thread(target=self._expire, daemon=True).start()
+
+    def _expire(self) -> None:
+        while not self._stop.wait(1.0):
+            self.service.state.expire_owners()
+
+    def endpoint(self) -> str:
+        return f"{_ray.util.get_node_ip_address()}:{self.service.port}"
+
+
+def _service_actor(config: SystemConfig) -> tuple[Any, str]:
+    actor_cls: Any = ray.remote(num_cpus=0, max_restarts=0)(_ServiceHost)
+    actor = actor_cls.options(name="hkv-metadata", namespace=NAMESPACE, lifetime="detached",
+                              get_if_exists=True).remote(config)
+    return actor, str(ray.get(actor.endpoint.remote(), timeout=config.start_timeout_s))
+
+
+# -- shards ---------------------------------------------------------------------------------
+
+def shard_actor_class(max_restarts: int = 1, max_task_retries: int = -1) -> Any:
+    """``ShardActor`` as a Ray actor class: restarted ``max_restarts`` times after a crash
+    (re-running ``__init__``: it comes back empty), calls retried (they are idempotent)."""
+    return ray.remote(num_cpus=0, max_restarts=max_restarts,
+                      max_task_retries=max_task_retries)(ShardActor)
+
+
+def place_shards(config: SystemConfig, endpoint: str, token: str | None = None,
+                 metadata: Any = None) -> dict[str, Any]:
+    """One shard per alive node (``shards_per_node`` each), pinned there by node affinity.
+    ``metadata`` overrides the endpoint (e.g. a MetadataActor handle in tests)."""
+    cls = shard_actor_class(config.max_restarts)
+    shards: dict[str, Any] = {}
+    data_dir = str(Path(config.data_dir).resolve())
+    cap = AdmissionCap(config.max_inflight_objects, config.max_inflight_bytes)
+    for node in _alive_nodes():
+        for k in range(config.shards_per_node):
+            sid = f"shard-{node['NodeID'][:8]}-{k}"
+            cfg = ShardConfig(sid, metadata if metadata is not None else endpoint, data_dir,
+                              config.blocks_per_group, config.disk_budget_bytes, cap,
+                              heartbeat_interval_s=max(0.2, config.heartbeat_timeout_s / 4),
+                              device=config.device, token=token)
+            strategy = NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
+            shards[sid] = cls.options(name=sid, namespace=NAMESPACE,
+                                      scheduling_strategy=strategy).remote(cfg)
+    ray.get([a.ping.remote() for a in shards.values()], timeout=config.start_timeout_s)
+    return shards
+
+
+# -- CLI ------------------------------------------------------------------------------------
+
+_FLAG_KEYS = {f.name for f in fields(SystemConfig)} - {"serve_args", "max_restarts", "num_cpus",
+                                                       "device", "start_timeout_s"}
+_PASSTHROUGH = {"tls_cert": "--tls-cert", "tls_key": "--tls-key", "tls_ca": "--tls-ca",
+                "metrics_port": "--metrics-port", "grace_s": "--grace-s"}
+
+
+class ConfigError(Exception):
+    """A --config file or flag value that cannot work; one sentence."""
+
+
+def config_from_args(args: argparse.Namespace) -> SystemConfig:
+    values = {k: getattr(args, k) for k in _FLAG_KEYS | set(_PASSTHROUGH) | {"insecure"}
+              if hasattr(args, k)}
+    if getattr(args, "config", None):
+        values.update(_load_config_file(args.config, values, args))
+    serve_args: list[str] = []
+    defaults = _defaults()
+    for key, flag in _PASSTHROUGH.items():
+        value = values.pop(key, None)
+        if value is not None and value != defaults.get(key):
+            serve_args += [flag, str(value)]
+    if values.pop("insecure", False):
+        serve_args.append("--insecure")
+    return SystemConfig(**values, serve_args=tuple(serve_args))
+
+
+def _load_config_file(path: str, current: dict[str, Any], args: argparse.Namespace
+                      ) -> dict[str, Any]:
+    import yaml
+
+    try:
+        raw = yaml.safe_load(Path(path).read_text()) or {}
+    except OSError as exc:
+        raise ConfigError(f"cannot read --config {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--config {path} is not valid YAML: {str(exc).splitlines()[0]}") \
+            from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"--config {path} must be a mapping of flag names to values")
+    out: dict[str, Any] = {}
+    known = set(current)
+    for key, value in raw.items():
+        name = str(key).replace("-", "_")
+        if name not in known:
+            raise ConfigError(f"--config {path}: unknown key {key!r}")
+        out[name] = value
+    # Flags given on the command line win over the file.
+    defaults = _defaults()
+    return {k: v for k, v in out.items() if getattr(args, k, None) == defaults.get(k)}
+
+
+def _defaults() -> dict[str, Any]:
+    from hkv_service.cli import build_parser
+
+    return vars(build_parser().parse_args(["up"]))
+
+
+def run_up(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+        _validate(config)
+    except ConfigError as exc:
+        sys.stderr.write(f"hkv up: error: {exc}\n")
+        return 2
+    say = _printer()
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        system = start_system(config, say)
+    except Exception as exc:
+        sys.stderr.write(f"hkv up: error: could not start: {exc}\n")
+        return 1
+    say(f"endpoint {system.endpoint}")
+    code = _wait(system, stop)
+    say("stopping")
+    system.stop(say)
+    say("stopped")
+    return code
+
+
+def _wait(system: System, stop: threading.Event) -> int:
+    while not stop.wait(0.5):
+        if system.service is not None and system.service.poll() is not None:
+            sys.stderr.write("hkv up: error: the metadata service exited\n")
+            return 1
+    return 0
+
+
+def _validate(config: SystemConfig) -> None:
+    for name in ("blocks_per_group", "disk_budget_bytes", "max_inflight_objects",
+                 "max_inflight_bytes", "shards_per_node"):
+        value = getattr(config, name)
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, "
+                              f"got {value!r}")
+    if config.auth_token_file and not Path(config.auth_token_file).is_file():
+        raise ConfigError(f"--auth-token-file {config.auth_token_file} is not a readable file")
+
+
+def _printer() -> Emit:
+    def say(msg: str) -> None:
+        print(f"hkv up: {msg}", flush=True)
+
+    return say

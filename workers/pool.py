@@ -1,0 +1,229 @@
+"""Torch block pools: the bytes behind the metadata service's handles, one pool per column.
+
+Each column (a cache group, or ``<group>.tail``) gets one ``uint8`` tensor of
+``num_blocks x stride`` bytes, allocated once: on the GPU when CUDA is present, else in pinned
+host memory (plain host memory if pinning fails). ``stride`` is the block size rounded up to
+:data:`ALIGN` bytes, so every block starts aligned; the base alignment reported to the metadata
+service is what the allocation actually has.
+
+Per physical block the pool keeps the generation and object id the metadata service issued
+with the handle, and a readiness token::
+
+    write(block, gen, data)   gen < current -> StaleWrite (a late writer never clobbers reuse)
+                              sets (gen, object) first, then copies; block "written"
+    ready event completes  -> block "readable" (CUDA: side-stream event; CPU: at once)
+    read(block, gen)          (gen, object) re-checked right before the copy -> StaleRead
+
+"Written" and "readable" are distinct: a read waits for the block's copy event, so a caller
+never sees a half-finished device copy. Bytes cross process boundaries as numpy arrays.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from hkv_service.core.allocator import PoolConfig
+
+__all__ = ["ALIGN", "BlockPool", "PoolSet", "StaleRead", "StaleWrite", "round_up"]
+
+ALIGN = 256  # bytes between block starts are a multiple of this
+_EMPTY = -1
+_cuda: Any = torch.cuda  # untyped in some torch builds
+log = logging.getLogger(__name__)
+
+Bytes = npt.NDArray[np.uint8]
+
+
+class StaleRead(Exception):
+    """The block's generation or occupant moved on: the caller must recompute."""
+
+
+class StaleWrite(Exception):
+    """A write carried a generation older than the block's: the block was reused meanwhile."""
+
+
+def round_up(n: int, align: int = ALIGN) -> int:
+    return max(align, -(-n // align) * align)
+
+
+def _largest_pow2_dividing(address: int, cap: int = 1 << 12) -> int:
+    return min(address & -address, cap) if address else cap
+
+
+@dataclass(slots=True)
+class _Ready:
+    """Readiness of one block: a CUDA event, or nothing (CPU copies finish in ``write``)."""
+
+    event: Any = None
+
+    def wait(self) -> None:
+        if self.event is not None and not self.event.query():
+            self.event.synchronize()
+
+
+class BlockPool:
+    """``num_blocks`` blocks of ``nbytes`` (stride ``round_up(nbytes)``) for one column."""
+
+    def __init__(self, name: str, nbytes: int, num_blocks: int, device: torch.device) -> None:
+        self.name, self.nbytes, self.num_blocks = name, nbytes, num_blocks
+        self.stride = round_up(nbytes)
+        self.device = device
+        self.tensor = _allocate(num_blocks * self.stride, device)
+        self.generation = np.zeros(num_blocks, dtype=np.int64)
+        self.object_id = np.full(num_blocks, _EMPTY, dtype=np.int64)
+        self._ready = [_Ready() for _ in range(num_blocks)]
+        self._stream = _cuda.Stream(device) if device.type == "cuda" else None
+        # Host pools are read and written through one numpy view (no torch on the hot path).
+        self._host = None if device.type == "cuda" else self.tensor.numpy().reshape(num_blocks, -1)
+
+    @property
+    def config(self) -> PoolConfig:
+        return PoolConfig(self.num_blocks, self.stride, _largest_pow2_dividing(self.base_address))
+
+    @property
+    def base_address(self) -> int:
+        return int(self.tensor.data_ptr())
+
+    # -- writes ---------------------------------------------------------------------------
+
+    def write(self, block: int, generation: int, data: Any, object_id: int = 0) -> None:
+        """Copy ``data`` (bytes-like or array, at most ``nbytes``) into ``block``.
+
+        Idempotent: writing the same generation and bytes twice is harmless. Raises StaleWrite
+        for a generation older than the block's, or a different object at the same generation.
+        An empty block (never written, or ``forget``-ten) is never readable, whatever its
+        generation.
+        """
+        self._check_block(block)
+        src = _as_bytes(data)
+        if src.size > self.nbytes:
+            raise ValueError(f"{src.size} bytes do not fit a {self.name!r} block of {self.nbytes}")
+        current = int(self.generation[block])
+        holder = int(self.object_id[block])
+        if generation < current or (
+            generation == current and _EMPTY not in (holder, object_id) and holder != object_id
+        ):
+            raise StaleWrite(
+                f"{self.name!r} block {block} is at generation {current} (object {holder}); "
+                f"write for generation {generation} (object {object_id}) is stale"
+            )
+        self.generation[block] = generation  # claim first: a racing reader now sees stale
+        self.object_id[block] = object_id
+        self._copy_in(block, src)
+
+    def _copy_in(self, block: int, src: Bytes) -> None:
+        if self._host is not None:
+            self._host[block, : src.size] = src
+            self._ready[block] = _Ready()
+            return
+        assert self._stream is not None
+        with warnings.catch_warnings():  # arrays from Ray are read-only; we only read them
+            warnings.simplefilter("ignore", UserWarning)
+            staged = torch.from_numpy(np.ascontiguousarray(src))
+        if src.size >= 1 << 16:
+            staged = staged.pin_memory()
+        start = block * self.stride
+        with _cuda.stream(self._stream):
+            self.tensor[start : start + src.size].copy_(staged, non_blocking=True)
+            event = _cuda.Event()
+            event.record(self._stream)
+        self._ready[block] = _Ready(event)
+
+    def wait(self, block: int) -> None:
+        """Block until ``block``'s last write is readable."""
+        self._ready[block].wait()
+
+    def forget(self, block: int, object_id: int) -> None:
+        """Drop ``object_id``'s claim on ``block`` (its commit was refused): the bytes are
+        unreadable through any handle, and the block's next writer may claim it."""
+        if int(self.object_id[block]) == object_id:
+            self.object_id[block] = _EMPTY
+
+    # -- reads ----------------------------------------------------------------------------
+
+    def read(
+        self, block: int, generation: int, object_id: int = _EMPTY, copy: bool = True
+    ) -> Bytes:
+        """The block's ``nbytes`` bytes, if ``(generation, object_id)`` is still current.
+
+        ``copy=False`` on a host pool returns a view into the pool: valid only until the next
+        write to the block (the shard hands it straight to Ray, which copies it out).
+        """
+        self._check_block(block)
+        self._ready[block].wait()  # readable = the write's copy completed
+        self.check(block, generation, object_id)
+        if self._host is not None:
+            view = self._host[block, : self.nbytes]
+            return view.copy() if copy else view
+        start = block * self.stride
+        out = self.tensor[start : start + self.nbytes].to("cpu")
+        self.check(block, generation, object_id)  # a write that raced the device copy
+        return out.numpy()
+
+    def check(self, block: int, generation: int, object_id: int = _EMPTY) -> None:
+        current, holder = int(self.generation[block]), int(self.object_id[block])
+        if current != generation or holder == _EMPTY or (
+            object_id != _EMPTY and holder != object_id
+        ):
+            raise StaleRead(
+                f"{self.name!r} block {block} holds generation {current} (object {holder}), "
+                f"not {generation} (object {object_id}): stale, recompute"
+            )
+
+    def _check_block(self, block: int) -> None:
+        if not 0 <= block < self.num_blocks:
+            raise IndexError(f"block {block} is outside {self.name!r} (0..{self.num_blocks - 1})")
+
+
+class PoolSet:
+    """One :class:`BlockPool` per column, built from ``{column: nbytes}``."""
+
+    def __init__(self, columns: Mapping[str, int], num_blocks: int, device: str = "auto") -> None:
+        self.device = pick_device(device)
+        self.pools = {
+            name: BlockPool(name, nbytes, num_blocks, self.device)
+            for name, nbytes in columns.items()
+        }
+
+    def configs(self) -> dict[str, PoolConfig]:
+        return {name: pool.config for name, pool in self.pools.items()}
+
+    def __getitem__(self, column: str) -> BlockPool:
+        return self.pools[column]
+
+    def nbytes(self) -> int:
+        return sum(p.num_blocks * p.stride for p in self.pools.values())
+
+
+def pick_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    return torch.device(device)
+
+
+def _allocate(nbytes: int, device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":
+        return torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    try:
+        if torch.cuda.is_available():  # pinning needs a CUDA runtime; skip the attempt otherwise
+            return torch.zeros(nbytes, dtype=torch.uint8).pin_memory()
+    except RuntimeError as exc:
+        log.warning("pinning %d bytes failed (%s); using pageable host memory", nbytes, exc)
+    return torch.zeros(nbytes, dtype=torch.uint8)
+
+
+def _as_bytes(data: Any) -> Bytes:
+    if isinstance(data, np.ndarray):
+        arr = data if data.flags.c_contiguous else np.ascontiguousarray(data)
+        return arr.reshape(-1).view(np.uint8)
+    if isinstance(data, torch.Tensor):
+        return _as_bytes(data.detach().cpu().contiguous().numpy())
+    return np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)

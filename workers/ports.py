@@ -1,0 +1,174 @@
+"""The workers' boundaries: what they need from the metadata service, and the small typed
+values that cross the data plane (Ray) between inference workers and shards.
+
+:class:`MetadataPort` is a Protocol whose methods mirror
+:class:`hkv_service.core.state_view.CacheState` (same names, arguments, return types);
+``hkv_service.client.MetadataClient`` implements it over gRPC, :mod:`workers.local` in-process
+or through a Ray actor. Everything else here is a frozen dataclass or a ``StrEnum`` so it
+pickles small and plain (bytes travel beside it as numpy arrays).
+
+Disk records carry a fixed 64-byte *tag* in front of the payload (covered by the disk tier's
+checksum), so a restarted shard can tell the metadata service what its disk holds::
+
+    [0, 4)  magic b"HKVT"   [4, 5) format   [5, 6) has parent   [6, 8) reserved
+    [8, 24) parent hash     [24, 28) depth (u32)   [28, 32) payload length (u32)
+    [32, 40) version (u64)  [40, 48) lo (u64)      [48, 56) hi (u64)   [56, 64) reserved
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from hkv_service.core.allocator import PoolConfig
+from hkv_service.core.funnel import LookupRequest
+from hkv_service.core.ids import BlockHash, LeaseId, ObjectId, ShardId
+from hkv_service.core.records import Handle
+from hkv_service.core.spec import CacheSpec
+from hkv_service.core.state_view import (
+    Allocation,
+    AllocRequest,
+    Match,
+    ObjectReport,
+    TransitionResult,
+)
+from hkv_service.core.states import Event
+from hkv_service.core.transitions import Params
+
+__all__ = [
+    "TAG",
+    "BlockTag",
+    "Commit",
+    "ItemResult",
+    "MetadataPort",
+    "Outcome",
+    "decode_tagged",
+    "encode_tagged",
+]
+
+
+@runtime_checkable
+class MetadataPort(Protocol):
+    def get_spec(self) -> CacheSpec: ...
+
+    def register_owner(self, owner: ShardId, pools: Mapping[str, PoolConfig]) -> int: ...
+
+    def heartbeat(self, owner: ShardId, incarnation: int) -> None: ...
+
+    def mark_owner_lost(self, owner: ShardId) -> int: ...
+
+    def confirm(self, owner: ShardId, reports: Sequence[ObjectReport]) -> int: ...
+
+    def allocate(
+        self,
+        block_hashes: Sequence[BlockHash],
+        requests: Sequence[AllocRequest],
+        owner: ShardId | None = None,
+    ) -> list[Allocation]: ...
+
+    def transition(
+        self,
+        object_id: ObjectId,
+        event: Event,
+        params: Params | None = None,
+        generation: int | None = None,
+    ) -> TransitionResult: ...
+
+    def evict(self, object_id: ObjectId) -> None: ...
+
+    def begin_offload(self, object_id: ObjectId, disk_owner: ShardId) -> Handle: ...
+
+    def begin_load(self, object_id: ObjectId, owner: ShardId | None = None) -> Handle: ...
+
+    def lookup(self, req: LookupRequest) -> Match: ...
+
+    def release_lease(self, lease_id: LeaseId) -> None: ...
+
+    def check_read(self, handle: Handle, lease_id: LeaseId | None = None) -> None: ...
+
+
+class Outcome(enum.StrEnum):
+    """Per-item result of a data-plane call. Anything but OK means: recompute this block."""
+
+    OK = "OK"
+    STALE = "STALE"  # generation moved on (block freed or reused): stale, recompute
+    LOST = "LOST"  # the metadata service no longer knows the object (owner lost, evicted)
+    NOT_READABLE = "NOT_READABLE"  # the object is not in a state that allows this
+    ADMISSION = "ADMISSION"  # refused by an admission cap; retry later
+    DISK_FULL = "DISK_FULL"  # the disk tier's budget or file system is full
+    CORRUPT = "CORRUPT"  # checksum mismatch: quarantined, marked CORRUPT, never served
+    MISSING = "MISSING"  # the disk record is gone (evicted by the tier's LRU)
+    NOT_HERE = "NOT_HERE"  # this shard's disk tier does not hold the record
+    UNAVAILABLE = "UNAVAILABLE"  # the shard holding the bytes died or timed out
+    FAILED = "FAILED"  # anything else; ``detail`` says what
+
+
+@dataclass(frozen=True, slots=True)
+class ItemResult:
+    outcome: Outcome
+    detail: str = ""
+    handle: Handle | None = None  # load: the memory handle the bytes now sit behind
+    version: int = 0  # write: KV version issued by a compressed WRITE_DONE
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome is Outcome.OK
+
+
+@dataclass(frozen=True, slots=True)
+class BlockTag:
+    """Where an object sits in the prefix tree; what ``ObjectReport`` needs after a restart."""
+
+    block_hash: BlockHash
+    parent_hash: BlockHash | None
+    depth: int
+    version: int = 0
+    lo: int = 0
+    hi: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Commit:
+    """Transitions a shard reports after a write is readable, in order (e.g. WRITE_DONE then
+    INDEXER_SYNC). ``params[i]`` goes with ``events[i]``."""
+
+    events: tuple[Event, ...]
+    params: tuple[Params | None, ...] = ()
+
+    def params_at(self, i: int) -> Params | None:
+        return self.params[i] if i < len(self.params) else None
+
+
+TAG = struct.Struct("<4sBBH16sII QQQ Q")
+_MAGIC = b"HKVT"
+_NO_PARENT = bytes(16)
+assert TAG.size == 64
+
+
+def encode_tagged(tag: BlockTag, payload: Any) -> bytearray:
+    """``tag header + payload`` in one buffer (one copy of the payload)."""
+    view = memoryview(payload).cast("B")
+    out = bytearray(TAG.size + len(view))
+    TAG.pack_into(
+        out, 0, _MAGIC, 1, tag.parent_hash is not None, 0, tag.parent_hash or _NO_PARENT,
+        tag.depth, len(view), tag.version, tag.lo, tag.hi, 0,
+    )
+    out[TAG.size :] = view
+    return out
+
+
+def decode_tagged(block_hash: BlockHash, record: Any) -> tuple[BlockTag, memoryview]:
+    """The tag and payload view of a verified record; ValueError if the framing is wrong."""
+    view = memoryview(record).cast("B")
+    if len(view) < TAG.size:
+        raise ValueError(f"record of {len(view)} bytes is shorter than its tag")
+    magic, fmt, has_parent, _, parent, depth, n, version, lo, hi, _ = TAG.unpack_from(view)
+    if magic != _MAGIC or fmt != 1 or len(view) != TAG.size + n:
+        raise ValueError("record tag is malformed (magic, format or length)")
+    tag = BlockTag(
+        block_hash, BlockHash(bytes(parent)) if has_parent else None, depth, version, lo, hi
+    )
+    return tag, view[TAG.size :]

@@ -1,0 +1,480 @@
+"""The cache shard: one per node, owner of a torch block pool per column and of the node's
+disk tier. It moves bytes; the metadata service decides states. Made a Ray actor by the
+launcher (``ray.remote(max_restarts=..., max_task_retries=...)(ShardActor)``).
+
+Lifecycle::
+
+    __init__  spec <- metadata.get_spec(); pools built; disk tier opened (inside the actor);
+              register_owner(pools) -> incarnation  (a known owner coming back is marked
+              lost first: a restarted shard comes back empty); confirm(ON_DISK reports from
+              the disk tier's tags); heartbeat thread started.
+    heartbeat UnknownOwner (metadata restarted or declared us lost) -> reset pools to empty,
+              re-register, re-confirm the disk tier.
+
+Data plane (all batched, per-item :class:`~workers.ports.ItemResult`, never raises per item):
+
+* ``write_blocks``: copy in -> wait readable -> report the item's :class:`Commit` events.
+* ``read_blocks``: generation and occupant re-checked right before the copy; stale -> STALE.
+* ``offload``: begin_offload -> read -> disk put (tag + payload, checksummed, committed) ->
+  OFFLOAD_COMMITTED; failures -> OFFLOAD_FAILED with the reason (admission, disk full ...).
+* ``load``: begin_load -> verified disk get -> write into the reserved block -> LOAD_VERIFIED;
+  checksum mismatch -> MARK_CORRUPT (the tier quarantined it); gone -> LOAD_FAILED + EVICT.
+
+Idempotency (``max_task_retries=-1`` may re-run a call): writes of the same generation and
+bytes are harmless; a commit already applied is remembered and not re-sent; a commit refused
+because the object already is in the target state counts as done.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hkv_service.core.admission import AdmissionCap
+from hkv_service.core.errors import (
+    AdmissionRefused,
+    FailedPrecondition,
+    HkvError,
+    IllegalTransition,
+    NotFound,
+    ResourceExhausted,
+    StaleHandle,
+    UnknownOwner,
+)
+from hkv_service.core.ids import BlockHash, ObjectId, ShardId
+from hkv_service.core.layout import Layout
+from hkv_service.core.records import Handle
+from hkv_service.core.state_view import ObjectReport
+from hkv_service.core.states import Event, Kind, State
+from hkv_service.core.transitions import Params
+from storage import CorruptEntry, DiskFull, DiskKey, DiskTier, NotOnDisk
+
+from .local import connect
+from .pool import PoolSet, StaleRead, StaleWrite
+from .ports import (
+    BlockTag,
+    Commit,
+    ItemResult,
+    MetadataPort,
+    Outcome,
+    decode_tagged,
+    encode_tagged,
+)
+
+__all__ = ["ShardActor", "ShardConfig"]
+
+log = logging.getLogger(__name__)
+_DONE_MEMORY = 65536  # commits remembered for idempotent retries
+_TARGET = {
+    Event.WRITE_DONE: {State.COMPRESSED_READY, State.SWA_VALID, State.INDEXER_WRITTEN,
+                       State.INDEXER_SYNCED},
+    Event.TAIL_DONE: {State.TAIL_COMPLETE},
+    Event.INDEXER_SYNC: {State.INDEXER_SYNCED},
+    Event.OFFLOAD_COMMITTED: {State.ON_DISK, State.ON_DISK_INFLIGHT, State.ON_DISK_READY},
+    Event.LOAD_VERIFIED: {State.ON_DISK_READY},
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ShardConfig:
+    shard_id: str
+    metadata: Any  # "host:port" (gRPC), a MetadataActor handle, or a MetadataPort
+    data_dir: str
+    blocks_per_group: int = 256
+    disk_budget_bytes: int = 1 << 30
+    admission: AdmissionCap = field(default_factory=AdmissionCap)
+    heartbeat_interval_s: float = 2.0
+    device: str = "auto"
+    token: str | None = None
+    metadata_timeout_s: float = 10.0
+
+
+class ShardActor:
+    def __init__(self, config: ShardConfig) -> None:
+        self.config = config
+        self.shard_id = ShardId(config.shard_id)
+        self.meta: MetadataPort = connect(config.metadata, config.token, config.metadata_timeout_s)
+        self.layout = Layout(self.meta.get_spec())
+        self.pools = PoolSet(
+            {c.name: c.nbytes for c in self.layout.columns}, config.blocks_per_group, config.device
+        )
+        path = Path(config.data_dir) / config.shard_id
+        path.mkdir(parents=True, exist_ok=True)
+        self.disk = DiskTier(path, config.disk_budget_bytes, config.admission)
+        self._lock = threading.RLock()
+        self._tags: dict[tuple[str, int], tuple[int, BlockTag]] = {}  # (column, block)
+        self._disk_ids: dict[DiskKey, ObjectId] = {}
+        self._done: OrderedDict[tuple[int, Event], int] = OrderedDict()
+        self._counts: dict[str, int] = {}
+        self.incarnation = 0
+        self.confirmed = 0
+        self._register()
+        self._stop = threading.Event()
+        self._beat = threading.Thread(target=self._heartbeat_loop, name="hkv-heartbeat",
+                                      daemon=True)
+        self._beat.start()
+
+    # -- registration -----------------------------------------------------------------------
+
+    def _register(self) -> None:
+        with self._lock:
+            self.incarnation = self.meta.register_owner(self.shard_id, self.pools.configs())
+            self.confirmed = self._confirm_disk()
+            log.info("shard %s registered (incarnation %d, %d disk objects confirmed)",
+                     self.shard_id, self.incarnation, self.confirmed)
+
+    def _confirm_disk(self) -> int:
+        """Report every verified disk record as ON_DISK, in chunks."""
+        reports: list[ObjectReport] = []
+        total = 0
+        for meta in self.disk.scan():
+            report = self._report_of(meta.key)
+            if report is not None:
+                reports.append(report)
+            if len(reports) >= 256:
+                total += self.meta.confirm(self.shard_id, reports)
+                reports = []
+        if reports:
+            total += self.meta.confirm(self.shard_id, reports)
+        return total
+
+    def _report_of(self, key: DiskKey) -> ObjectReport | None:
+        try:
+            tag, _ = decode_tagged(BlockHash(key.block_hash), self.disk.get(key, wait_s=5.0))
+        except (HkvError, ValueError) as exc:  # corrupt (quarantined) or not ours: skip
+            log.warning("disk record %s not confirmed: %s", key, exc)
+            return None
+        if key.group not in self.layout.by_name:
+            return None
+        return ObjectReport(BlockHash(key.block_hash), tag.parent_hash, tag.depth, key.group,
+                            State.ON_DISK, version=tag.version, lo=tag.lo, hi=tag.hi)
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self.config.heartbeat_interval_s):
+            try:
+                self.meta.heartbeat(self.shard_id, self.incarnation)
+            except UnknownOwner:
+                self._rejoin()
+            except Exception as exc:  # service briefly unreachable: try again next beat
+                log.warning("heartbeat of %s failed: %s", self.shard_id, exc)
+
+    def _rejoin(self) -> None:
+        """The service forgot us (restart) or declared us lost: come back empty."""
+        with self._lock:
+            for pool in self.pools.pools.values():
+                pool.generation[:] = 0
+                pool.object_id[:] = -1
+            self._tags.clear()
+            self._done.clear()
+            self._disk_ids.clear()
+            self._bump("rejoins")
+            try:
+                self._register()
+            except Exception as exc:
+                log.warning("re-registering %s failed: %s", self.shard_id, exc)
+
+    # -- writes -----------------------------------------------------------------------------
+
+    def write_blocks(
+        self,
+        handles: Sequence[Handle],
+        arrays: Sequence[Any],
+        tags: Sequence[BlockTag | None] | None = None,
+        commits: Sequence[Commit | None] | None = None,
+    ) -> list[ItemResult]:
+        """Copy ``arrays[i]`` into ``handles[i]``'s block; once readable, report ``commits[i]``."""
+        with self._lock:
+            out = []
+            for i, (h, data) in enumerate(zip(handles, arrays, strict=True)):
+                tag = tags[i] if tags else None
+                commit = commits[i] if commits else None
+                out.append(self._write_one(h, data, tag, commit))
+            self._bump("writes", len(out))
+            return out
+
+    def _write_one(self, h: Handle, data: Any, tag: BlockTag | None,
+                   commit: Commit | None) -> ItemResult:
+        pool = self.pools[h.group]
+        try:
+            pool.write(h.block, h.generation, data, h.object_id)
+        except StaleWrite as exc:
+            return ItemResult(Outcome.STALE, str(exc))
+        except (ValueError, IndexError) as exc:
+            return ItemResult(Outcome.FAILED, str(exc))
+        pool.wait(h.block)  # commits are reported only once the bytes are readable
+        version = 0
+        if commit is not None:
+            result = self._commit_all(h, commit)
+            if not result.ok:
+                pool.forget(h.block, h.object_id)
+                return result
+            version = result.version
+        if tag is not None:
+            self._tags[(h.group, h.block)] = (h.object_id, self._final_tag(h, tag, commit, version))
+        return ItemResult(Outcome.OK, handle=h, version=version)
+
+    def _final_tag(self, h: Handle, tag: BlockTag, commit: Commit | None, version: int) -> BlockTag:
+        lo, hi = tag.lo, tag.hi
+        column = self.layout.columns[h.column]
+        if column.kind is Kind.SWA and not hi:
+            lo, hi = self.layout.block_range(h.column, tag.depth)
+        for i in range(len(commit.events) if commit else 0):
+            p = commit.params_at(i) if commit else None
+            if p is None:
+                continue
+            lo = p.lo if p.lo is not None else lo
+            hi = p.hi if p.hi is not None else (p.tail_len if p.tail_len is not None else hi)
+            version = p.version if p.version is not None else version
+        return BlockTag(tag.block_hash, tag.parent_hash, tag.depth, version or tag.version, lo, hi)
+
+    def _commit_all(self, h: Handle, commit: Commit) -> ItemResult:
+        version = 0
+        for i, event in enumerate(commit.events):
+            res = self._commit(h.object_id, event, commit.params_at(i), h.generation)
+            if not res.ok:
+                return res
+            version = max(version, res.version)
+        return ItemResult(Outcome.OK, version=version)
+
+    def _commit(self, oid: ObjectId, event: Event, params: Params | None = None,
+                generation: int | None = None) -> ItemResult:
+        """Report one transition at most once (idempotent under retries)."""
+        key = (int(oid), event)
+        if key in self._done:
+            return ItemResult(Outcome.OK, "already committed", version=self._done[key])
+        try:
+            res = self.meta.transition(oid, event, params, generation)
+        except IllegalTransition as exc:
+            if any(f"in state {s.value}" in str(exc) for s in _TARGET.get(event, ())):
+                return ItemResult(Outcome.OK, "already in the target state")
+            return ItemResult(Outcome.NOT_READABLE, str(exc))
+        except Exception as exc:
+            return _failure(exc)
+        self._done[key] = res.version
+        while len(self._done) > _DONE_MEMORY:
+            self._done.popitem(last=False)
+        return ItemResult(Outcome.OK, version=res.version)
+
+    # -- reads ------------------------------------------------------------------------------
+
+    def read_blocks(self, handles: Sequence[Handle]) -> list[np.ndarray | ItemResult]:
+        """Bytes of each handle's block, or a STALE/FAILED result for that item. The arrays are
+        views into the pool, copied out by Ray when the call returns (before the next call)."""
+        with self._lock:
+            out: list[np.ndarray | ItemResult] = []
+            for h in handles:
+                try:
+                    out.append(self.pools[h.group].read(h.block, h.generation, h.object_id,
+                                                        copy=False))
+                except StaleRead as exc:
+                    self._bump("stale_reads")
+                    out.append(ItemResult(Outcome.STALE, str(exc)))
+                except (KeyError, IndexError) as exc:
+                    out.append(ItemResult(Outcome.FAILED, f"bad handle: {exc}"))
+            self._bump("reads", len(handles))
+            return out
+
+    # -- offload ----------------------------------------------------------------------------
+
+    def offload(
+        self,
+        handles: Sequence[Handle],
+        tags: Sequence[BlockTag | None] | None = None,
+        evict_memory: bool = False,
+    ) -> list[ItemResult]:
+        """Copy readable memory objects to this node's disk tier (see module docstring)."""
+        with self._lock:
+            results: list[ItemResult | None] = [None] * len(handles)
+            staged: list[tuple[int, Handle, DiskKey, bytearray]] = []
+            for i, h in enumerate(handles):
+                stage = self._stage_offload(h, tags[i] if tags else None)
+                if isinstance(stage, ItemResult):
+                    results[i] = stage
+                else:
+                    staged.append((i, *stage))
+            for i, put in self._put(staged).items():
+                results[i] = put
+            if evict_memory:
+                for h, res in zip(handles, results, strict=True):
+                    if res is not None and res.ok:
+                        self._try_evict(h.object_id)
+            self._bump("offloads", len(handles))
+            return [r or ItemResult(Outcome.FAILED, "not processed") for r in results]
+
+    def _stage_offload(self, h: Handle, tag: BlockTag | None
+                       ) -> ItemResult | tuple[Handle, DiskKey, bytearray]:
+        known = self._tags.get((h.group, h.block))
+        if tag is None and known is not None and known[0] == h.object_id:
+            tag = known[1]
+        if tag is None:
+            return ItemResult(Outcome.FAILED, "no block tag for this object; pass tags")
+        try:
+            data = self.pools[h.group].read(h.block, h.generation, h.object_id, copy=False)
+        except StaleRead as exc:
+            return ItemResult(Outcome.STALE, str(exc))
+        try:
+            dh = self.meta.begin_offload(h.object_id, self.shard_id)
+        except Exception as exc:
+            return _failure(exc)
+        key = DiskKey(bytes(tag.block_hash), h.group, h.kind.value, h.abi_fingerprint)
+        return dh, key, encode_tagged(tag, data)
+
+    def _put(self, staged: list[tuple[int, Handle, DiskKey, bytearray]]) -> dict[int, ItemResult]:
+        if not staged:
+            return {}
+        try:
+            metas = self.disk.put_many([(key, payload) for _, _, key, payload in staged])
+            errors: list[Exception | None] = [None] * len(staged)
+        except Exception:  # classify item by item (earlier batches may have committed)
+            metas, errors = [], []
+            for _, _, key, payload in staged:
+                try:
+                    metas.append(self.disk.put(key, payload))
+                    errors.append(None)
+                except Exception as exc:
+                    errors.append(exc)
+        out: dict[int, ItemResult] = {}
+        for (i, dh, key, _), err in zip(staged, errors, strict=True):
+            if err is not None:
+                self._commit(dh.object_id, Event.OFFLOAD_FAILED)
+                out[i] = _failure(err)
+                continue
+            out[i] = self._commit(dh.object_id, Event.OFFLOAD_COMMITTED)
+            if out[i].ok:
+                self._disk_ids[key] = dh.object_id
+                out[i] = ItemResult(Outcome.OK, handle=dh)
+        self._report_disk_evictions([k for m in metas for k in m.evicted])
+        return out
+
+    def _report_disk_evictions(self, keys: Sequence[DiskKey]) -> None:
+        for key in keys:
+            oid = self._disk_ids.pop(key, None)
+            if oid is not None:
+                self._try_evict(oid)
+
+    def _try_evict(self, oid: ObjectId) -> None:
+        try:
+            self.meta.evict(oid)
+        except HkvError as exc:  # leased, already gone ...: the policy keeps it; fine
+            log.debug("evict %s refused: %s", oid, exc)
+
+    # -- load -------------------------------------------------------------------------------
+
+    def load(self, items: Sequence[tuple[Handle, BlockHash]]) -> list[ItemResult]:
+        """Bring DISK objects at rest (``ON_DISK``) back into this shard's pools, verified.
+        Each item is ``(disk handle, block hash)``; records this shard's tier lacks -> NOT_HERE.
+        """
+        with self._lock:
+            out = [self._load_one(dh, bh) for dh, bh in items]
+            self._bump("loads", len(items))
+            return out
+
+    def _load_one(self, dh: Handle, block_hash: BlockHash) -> ItemResult:
+        key = DiskKey(bytes(block_hash), dh.group, dh.kind.value, dh.abi_fingerprint)
+        if not self.disk.contains(key):
+            return ItemResult(Outcome.NOT_HERE, "this shard's disk tier has no such record")
+        try:
+            mh = self.meta.begin_load(dh.object_id, self.shard_id)
+        except Exception as exc:
+            return _failure(exc)
+        try:
+            tag, payload = decode_tagged(block_hash, self.disk.get(key, wait_s=1.0))
+            if len(payload) != mh.nbytes:
+                raise ValueError(f"payload is {len(payload)} bytes, object has {mh.nbytes}")
+        except (CorruptEntry, ValueError) as exc:
+            self._bump("corrupt")
+            self._commit(mh.object_id, Event.MARK_CORRUPT)
+            self._disk_ids.pop(key, None)
+            return ItemResult(Outcome.CORRUPT, str(exc))
+        except Exception as exc:
+            self._commit(mh.object_id, Event.LOAD_FAILED)
+            if isinstance(exc, NotOnDisk):
+                self._try_evict(mh.object_id)
+            return _failure(exc)
+        return self._finish_load(mh, key, tag, payload)
+
+    def _finish_load(self, mh: Handle, key: DiskKey, tag: BlockTag,
+                     payload: memoryview) -> ItemResult:
+        pool = self.pools[mh.group]
+        try:
+            pool.write(mh.block, mh.generation, np.frombuffer(payload, np.uint8), mh.object_id)
+        except StaleWrite as exc:
+            self._commit(mh.object_id, Event.LOAD_FAILED)
+            return ItemResult(Outcome.STALE, str(exc))
+        pool.wait(mh.block)
+        res = self._commit(mh.object_id, Event.LOAD_VERIFIED, None, mh.generation)
+        if not res.ok:
+            pool.forget(mh.block, mh.object_id)
+            return res
+        self._tags[(mh.group, mh.block)] = (mh.object_id, tag)
+        self._disk_ids[key] = mh.object_id
+        return ItemResult(Outcome.OK, handle=mh)
+
+    # -- introspection ----------------------------------------------------------------------
+
+    def ping(self) -> dict[str, Any]:
+        return {"shard_id": self.shard_id, "incarnation": self.incarnation, "pid": os.getpid(),
+                "node_id": _node_id(), "device": str(self.pools.device), "time": time.time()}
+
+    def stats(self) -> dict[str, Any]:
+        disk = self.disk.stats()
+        return {
+            "shard_id": self.shard_id,
+            "incarnation": self.incarnation,
+            "confirmed": self.confirmed,
+            "device": str(self.pools.device),
+            "pool_bytes": self.pools.nbytes(),
+            "data_dir": str(Path(self.config.data_dir) / self.config.shard_id),
+            "counts": dict(self._counts),
+            "disk": {"entries": disk.entries, "bytes_used": disk.bytes_used,
+                     "corruption": disk.corruption, "quarantined": disk.quarantined,
+                     "puts": disk.puts, "gets": disk.gets},
+        }
+
+    def shutdown(self) -> None:
+        """Stop heartbeats and close the disk tier (the launcher calls this before a kill)."""
+        self._stop.set()
+        with self._lock:
+            self.disk.close()
+
+    def _bump(self, name: str, n: int = 1) -> None:
+        self._counts[name] = self._counts.get(name, 0) + n
+
+
+def _failure(exc: BaseException) -> ItemResult:
+    """One place mapping what a metadata or disk call raised to an item outcome."""
+    if isinstance(exc, AdmissionRefused):
+        outcome = Outcome.ADMISSION
+    elif isinstance(exc, DiskFull):
+        outcome = Outcome.DISK_FULL
+    elif isinstance(exc, NotOnDisk):
+        outcome = Outcome.MISSING
+    elif isinstance(exc, StaleHandle):
+        outcome = Outcome.STALE
+    elif isinstance(exc, NotFound):
+        outcome = Outcome.LOST
+    elif isinstance(exc, FailedPrecondition):
+        outcome = Outcome.NOT_READABLE
+    elif isinstance(exc, ResourceExhausted):
+        outcome = Outcome.ADMISSION
+    else:
+        outcome = Outcome.FAILED
+    return ItemResult(outcome, f"{type(exc).__name__}: {exc}")
+
+
+def _node_id() -> str:
+    try:
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id())
+    except Exception:
+        return ""
