@@ -85,12 +85,7 @@ class LocalMetadata:
         return self.state.begin_load(object_id, owner)
 
     def lookup(self, req: LookupRequest) -> Match:
-        """The core builds a Match's handles lazily from live records; take them now, under
-        no later state (what a gRPC reply carries too)."""
-        with self.state._lock:
-            match = self.state.lookup(req)
-            _ = match.handles, match.load
-        return match
+        return self.state.lookup(req)  # its handle columns are a snapshot taken atomically
 
     def release_lease(self, lease_id: LeaseId) -> None:
         self.state.release_lease(lease_id)
@@ -113,16 +108,8 @@ class _StateHolder(LocalMetadata):
         super().__init__(CacheState(spec, config))
 
     def call(self, method: str, *args: Any) -> Any:
-        result = getattr(self, method)(*args)
-        return _detached(result) if isinstance(result, Match) else result
-
-
-def _detached(match: Match) -> Match:
-    """A Match that pickles without the state view: handles taken, live records dropped."""
-    out = Match(match.usable_tokens, match.matched_tokens, match.downgrades, match.lease_id)
-    out.__dict__["handles"] = match.handles  # fill the cached properties
-    out.__dict__["load"] = match.load
-    return out
+        # Results pickle as they are: a Match holds a snapshot of plain tuples.
+        return getattr(self, method)(*args)
 
 
 MetadataActor = ray.remote(num_cpus=0)(_StateHolder)

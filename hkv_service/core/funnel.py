@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .contracts import F_MONO, F_TAIL, LOAD, READY, column_verdict
-from .errors import BadHash, PositionBeyondHashes, UnknownGroup
+from .errors import BadHash, InvalidInput, PositionBeyondHashes, UnknownGroup
 from .ids import BLOCK_HASH_BYTES, BlockHash, GroupName
 from .layout import Layout
 from .records import PrefixEntry
@@ -72,7 +72,7 @@ def validate_request(req: LookupRequest, layout: Layout) -> int:
             f"resume position {limit} is outside the {hashed} tokens the {len(hashes)} hashes cover"
         )
     if req.alignment < 1 or req.alignment & (req.alignment - 1):
-        raise BadHash(f"alignment must be a power of two >= 1, got {req.alignment}")
+        raise InvalidInput(f"alignment must be a power of two >= 1, got {req.alignment}")
     for name in req.reader_abi or {}:
         if name not in layout.by_name or layout.columns[layout.by_name[name]].kind is Kind.TAIL:
             raise UnknownGroup(f"reader ABI names group {name!r}, which the cache spec lacks")

@@ -14,6 +14,7 @@ whose end is a multiple of the LCM block size ``L``::
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from .ids import GroupName
@@ -35,22 +36,19 @@ class Column:
     kind: Kind
     group: GroupSpec
     nbytes: int  # bytes of one block of this column
+    name: GroupName  # the group's name, or "<group>.tail"
+    abi_fingerprint: int  # computed once: handles carry it on every lookup
     indexes: int | None = None  # INDEXER: column of the KV it indexes
-
-    @property
-    def abi_fingerprint(self) -> int:
-        return self.group.abi.fingerprint()
-
-    @property
-    def name(self) -> GroupName:
-        if self.kind is Kind.TAIL:
-            return GroupName(f"{self.group.name}.tail")
-        return self.group.name
 
     def tail_tokens_at(self, position: int) -> int:
         """Raw tokens a TAIL must hold to resume at ``position`` (carried overlap included)."""
         g = self.group
         return position % g.ratio + min(g.overlap, position - position % g.ratio)
+
+
+def _column(index: int, kind: Kind, group: GroupSpec, nbytes: int) -> Column:
+    name = GroupName(f"{group.name}.tail") if kind is Kind.TAIL else group.name
+    return Column(index, kind, group, nbytes, name, group.abi.fingerprint())
 
 
 class Layout:
@@ -60,15 +58,15 @@ class Layout:
         self.lcm = spec.lcm_block_size
         self.step = self.lcm // self.hash_block  # entries per LCM block
         cols = [
-            Column(i, _KIND_OF_GROUP[g.kind], g, g.bytes_per_block)
+            _column(i, _KIND_OF_GROUP[g.kind], g, g.bytes_per_block)
             for i, g in enumerate(spec.groups)
         ]
         for g in spec.groups:
             if g.kind is GroupKind.COMPRESSED:
-                cols.append(Column(len(cols), Kind.TAIL, g, g.tail_bytes))
+                cols.append(_column(len(cols), Kind.TAIL, g, g.tail_bytes))
         by_name: dict[str, int] = {c.name: c.index for c in cols}
         self.columns: tuple[Column, ...] = tuple(
-            Column(c.index, c.kind, c.group, c.nbytes, by_name[c.group.indexes])
+            dataclasses.replace(c, indexes=by_name[c.group.indexes])
             if c.group.indexes is not None and c.kind is Kind.INDEXER
             else c
             for c in cols

@@ -18,7 +18,7 @@ from typing import ClassVar
 from .ids import BlockHash, GroupName, ObjectId, ShardId
 from .states import Kind, State
 
-__all__ = ["DiskRecord", "Handle", "ObjRecord", "PrefixEntry"]
+__all__ = ["DiskRecord", "Handle", "HandleColumn", "ObjRecord", "PrefixEntry"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +35,40 @@ class Handle:
     nbytes: int
     abi_fingerprint: int
     address: int  # byte offset of the block inside its pool (layer 4 checks it)
+
+
+@dataclass(frozen=True, slots=True)
+class HandleColumn:
+    """The handles of one column, as parallel arrays: a snapshot taken under the state view's
+    lock, cheap to build (no object per handle) and to pack into a protobuf message."""
+
+    column: int
+    name: GroupName
+    kind: Kind
+    nbytes: int
+    abi_fingerprint: int
+    object_ids: tuple[int, ...]
+    generations: tuple[int, ...]
+    shards: tuple[ShardId, ...]
+    blocks: tuple[int, ...]  # -1: a DISK copy at rest, to be loaded first
+    addresses: tuple[int, ...]
+
+    def __len__(self) -> int:
+        return len(self.object_ids)
+
+    def handles(self) -> tuple[Handle, ...]:
+        c, k, g, n, a = self.column, self.kind, self.name, self.nbytes, self.abi_fingerprint
+        return tuple(
+            Handle(ObjectId(o), gen, sh, c, blk, k, g, n, a, addr)
+            for o, gen, sh, blk, addr in zip(
+                self.object_ids,
+                self.generations,
+                self.shards,
+                self.blocks,
+                self.addresses,
+                strict=True,
+            )
+        )
 
 
 @dataclass(slots=True, eq=False)

@@ -47,7 +47,7 @@ from .funnel import Downgrade, LookupRequest, run_funnel, validate_request
 from .ids import BLOCK_HASH_BYTES, BlockHash, CaptureId, LeaseId, ObjectId, ShardId
 from .layout import Column, Layout
 from .objects import ObjectTable
-from .records import DiskRecord, Handle, ObjRecord, PrefixEntry
+from .records import DiskRecord, Handle, HandleColumn, ObjRecord, PrefixEntry
 from .spec import CacheSpec
 from .states import TERMINAL_STATES, Event, Kind, State
 from .transitions import Params, apply
@@ -110,27 +110,24 @@ class TransitionEvent:
 
 @dataclass(frozen=True)
 class Match:
-    """What a lookup returns. Handles stay valid while ``lease_id`` is live; without a lease a
-    reader may find them stale (the shard re-checks the generation), never wrong.
+    """What a lookup returns. ``columns`` is a snapshot taken atomically with the lookup.
 
-    ``handles`` is built on first access from the records the lookup chose, so a caller that
-    only needs ``usable_tokens`` does not pay for thousands of handle objects.
+    Handles stay valid while ``lease_id`` is live; without a lease a reader may find them stale
+    (the shard and ``check_read`` re-check generation and state), never wrong. ``handles``
+    materialises one :class:`Handle` per object on first access; the server packs ``columns``
+    directly instead.
     """
 
     usable_tokens: int
     matched_tokens: int
     downgrades: tuple[Downgrade, ...]
     lease_id: LeaseId | None = None
-    records: Mapping[str, tuple[ObjRecord, ...]] = field(default_factory=dict, repr=False)
-    make_handle: Callable[[ObjRecord], Handle] | None = field(default=None, repr=False)
+    columns: Mapping[str, HandleColumn] = field(default_factory=dict, compare=False)
 
     @functools.cached_property
     def handles(self) -> Mapping[str, tuple[Handle, ...]]:
         """column -> handles, in token order."""
-        mk = self.make_handle
-        if mk is None:
-            return {}
-        return {col: tuple(mk(r) for r in recs) for col, recs in self.records.items()}
+        return {name: col.handles() for name, col in self.columns.items()}
 
     @functools.cached_property
     def load(self) -> tuple[Handle, ...]:
@@ -140,31 +137,6 @@ class Match:
     @property
     def needs_load(self) -> bool:
         return bool(self.load)
-
-    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
-        # Crossing a process boundary (Ray, pickle) snapshots the handles: records stay home.
-        return (
-            _detached_match,
-            (
-                self.usable_tokens,
-                self.matched_tokens,
-                self.downgrades,
-                self.lease_id,
-                dict(self.handles),
-            ),
-        )
-
-
-def _detached_match(
-    usable: int,
-    matched: int,
-    downgrades: tuple[Downgrade, ...],
-    lease_id: LeaseId | None,
-    handles: dict[str, tuple[Handle, ...]],
-) -> Match:
-    match = Match(usable, matched, downgrades, lease_id)
-    match.__dict__["handles"] = handles  # fills the cached_property
-    return match
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,9 +198,10 @@ class CacheState:
         """(Re-)register an owner. A known owner coming back has lost its memory: every object
         it held is marked LOST first. Returns the new incarnation."""
         with self._lock:
+            built = {self._column(name): BlockPool(_checked_pool(name, cfg))
+                     for name, cfg in pools.items()}  # validate before touching anything
             if owner in self.owners:
                 self.mark_owner_lost(owner)
-            built = {self._column(name): BlockPool(cfg) for name, cfg in pools.items()}
             inc = next(self._incarnations)
             self.owners[owner] = _Owner(inc, self.clock(), built)
             return inc
@@ -291,6 +264,8 @@ class CacheState:
             cols = [self._column(r.column) for r in requests]
             for r in requests:
                 self._check_slot(r, len(block_hashes))
+            if owner is not None:
+                self._owner(owner)
             entries = self._ensure_path(block_hashes, max((r.depth for r in requests), default=-1))
             done: list[Allocation] = []
             try:
@@ -301,6 +276,8 @@ class CacheState:
                 for a in done:
                     if not a.existing:
                         self._apply(self.objects[a.handle.object_id], Event.EVICT, Params())
+                if entries:
+                    self._gc_entry(entries[-1])  # and so would path entries made for them
                 raise
             return done
 
@@ -588,13 +565,9 @@ class CacheState:
             if req.lease_ttl_s > 0 and records:
                 pinned = [r for recs in records.values() for r in recs]
                 lease_id = self.leases.open(pinned, now + req.lease_ttl_s).lease_id
+            columns = {name: self._snapshot(recs) for name, recs in records.items()}
             return Match(
-                result.usable_tokens,
-                result.matched_tokens,
-                result.downgrades,
-                lease_id,
-                records,
-                self._handle,
+                result.usable_tokens, result.matched_tokens, result.downgrades, lease_id, columns
             )
 
     def _count_lookup(self, usable: int, limit: int, downgrades: Iterable[Downgrade]) -> None:
@@ -624,6 +597,28 @@ class CacheState:
             if recs:
                 out[column.name] = tuple(recs)
         return out
+
+    def _snapshot(self, recs: tuple[ObjRecord, ...]) -> HandleColumn:
+        """Columnar handles of ``recs`` (one column), taken under the lock."""
+        column = self.layout.columns[recs[0].column]
+        col = column.index
+        shards = tuple(_handle_shard(r) for r in recs)
+        blocks = tuple(r.block for r in recs)
+        strides = {s: o.pools[col].config.stride for s, o in self.owners.items() if col in o.pools}
+        return HandleColumn(
+            col,
+            column.name,
+            column.kind,
+            column.nbytes,
+            column.abi_fingerprint,
+            tuple(r.object_id for r in recs),
+            tuple(r.generation for r in recs),
+            shards,
+            blocks,
+            tuple(
+                b * strides.get(s, 0) if b >= 0 else 0 for s, b in zip(shards, blocks, strict=True)
+            ),
+        )
 
     def _needed_depths(self, column: Column, n: int) -> range:
         hb = self.layout.hash_block
@@ -660,7 +655,12 @@ class CacheState:
                 if lease_id not in self.leases.leases:
                     raise LeaseExpired(f"lease {lease_id} expired or was released; look up again")
             rec = self.objects.get(handle.object_id)
-            if rec is None or rec.block != handle.block or rec.generation != handle.generation:
+            if (
+                rec is None
+                or rec.block != handle.block
+                or rec.generation != handle.generation
+                or rec.state not in _READABLE[rec.kind]  # e.g. a load still in flight
+            ):
                 self.counters.events["stale_read"] += 1
                 raise StaleHandle(
                     f"handle to object {handle.object_id} is stale (block reused or freed); "
@@ -704,11 +704,21 @@ class CacheState:
     # ---- rebuild after a restart ---------------------------------------------------------
 
     def confirm(self, owner: ShardId, reports: Sequence[ObjectReport]) -> int:
-        """Re-create objects an owner vouches for after a service restart. Returns how many."""
+        """Re-create objects an owner vouches for after a service restart: complete objects and
+        disk copies at rest. Returns how many were re-created (duplicates and half-written
+        objects are skipped); malformed reports reject the whole call, changing nothing."""
         with self._lock:
             o = self._owner(owner)
+            for r in reports:  # validate all before applying any: all or nothing
+                self._column(r.column)
+                self._check_hashes([r.block_hash] + ([r.parent_hash] if r.parent_hash else []))
+                if r.depth < 0 or (r.depth == 0) != (r.parent_hash is None):
+                    raise InvalidInput(f"report at depth {r.depth}: depth and parent disagree")
             n = 0
-            for r in sorted(reports, key=lambda rep: rep.depth):
+            # Half-written objects (ALLOCATED, WRITING, TAIL_PARTIAL, ...) are not re-created:
+            # their writer's ids died with the old view, so they could never complete.
+            vouched = [r for r in reports if r.state in _CONFIRMABLE]
+            for r in sorted(vouched, key=lambda rep: rep.depth):
                 col = self._column(r.column)
                 entry = self._ensure_entry(r.block_hash, r.parent_hash, r.depth)
                 n += self._confirm_one(o, owner, entry, col, r)
@@ -860,22 +870,7 @@ class CacheState:
         return rec
 
     def _handle(self, rec: ObjRecord) -> Handle:
-        column = self.layout.columns[rec.column]
-        o = self.owners.get(rec.shard)
-        pool = o.pools.get(rec.column) if o is not None and rec.block >= 0 else None
-        address = rec.block * pool.config.stride if pool is not None else 0
-        return Handle(
-            rec.object_id,
-            rec.generation,
-            rec.shard if rec.block >= 0 or rec.disk_owner is None else rec.disk_owner,
-            rec.column,
-            rec.block,
-            rec.inner or rec.kind,
-            column.name,
-            column.nbytes,
-            column.abi_fingerprint,
-            address,
-        )
+        return self._snapshot((rec,)).handles()[0]
 
     # TransitionContext, for preconditions
     def kv_version_for(self, record: ObjRecord) -> int | None:
@@ -899,8 +894,12 @@ class CacheState:
     # ---- introspection ------------------------------------------------------------------
 
     def events_since(self, seq: int, limit: int = 1024) -> list[TransitionEvent]:
+        """Events after ``seq`` (the log is bounded: older ones may be gone)."""
         with self._lock:
-            return [ev for ev in self.log if ev.seq > seq][:limit]
+            if not self.log:
+                return []
+            skip = max(0, seq - self.log[0].seq + 1)  # sequence numbers are contiguous
+            return list(itertools.islice(self.log, skip, skip + limit))
 
     def stats(self) -> dict[str, object]:
         with self._lock:
@@ -921,8 +920,28 @@ class CacheState:
             return snap
 
 
+_READABLE = {k: c.ready_states for k, c in contracts.CONTRACTS.items()}
+_CONFIRMABLE = frozenset(
+    {State.ON_DISK} | {st for c in contracts.CONTRACTS.values() for st in c.ready_states}
+) - {State.ON_DISK_READY}
+_MAX_POOL_BLOCKS = 1 << 24
+
+
+def _checked_pool(name: str, cfg: PoolConfig) -> PoolConfig:
+    if not 1 <= cfg.num_blocks <= _MAX_POOL_BLOCKS:
+        raise InvalidInput(f"pool {name!r}: num_blocks must be in [1, {_MAX_POOL_BLOCKS}]")
+    if cfg.stride < 1 or cfg.base_align < 1 or cfg.base_align & (cfg.base_align - 1):
+        raise InvalidInput(f"pool {name!r}: stride >= 1 and a power-of-two base_align needed")
+    return cfg
+
+
 def _mem_record(e: PrefixEntry, col: int) -> ObjRecord | None:
     return e.mem[col]
+
+
+def _handle_shard(rec: ObjRecord) -> ShardId:
+    """Where to ask for the bytes: the memory owner, or the disk owner of a copy at rest."""
+    return rec.shard if rec.block >= 0 or rec.disk_owner is None else rec.disk_owner
 
 
 _PARTNER_EVICTABLE = {

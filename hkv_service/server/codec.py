@@ -22,7 +22,7 @@ from typing import Any, Generic, TypeVar
 from hkv_service.core.errors import InvalidInput
 from hkv_service.core.funnel import Downgrade, LookupRequest
 from hkv_service.core.ids import BlockHash, GroupName, LeaseId, ObjectId, ShardId
-from hkv_service.core.records import Handle
+from hkv_service.core.records import Handle, HandleColumn
 from hkv_service.core.state_view import (
     Allocation,
     Match,
@@ -96,40 +96,38 @@ def decode_handle(msg: Any, where: str = "handle") -> Handle:
     )
 
 
-def _encode_column(name: str, handles: Sequence[Handle], shards: dict[str, int], out: Any) -> None:
-    first = handles[0]
-    out.group, out.column, out.kind = name, first.column, KINDS.to_pb[first.kind]
-    out.nbytes, out.abi_fingerprint = first.nbytes, first.abi_fingerprint
-    for h in handles:
-        assert (h.column, h.kind, h.nbytes) == (first.column, first.kind, first.nbytes), \
-            "handles of one column differ in column constants"
-    out.object_ids.extend([h.object_id for h in handles])
-    out.generations.extend([h.generation for h in handles])
-    out.shards.extend([shards.setdefault(h.shard, len(shards)) for h in handles])
-    out.blocks.extend([h.block for h in handles])
-    out.addresses.extend([h.address for h in handles])
+def _encode_column(col: HandleColumn, shards: dict[str, int], out: Any) -> None:
+    out.group, out.column, out.kind = col.name, col.column, KINDS.to_pb[col.kind]
+    out.nbytes, out.abi_fingerprint = col.nbytes, col.abi_fingerprint
+    out.object_ids.extend(col.object_ids)
+    out.generations.extend(col.generations)
+    out.shards.extend([shards.setdefault(s, len(shards)) for s in col.shards])
+    out.blocks.extend(col.blocks)
+    out.addresses.extend(col.addresses)
 
 
-def _decode_column(msg: Any, shard_names: Sequence[str]) -> tuple[Handle, ...]:
-    kind = KINDS.decode(msg.kind, "handle column")
-    col, group, nbytes, abi = msg.column, GroupName(msg.group), msg.nbytes, msg.abi_fingerprint
-    return tuple(
-        Handle(ObjectId(oid), gen, ShardId(shard_names[s]), col, blk, kind, group, nbytes, abi,
-               addr)
-        for oid, gen, s, blk, addr in zip(msg.object_ids, msg.generations, msg.shards,
-                                          msg.blocks, msg.addresses, strict=True)
+def _decode_column(msg: Any, shard_names: Sequence[str]) -> HandleColumn:
+    n = len(msg.object_ids)
+    if not (len(msg.generations) == len(msg.shards) == len(msg.blocks) == len(msg.addresses) == n):
+        raise ValueError("handle column arrays differ in length")
+    return HandleColumn(
+        msg.column, GroupName(msg.group), KINDS.decode(msg.kind, "handle column"), msg.nbytes,
+        msg.abi_fingerprint, tuple(msg.object_ids), tuple(msg.generations),
+        tuple(ShardId(shard_names[s]) for s in msg.shards), tuple(msg.blocks),
+        tuple(msg.addresses),
     )
 
 
 # ---- lookup ---------------------------------------------------------------------------------
 
 def encode_match(m: Match, out: Any) -> Any:
+    """Packs ``m.columns`` (the snapshot the lookup took) without building a Handle each."""
     out.usable_tokens, out.matched_tokens = m.usable_tokens, m.matched_tokens
     out.lease_id = m.lease_id or 0
     shards: dict[str, int] = {}
-    for name, handles in m.handles.items():
-        if handles:
-            _encode_column(name, handles, shards, out.handles.add())
+    for col in m.columns.values():
+        if len(col):
+            _encode_column(col, shards, out.handles.add())
     for d in m.downgrades:
         out.downgrades.add(reason=REASONS.to_pb[d.reason], group=d.group or "",
                            position=d.position)
@@ -139,18 +137,14 @@ def encode_match(m: Match, out: Any) -> Any:
 
 def decode_match(msg: Any) -> Match:
     names = list(msg.shard_names)
-    handles = {c.group: _decode_column(c, names) for c in msg.handles}
+    columns = {c.group: _decode_column(c, names) for c in msg.handles}
     downgrades = tuple(
         Downgrade(REASONS.decode(d.reason, "downgrade"), GroupName(d.group) if d.group else None,
                   d.position)
         for d in msg.downgrades
     )
     lease = LeaseId(msg.lease_id) if msg.lease_id else None
-    match = Match(msg.usable_tokens, msg.matched_tokens, downgrades, lease)
-    # Match builds ``handles`` lazily from state-view records; a decoded one has no records,
-    # so its (cached) handles are filled in directly. ``load`` derives from them as usual.
-    match.__dict__["handles"] = handles
-    return match
+    return Match(msg.usable_tokens, msg.matched_tokens, downgrades, lease, columns)
 
 
 def encode_lookup(req: LookupRequest, out: Any) -> Any:

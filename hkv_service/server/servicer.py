@@ -167,13 +167,8 @@ class MetadataServicer(pb_grpc.MetadataServiceServicer):
             codec.encode_match(self._lookup(req), out.add())
 
     def _lookup(self, req: LookupRequest) -> Match:
-        # Match.handles is built lazily from live records; building it after the view's lock
-        # is released could read a block/generation changed by a concurrent call (a handle
-        # newer than the lookup). So it is built under the lock (re-entrant) here.
-        with self.state._lock:
-            match = self.state.lookup(req)
-            _ = match.handles
-        return match
+        # The Match's handle columns are a snapshot taken under the view's lock.
+        return self.state.lookup(req)
 
     @_unary
     def Lookup(self, request: Any, context: grpc.ServicerContext) -> Any:

@@ -215,3 +215,16 @@ def test_stale_indexer_can_be_refreshed(state: CacheState, spec) -> None:
     state.transition(again.handle.object_id, Event.WRITE_DONE)  # rewrite the keys
     state.transition(again.handle.object_id, Event.INDEXER_SYNC, Params(version=v))
     assert state.lookup(LookupRequest(hs)).usable_tokens == 512
+
+
+def test_read_refused_while_load_in_flight(state: CacheState, spec) -> None:
+    hs = prompt_hashes(spec, N)
+    ids = commit_prefix(state, hs)
+    disk = state.begin_offload(ids[(7, "swa")], ShardId("s0"))
+    state.transition(disk.object_id, Event.OFFLOAD_COMMITTED)
+    state.evict(ids[(7, "swa")])
+    target = state.begin_load(disk.object_id)  # block reserved, bytes not verified yet
+    with pytest.raises(StaleHandle):
+        state.check_read(target)
+    state.transition(disk.object_id, Event.LOAD_VERIFIED)
+    state.check_read(state.lookup(LookupRequest(hs)).handles["swa"][-1])
