@@ -44,6 +44,10 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
                    help="an owner silent this long has its objects marked lost (default 10)")
     p.add_argument("--grace-s", type=float, default=5.0,
                    help="seconds in-flight RPCs get to finish on shutdown (default 5)")
+    p.add_argument("--max-inflight-objects", type=int, default=64,
+                   help="admission cap: objects in transit between tiers at once (default 64)")
+    p.add_argument("--max-inflight-bytes", type=int, default=256 << 20,
+                   help="admission cap: bytes in transit between tiers at once (default 256 MiB)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,10 +67,6 @@ def build_parser() -> argparse.ArgumentParser:
                     help="blocks each shard allocates per cache group (default 256)")
     up.add_argument("--disk-budget-bytes", type=int, default=1 << 30,
                     help="byte budget of each node's disk tier (default 1 GiB)")
-    up.add_argument("--max-inflight-objects", type=int, default=64,
-                    help="admission cap: objects in transit at once (default 64)")
-    up.add_argument("--max-inflight-bytes", type=int, default=256 << 20,
-                    help="admission cap: bytes in transit at once (default 256 MiB)")
     up.add_argument("--shards-per-node", type=int, default=1, help="shard actors per node")
 
     demo = sub.add_parser("demo", help="drive the reference-model workload and print a report")

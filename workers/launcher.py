@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import re
 import signal
@@ -32,7 +33,11 @@ from hkv_service.core.admission import AdmissionCap
 from .dataplane import DataPlane
 from .shard import ShardActor, ShardConfig
 
-__all__ = ["System", "SystemConfig", "config_from_args", "run_up", "start_system"]
+__all__ = [
+    "System", "SystemConfig", "config_from_args", "init_local_ray", "run_up", "start_system",
+]
+
+log = logging.getLogger(__name__)
 
 NAMESPACE = "hkv"
 _ray: Any = ray  # some ray entry points are untyped
@@ -136,12 +141,26 @@ def _init_ray(config: SystemConfig) -> bool:
     kwargs: dict[str, Any] = {"address": "local", "include_dashboard": False,
                               "namespace": NAMESPACE, "num_cpus": config.num_cpus,
                               "runtime_env": {"env_vars": {"PYTHONPATH": _pythonpath()}}}
-    try:
-        ray.init(**kwargs)
-    except ConnectionError:  # a stale session file from a killed instance
-        RAY_CURRENT.unlink(missing_ok=True)
-        ray.init(**kwargs)
+    init_local_ray(**kwargs)
     return True
+
+
+def init_local_ray(attempts: int = 3, **kwargs: Any) -> None:
+    """``ray.init`` for a local instance that survives two known start-up failures: a stale
+    session file left by a killed instance (ray would try to join a dead cluster), and a raylet
+    slower than ray's fixed 30 s registration wait on an overloaded 2-core machine."""
+    for attempt in range(1, attempts + 1):
+        try:
+            ray.init(**kwargs)
+            return
+        except ConnectionError:
+            RAY_CURRENT.unlink(missing_ok=True)
+        except Exception as err:  # ray raises a bare Exception for the start-up timeout
+            if "timed out during startup" not in str(err) or attempt == attempts:
+                raise
+            log.warning("ray start-up timed out (attempt %d/%d); retrying", attempt, attempts)
+        ray.shutdown()
+    ray.init(**kwargs)
 
 
 def _pythonpath() -> str:
@@ -158,7 +177,9 @@ def _alive_nodes() -> list[dict[str, Any]]:
 def serve_argv(config: SystemConfig) -> list[str]:
     argv = [sys.executable, "-m", "hkv_service.cli", "serve", "--host", config.host,
             "--port", str(config.port), "--data-dir", config.data_dir,
-            "--heartbeat-timeout-s", str(config.heartbeat_timeout_s)]
+            "--heartbeat-timeout-s", str(config.heartbeat_timeout_s),
+            "--max-inflight-objects", str(config.max_inflight_objects),
+            "--max-inflight-bytes", str(config.max_inflight_bytes)]
     if config.spec:
         argv += ["--spec", config.spec]
     if config.auth_token_file:
@@ -219,8 +240,9 @@ class _ServiceHost:
 
         token = (Path(config.auth_token_file).read_text().strip()
                  if config.auth_token_file else None)
-        state = CacheState(resolve_spec(config.spec),
-                           StateConfig(heartbeat_timeout_s=config.heartbeat_timeout_s))
+        cap = AdmissionCap(config.max_inflight_objects, config.max_inflight_bytes)
+        settings = StateConfig(admission=cap, heartbeat_timeout_s=config.heartbeat_timeout_s)
+        state = CacheState(resolve_spec(config.spec), settings)
         self.service = build_service(ServerConfig(config.host, config.port, auth_token=token),
                                      state)
         self.service.server.start()

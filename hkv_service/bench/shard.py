@@ -130,7 +130,9 @@ def run(quick: bool = False) -> dict[str, Any]:
     batch_blocks = {label: max(1, batch_bytes // size) for label, size in SIZES.items()}
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        from workers.launcher import init_local_ray
+
+        init_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         with tempfile.TemporaryDirectory(prefix="hkv-bench-shard-") as tmp:
             meta_actor, shard, handles = _setup(batch_blocks, tmp)

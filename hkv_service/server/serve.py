@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hkv_service.core.admission import AdmissionCap
 from hkv_service.core.errors import SpecError
 from hkv_service.core.state_view import CacheState, StateConfig
 from hkv_service.specs import resolve_spec
@@ -110,7 +111,12 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         log.warning("binding %s without TLS or auth token (--insecure): anyone who can reach "
                     "it can change cache state", args.host)
     server = ServerConfig(host=args.host, port=port, auth_token=token, tls=tls)
-    state = StateConfig(heartbeat_timeout_s=args.heartbeat_timeout_s)
+    if args.max_inflight_objects < 1 or args.max_inflight_bytes < 1:
+        raise UsageError("--max-inflight-objects and --max-inflight-bytes must be at least 1")
+    state = StateConfig(
+        admission=AdmissionCap(args.max_inflight_objects, args.max_inflight_bytes),
+        heartbeat_timeout_s=args.heartbeat_timeout_s,
+    )
     return ServeConfig(server, state, args.spec, metrics_port, args.grace_s)
 
 

@@ -30,6 +30,7 @@ from hkv_service.core.ids import BlockHash  # noqa: E402
 from hkv_service.core.layout import Layout  # noqa: E402
 from hkv_service.core.state_view import StateConfig  # noqa: E402
 from hkv_service.specs import default_spec  # noqa: E402
+from workers.launcher import init_local_ray  # noqa: E402
 from workers.local import ActorMetadata, MetadataActor  # noqa: E402
 
 RAY_CURRENT = Path("/tmp/ray/ray_current_cluster")
@@ -85,8 +86,8 @@ def ray_local() -> Iterator[None]:
     clear_stale_ray()
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(_pythonpath())}})
+    init_local_ray(num_cpus=4, include_dashboard=False, log_to_driver=False,
+                   runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(_pythonpath())}})
     yield
     ray.shutdown()
 
