@@ -38,6 +38,9 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-cert", default=None, help="server certificate (PEM); enables TLS")
     p.add_argument("--tls-key", default=None, help="server private key (PEM)")
     p.add_argument("--tls-ca", default=None, help="CA bundle (PEM); requires client certs (mTLS)")
+    p.add_argument("--tls-allowed-cn", default=None,
+                   help="comma-separated client certificate CNs allowed (needs --tls-ca); "
+                        "others get PERMISSION_DENIED")
     p.add_argument("--insecure", action="store_true",
                    help="allow a non-loopback bind without TLS or token (logs a warning)")
     p.add_argument("--heartbeat-timeout-s", type=float, default=10.0,

@@ -19,7 +19,13 @@ from hkv_service.core.state_view import CacheState
 from hkv_service.proto_gen.hkv.v1 import hkv_pb2, hkv_pb2_grpc
 from hkv_service.specs import default_spec
 
-from .auth import DEFAULT_EXEMPT, TlsFiles, TokenInterceptor, server_credentials
+from .auth import (
+    DEFAULT_EXEMPT,
+    CommonNameInterceptor,
+    TlsFiles,
+    TokenInterceptor,
+    server_credentials,
+)
 from .servicer import MetadataServicer
 
 __all__ = ["SERVICE_NAME", "ServerConfig", "Service", "build_service", "create_server"]
@@ -37,6 +43,7 @@ class ServerConfig:
     auth_token: str | None = None
     tls: TlsFiles | None = None
     auth_exempt: tuple[str, ...] = DEFAULT_EXEMPT
+    allowed_cns: tuple[str, ...] = ()  # mTLS: client certificate CNs allowed (empty: any)
     max_receive_bytes: int = MAX_RECEIVE_BYTES
 
 
@@ -97,8 +104,10 @@ def _address(host: str, port: int) -> str:
 
 def build_service(config: ServerConfig, state: CacheState | None = None) -> Service:
     state = state if state is not None else CacheState(default_spec())
-    interceptors = ([TokenInterceptor(config.auth_token, config.auth_exempt)]
-                    if config.auth_token else [])
+    interceptors: list[grpc.ServerInterceptor] = (
+        [TokenInterceptor(config.auth_token, config.auth_exempt)] if config.auth_token else [])
+    if config.allowed_cns:
+        interceptors.append(CommonNameInterceptor(config.allowed_cns, config.auth_exempt))
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.max_workers,
                                    thread_name_prefix="hkv-rpc"),

@@ -16,7 +16,10 @@ from typing import Any
 
 import grpc
 
-__all__ = ["DEFAULT_EXEMPT", "TlsFiles", "TokenInterceptor", "server_credentials"]
+__all__ = [
+    "DEFAULT_EXEMPT", "CommonNameInterceptor", "TlsFiles", "TokenInterceptor",
+    "server_credentials",
+]
 
 DEFAULT_EXEMPT: tuple[str, ...] = (
     "/grpc.health.v1.Health/",
@@ -41,9 +44,11 @@ def server_credentials(tls: TlsFiles) -> grpc.ServerCredentials:
     )
 
 
-def _denied(details: str) -> Callable[[Any, grpc.ServicerContext], Any]:
+def _denied(
+    details: str, code: grpc.StatusCode = grpc.StatusCode.UNAUTHENTICATED
+) -> Callable[[Any, grpc.ServicerContext], Any]:
     def deny(_request: Any, context: grpc.ServicerContext) -> Any:
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, details)
+        context.abort(code, details)
     return deny
 
 
@@ -85,3 +90,51 @@ class TokenInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
             return handler
         return _deny_like(handler, "missing or wrong auth token: send metadata "
                                    "'authorization: Bearer <token>'")
+
+
+class CommonNameInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
+    """mTLS authorisation: only clients whose certificate CN is in ``allowed`` get through;
+    others get PERMISSION_DENIED. The CN is only known per call (``auth_context``), so the
+    handler is wrapped rather than replaced."""
+
+    def __init__(self, allowed: Sequence[str], exempt: Sequence[str] = DEFAULT_EXEMPT) -> None:
+        if not allowed:
+            raise ValueError("an allowed-CN list must not be empty")
+        self._allowed = frozenset(allowed)
+        self._exempt = tuple(exempt)
+
+    def _check(self, context: grpc.ServicerContext) -> None:
+        names = context.auth_context().get("x509_common_name", [])
+        if not any(n.decode(errors="replace") in self._allowed for n in names):
+            context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                          "client certificate CN is not allowed to use this service")
+
+    def _guard(self, behaviour: Callable[..., Any], streaming_response: bool) -> Callable[..., Any]:
+        if streaming_response:
+            def stream(request: Any, context: grpc.ServicerContext) -> Any:
+                self._check(context)
+                yield from behaviour(request, context)
+            return stream
+
+        def unary(request: Any, context: grpc.ServicerContext) -> Any:
+            self._check(context)
+            return behaviour(request, context)
+        return unary
+
+    def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(self._exempt):
+            return handler
+        kinds = {
+            (False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler),
+            (False, True): ("unary_stream", grpc.unary_stream_rpc_method_handler),
+            (True, False): ("stream_unary", grpc.stream_unary_rpc_method_handler),
+            (True, True): ("stream_stream", grpc.stream_stream_rpc_method_handler),
+        }
+        attr, make = kinds[(handler.request_streaming, handler.response_streaming)]
+        wrapped = self._guard(getattr(handler, attr), handler.response_streaming)
+        return make(wrapped, request_deserializer=handler.request_deserializer,
+                    response_serializer=handler.response_serializer)

@@ -110,7 +110,10 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                 "token; give --tls-cert/--tls-key or --auth-token-file, or --insecure")
         log.warning("binding %s without TLS or auth token (--insecure): anyone who can reach "
                     "it can change cache state", args.host)
-    server = ServerConfig(host=args.host, port=port, auth_token=token, tls=tls)
+    cns = tuple(n.strip() for n in (args.tls_allowed_cn or "").split(",") if n.strip())
+    if cns and (tls is None or tls.ca is None):
+        raise UsageError("--tls-allowed-cn needs mTLS: give --tls-ca with --tls-cert/--tls-key")
+    server = ServerConfig(host=args.host, port=port, auth_token=token, tls=tls, allowed_cns=cns)
     if args.max_inflight_objects < 1 or args.max_inflight_bytes < 1:
         raise UsageError("--max-inflight-objects and --max-inflight-bytes must be at least 1")
     state = StateConfig(

@@ -147,3 +147,26 @@ def test_mtls_rejects_client_without_cert(pki: dict[str, Path]) -> None:
             assert "gauges" in c.stats()
     finally:
         lv.service.stop(0).wait()
+
+
+def test_mtls_common_name_authorisation(pki: dict[str, Path]) -> None:
+    files = TlsFiles(pki["server"], pki["server_key"], pki["ca"])
+    ca = pki["ca"].read_bytes()
+    full = TlsConfig(ca=ca, cert=pki["client"].read_bytes(), key=pki["client_key"].read_bytes())
+    allowed = start_live(ServerConfig(port=0, tls=files, allowed_cns=("hkv-client",)))
+    denied = start_live(ServerConfig(port=0, tls=files, allowed_cns=("someone-else",)))
+    try:
+        with MetadataClient(f"localhost:{allowed.port}", tls=full) as c:
+            assert "gauges" in c.stats()
+        with MetadataClient(f"localhost:{denied.port}", tls=full) as c, \
+                pytest.raises(RpcFailed) as err:
+            c.stats()
+        assert err.value.code == "PERMISSION_DENIED"
+        creds = grpc.ssl_channel_credentials(ca, full.key, full.cert)
+        with grpc.secure_channel(f"localhost:{denied.port}", creds) as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            health = stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING  # probes stay exempt
+    finally:
+        allowed.service.stop(0).wait()
+        denied.service.stop(0).wait()

@@ -32,6 +32,8 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     (("--grace-s", "-1"), "--grace-s must not be negative"),
     (("--tls-cert", "/nonexistent.pem", "--tls-key", "/nonexistent.pem"), "not a readable file"),
     (("--port", "abc"), "invalid int value"),
+    (("--tls-allowed-cn", "worker"), "--tls-allowed-cn needs mTLS"),
+    (("--max-inflight-objects", "0"), "must be at least 1"),
 ])
 def test_bad_flags_exit_2_with_one_sentence(args: tuple[str, ...], phrase: str) -> None:
     out = _run(*args)
@@ -94,6 +96,8 @@ def test_sigterm_sets_not_serving_first(procs: list[Proc]) -> None:
         assert p.popen.wait(15) == 0
         t.join(5)
     assert seen and seen[0] == health_pb2.HealthCheckResponse.NOT_SERVING
+    with MetadataClient(f"127.0.0.1:{p.port}", timeout_s=1.0) as c, pytest.raises(Unavailable):
+        c.stats()  # new calls after shutdown: UNAVAILABLE (retryable), never a hang
 
 
 def test_restart_rebuilds_only_from_confirmed_objects(procs: list[Proc]) -> None:
