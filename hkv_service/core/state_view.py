@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import operator
 import threading
 import time
 from collections import deque
@@ -198,8 +199,10 @@ class CacheState:
         """(Re-)register an owner. A known owner coming back has lost its memory: every object
         it held is marked LOST first. Returns the new incarnation."""
         with self._lock:
-            built = {self._column(name): BlockPool(_checked_pool(name, cfg))
-                     for name, cfg in pools.items()}  # validate before touching anything
+            built = {
+                self._column(name): BlockPool(_checked_pool(name, cfg))
+                for name, cfg in pools.items()
+            }  # validate before touching anything
             if owner in self.owners:
                 self.mark_owner_lost(owner)
             inc = next(self._incarnations)
@@ -599,25 +602,31 @@ class CacheState:
         return out
 
     def _snapshot(self, recs: tuple[ObjRecord, ...]) -> HandleColumn:
-        """Columnar handles of ``recs`` (one column), taken under the lock."""
+        """Columnar handles of ``recs`` (one column), taken under the lock. ``map`` with
+        attribute getters keeps this at C speed: a 2,048-block match has ~5k handles."""
         column = self.layout.columns[recs[0].column]
         col = column.index
-        shards = tuple(_handle_shard(r) for r in recs)
-        blocks = tuple(r.block for r in recs)
+        blocks = tuple(map(_BLOCK, recs))
+        shards = tuple(map(_handle_shard, recs) if self._disk_records else map(_SHARD, recs))
         strides = {s: o.pools[col].config.stride for s, o in self.owners.items() if col in o.pools}
+        if len(strides) == 1 and not self._disk_records:
+            (stride,) = strides.values()
+            addresses = tuple(b * stride for b in blocks)
+        else:
+            addresses = tuple(
+                b * strides.get(s, 0) if b >= 0 else 0 for s, b in zip(shards, blocks, strict=True)
+            )
         return HandleColumn(
             col,
             column.name,
             column.kind,
             column.nbytes,
             column.abi_fingerprint,
-            tuple(r.object_id for r in recs),
-            tuple(r.generation for r in recs),
+            tuple(map(_OBJECT_ID, recs)),
+            tuple(map(_GENERATION, recs)),
             shards,
             blocks,
-            tuple(
-                b * strides.get(s, 0) if b >= 0 else 0 for s, b in zip(shards, blocks, strict=True)
-            ),
+            addresses,
         )
 
     def _needed_depths(self, column: Column, n: int) -> range:
@@ -921,6 +930,10 @@ class CacheState:
 
 
 _READABLE = {k: c.ready_states for k, c in contracts.CONTRACTS.items()}
+_BLOCK = operator.attrgetter("block")
+_SHARD = operator.attrgetter("shard")
+_OBJECT_ID = operator.attrgetter("object_id")
+_GENERATION = operator.attrgetter("generation")
 _CONFIRMABLE = frozenset(
     {State.ON_DISK} | {st for c in contracts.CONTRACTS.values() for st in c.ready_states}
 ) - {State.ON_DISK_READY}

@@ -106,14 +106,14 @@ def _encode_column(col: HandleColumn, shards: dict[str, int], out: Any) -> None:
     out.addresses.extend(col.addresses)
 
 
-def _decode_column(msg: Any, shard_names: Sequence[str]) -> HandleColumn:
+def _decode_column(msg: Any, shard_names: Sequence[ShardId]) -> HandleColumn:
     n = len(msg.object_ids)
     if not (len(msg.generations) == len(msg.shards) == len(msg.blocks) == len(msg.addresses) == n):
         raise ValueError("handle column arrays differ in length")
     return HandleColumn(
         msg.column, GroupName(msg.group), KINDS.decode(msg.kind, "handle column"), msg.nbytes,
         msg.abi_fingerprint, tuple(msg.object_ids), tuple(msg.generations),
-        tuple(ShardId(shard_names[s]) for s in msg.shards), tuple(msg.blocks),
+        tuple(map(shard_names.__getitem__, msg.shards)), tuple(msg.blocks),
         tuple(msg.addresses),
     )
 
@@ -136,7 +136,7 @@ def encode_match(m: Match, out: Any) -> Any:
 
 
 def decode_match(msg: Any) -> Match:
-    names = list(msg.shard_names)
+    names = [ShardId(n) for n in msg.shard_names]
     columns = {c.group: _decode_column(c, names) for c in msg.handles}
     downgrades = tuple(
         Downgrade(REASONS.decode(d.reason, "downgrade"), GroupName(d.group) if d.group else None,
