@@ -21,6 +21,7 @@ pre-folded into ``PrefixEntry.flags`` by the state view. Failing a layer downgra
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -95,18 +96,17 @@ def run_funnel(
     if abi:
         return FunnelResult(0, 0, (), abi)
     max_entries = limit // layout.hash_block
-    hashes = list(req.block_hashes)
+    hashes = req.block_hashes
     entries: list[PrefixEntry] = []
-    get, append, need = index.get, entries.append, req.alignment
-    for h in hashes[:max_entries]:
-        e = get(h)
+    append, need = entries.append, req.alignment
+    for e in map(index.get, itertools.islice(hashes, max_entries)):  # lookups at C speed
         if e is None or e.gate < need:  # gate: F_MONO and byte alignment folded in one int
             break
         append(e)
     n = len(entries)
     downgrades: list[Downgrade] = []
     if n < max_entries:
-        _stop_reason(get(hashes[n]), n, layout, need, downgrades)
+        _stop_reason(index.get(hashes[n]), n, layout, need, downgrades)
     usable = _shrink(entries, layout, downgrades)
     if usable < n * layout.hash_block and not downgrades:
         downgrades.append(Downgrade(Reason.PARTIAL_BLOCK, None, usable))
