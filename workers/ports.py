@@ -21,7 +21,9 @@ import enum
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, overload, runtime_checkable
+
+import numpy as np
 
 from hkv_service.core.allocator import PoolConfig
 from hkv_service.core.funnel import LookupRequest
@@ -45,6 +47,7 @@ __all__ = [
     "ItemResult",
     "MetadataPort",
     "Outcome",
+    "PackedRead",
     "decode_tagged",
     "encode_tagged",
 ]
@@ -116,6 +119,35 @@ class ItemResult:
     @property
     def ok(self) -> bool:
         return self.outcome is Outcome.OK
+
+
+class PackedRead(Sequence["np.ndarray | ItemResult"]):
+    """A shard's answer to ``read_blocks``: a few buffers instead of one Ray object per block.
+    Small blocks are packed into one buffer (per-object overhead dominates them); large ones
+    travel as their own zero-copy views. ``spans[i]`` is ``(buffer, offset, length)`` or the
+    ``ItemResult`` of a handle that could not be read. Indexing yields a view or the result."""
+
+    def __init__(
+        self, buffers: list[np.ndarray], spans: list[tuple[int, int, int] | ItemResult]
+    ) -> None:
+        self.buffers = buffers
+        self.spans = spans
+
+    def __len__(self) -> int:
+        return len(self.spans)
+
+    @overload
+    def __getitem__(self, i: int) -> np.ndarray | ItemResult: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[np.ndarray | ItemResult]: ...
+    def __getitem__(self, i: int | slice) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        span = self.spans[i]
+        if isinstance(span, ItemResult):
+            return span
+        buf, start, length = span
+        return self.buffers[buf][start : start + length]
 
 
 @dataclass(frozen=True, slots=True)

@@ -66,11 +66,14 @@ from .ports import (
     ItemResult,
     MetadataPort,
     Outcome,
+    PackedRead,
     decode_tagged,
     encode_tagged,
 )
 
-__all__ = ["ShardActor", "ShardConfig"]
+__all__ = ["PACK_BELOW", "ShardActor", "ShardConfig"]
+
+PACK_BELOW = 256 * 1024  # blocks smaller than this are packed into one buffer per read
 
 log = logging.getLogger(__name__)
 _DONE_MEMORY = 65536  # commits remembered for idempotent retries
@@ -266,22 +269,41 @@ class ShardActor:
 
     # -- reads ------------------------------------------------------------------------------
 
-    def read_blocks(self, handles: Sequence[Handle]) -> list[np.ndarray | ItemResult]:
-        """Bytes of each handle's block, or a STALE/FAILED result for that item. The arrays are
-        views into the pool, copied out by Ray when the call returns (before the next call)."""
+    def read_blocks(self, handles: Sequence[Handle]) -> PackedRead:
+        """Bytes of each handle's block, or a STALE/FAILED result for that item. Each block is
+        re-checked (generation, object, readiness) right before it is taken. Blocks under
+        ``PACK_BELOW`` bytes are copied into one buffer; larger ones are returned as views into
+        the pool, which Ray copies out before this actor runs its next call (calls to one
+        actor run in order), so no write can land between the check and the copy."""
         with self._lock:
-            out: list[np.ndarray | ItemResult] = []
+            spans: list[tuple[int, int, int] | ItemResult] = []
+            big: list[np.ndarray] = []
+            small: list[tuple[int, np.ndarray]] = []
+            packed = 0
             for h in handles:
                 try:
-                    out.append(self.pools[h.group].read(h.block, h.generation, h.object_id,
-                                                        copy=False))
+                    view = self.pools[h.group].read(h.block, h.generation, h.object_id,
+                                                    copy=False)
                 except StaleRead as exc:
                     self._bump("stale_reads")
-                    out.append(ItemResult(Outcome.STALE, str(exc)))
+                    spans.append(ItemResult(Outcome.STALE, str(exc)))
+                    continue
                 except (KeyError, IndexError) as exc:
-                    out.append(ItemResult(Outcome.FAILED, f"bad handle: {exc}"))
+                    spans.append(ItemResult(Outcome.FAILED, f"bad handle: {exc}"))
+                    continue
+                flat = view.reshape(-1).view(np.uint8)
+                if flat.nbytes < PACK_BELOW:
+                    spans.append((0, packed, flat.nbytes))
+                    small.append((packed, flat))
+                    packed += flat.nbytes
+                else:
+                    big.append(flat)
+                    spans.append((len(big), 0, flat.nbytes))
+            buffer = np.empty(packed, dtype=np.uint8)
+            for start, flat in small:
+                buffer[start : start + flat.nbytes] = flat
             self._bump("reads", len(handles))
-            return out
+            return PackedRead([buffer, *big], spans)
 
     # -- offload ----------------------------------------------------------------------------
 
