@@ -20,7 +20,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 NAMESPACE = "hkv"
 _ray: Any = ray  # some ray entry points are untyped
 RAY_CURRENT = Path("/tmp/ray/ray_current_cluster")
+_HEAD_RESOURCE = "node:__internal_head__"  # ray's marker resource of the head node
+RECONCILE_EVERY_TICKS = 10  # hkv up looks for newly joined nodes every 5 s
 _LISTENING = re.compile(r"listening on (\S+):(\d+)")
 Emit = Callable[[str], None]
 
@@ -274,16 +276,20 @@ def shard_actor_class(max_restarts: int = 1, max_task_retries: int = -1) -> Any:
 
 
 def place_shards(config: SystemConfig, endpoint: str, token: str | None = None,
-                 metadata: Any = None) -> dict[str, Any]:
-    """One shard per alive node (``shards_per_node`` each), pinned there by node affinity.
-    ``metadata`` overrides the endpoint (e.g. a MetadataActor handle in tests)."""
+                 metadata: Any = None, existing: Mapping[str, Any] | None = None
+                 ) -> dict[str, Any]:
+    """One shard per alive node (``shards_per_node`` each), pinned there by node affinity;
+    nodes in ``existing`` are skipped, so calling it again places shards on nodes that joined
+    since. ``metadata`` overrides the endpoint (e.g. a MetadataActor handle in tests)."""
     cls = shard_actor_class(config.max_restarts)
     shards: dict[str, Any] = {}
     data_dir = str(Path(config.data_dir).resolve())
     cap = AdmissionCap(config.max_inflight_objects, config.max_inflight_bytes)
-    for node in _alive_nodes():
+    for node in _shard_nodes(config):
         for k in range(config.shards_per_node):
             sid = f"shard-{node['NodeID'][:8]}-{k}"
+            if existing is not None and sid in existing:
+                continue
             cfg = ShardConfig(sid, metadata if metadata is not None else endpoint, data_dir,
                               config.blocks_per_group, config.disk_budget_bytes, cap,
                               heartbeat_interval_s=max(0.2, config.heartbeat_timeout_s / 4),
@@ -293,6 +299,27 @@ def place_shards(config: SystemConfig, endpoint: str, token: str | None = None,
                                       scheduling_strategy=strategy).remote(cfg)
     ray.get([a.ping.remote() for a in shards.values()], timeout=config.start_timeout_s)
     return shards
+
+
+def _shard_nodes(config: SystemConfig) -> list[dict[str, Any]]:
+    """Alive nodes that get shards. On a real cluster (``--address``) the head is left out
+    once a worker exists: the head runs the service; the GPUs are on the workers."""
+    nodes = _alive_nodes()
+    if config.address is None:
+        return nodes
+    workers = [n for n in nodes if _HEAD_RESOURCE not in n.get("Resources", {})]
+    return workers or nodes
+
+
+def reconcile_shards(system: System, emit: Emit) -> None:
+    """Place shards on nodes that joined after start-up (KubeRay workers come up after the
+    head); called periodically by ``hkv up``."""
+    with contextlib.suppress(Exception):  # a node that failed to take a shard: try next time
+        added = place_shards(system.config, system.endpoint, system.token,
+                             existing=system.shards)
+        system.shards.update(added)
+        if added:
+            emit(f"{len(added)} shard(s) placed on new node(s): {', '.join(sorted(added))}")
 
 
 # -- CLI ------------------------------------------------------------------------------------
@@ -371,18 +398,22 @@ def run_up(args: argparse.Namespace) -> int:
         sys.stderr.write(f"hkv up: error: could not start: {exc}\n")
         return 1
     say(f"endpoint {system.endpoint}")
-    code = _wait(system, stop)
+    code = _wait(system, stop, say)
     say("stopping")
     system.stop(say)
     say("stopped")
     return code
 
 
-def _wait(system: System, stop: threading.Event) -> int:
+def _wait(system: System, stop: threading.Event, say: Emit) -> int:
+    ticks = 0
     while not stop.wait(0.5):
         if system.service is not None and system.service.poll() is not None:
             sys.stderr.write("hkv up: error: the metadata service exited\n")
             return 1
+        ticks += 1
+        if ticks % RECONCILE_EVERY_TICKS == 0:
+            reconcile_shards(system, say)
     return 0
 
 

@@ -82,3 +82,34 @@ def test_one_shard_per_node_and_cross_node_read(cluster: Cluster, tmp_path: Path
             ray.kill(a, no_restart=True)
     finally:
         svc.stop(0)
+
+
+def test_nodes_joining_later_get_shards_and_head_is_left_out(cluster: Cluster,
+                                                             tmp_path: Path) -> None:
+    """On a real cluster (``--address``) a worker that joins after start-up gets a shard on
+    the next reconcile, and the head keeps none once workers exist."""
+    from workers.launcher import System, reconcile_shards
+
+    state = CacheState(default_spec())
+    svc = build_service(ServerConfig("127.0.0.1", 0), state)
+    svc.server.start()
+    cfg = SystemConfig(address=cluster.address, data_dir=str(tmp_path), blocks_per_group=8,
+                       disk_budget_bytes=8 << 20, device="cpu")
+    system = System(cfg, f"127.0.0.1:{svc.port}")
+    node = None
+    try:
+        system.shards = place_shards(cfg, system.endpoint)
+        assert len(system.shards) == 1  # the one worker; the head runs the service
+        node = cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        said: list[str] = []
+        reconcile_shards(system, said.append)
+        assert len(system.shards) == 2 and said
+        reconcile_shards(system, said.append)  # idempotent: nothing new to place
+        assert len(system.shards) == 2
+    finally:
+        for a in system.shards.values():
+            ray.kill(a, no_restart=True)
+        if node is not None:
+            cluster.remove_node(node)
+        svc.stop(0)
