@@ -69,6 +69,9 @@ class _Ready:
             self.event.synchronize()
 
 
+HOST_ALIGN = 4096  # base alignment of host pools
+
+
 class BlockPool:
     """``num_blocks`` blocks of ``nbytes`` (stride ``round_up(nbytes)``) for one column."""
 
@@ -210,14 +213,17 @@ def pick_device(device: str = "auto") -> torch.device:
 
 
 def _allocate(nbytes: int, device: torch.device) -> torch.Tensor:
-    if device.type == "cuda":
+    if device.type == "cuda":  # the caching allocator hands out 512-byte aligned blocks
         return torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    raw = torch.zeros(nbytes + HOST_ALIGN, dtype=torch.uint8)
     try:
         if torch.cuda.is_available():  # pinning needs a CUDA runtime; skip the attempt otherwise
-            return torch.zeros(nbytes, dtype=torch.uint8).pin_memory()
+            raw = raw.pin_memory()
     except RuntimeError as exc:
         log.warning("pinning %d bytes failed (%s); using pageable host memory", nbytes, exc)
-    return torch.zeros(nbytes, dtype=torch.uint8)
+    # malloc gives 16-64 byte alignment; readers (and DMA) want page-aligned blocks
+    offset = -raw.data_ptr() % HOST_ALIGN
+    return raw[offset : offset + nbytes]
 
 
 def _as_bytes(data: Any) -> Bytes:

@@ -316,15 +316,19 @@ class ShardActor:
         """Copy readable memory objects to this node's disk tier (see module docstring)."""
         with self._lock:
             results: list[ItemResult | None] = [None] * len(handles)
-            staged: list[tuple[int, Handle, DiskKey, bytearray]] = []
-            for i, h in enumerate(handles):
-                stage = self._stage_offload(h, tags[i] if tags else None)
-                if isinstance(stage, ItemResult):
-                    results[i] = stage
-                else:
-                    staged.append((i, *stage))
-            for i, put in self._put(staged).items():
-                results[i] = put
+            # In chunks no larger than the in-transit cap: each chunk's tickets are returned
+            # at commit, so a large batch never runs into the cap it holds itself.
+            chunk = max(1, self.config.admission.max_objects)
+            for first in range(0, len(handles), chunk):
+                staged: list[tuple[int, Handle, DiskKey, bytearray]] = []
+                for i in range(first, min(first + chunk, len(handles))):
+                    stage = self._stage_offload(handles[i], tags[i] if tags else None)
+                    if isinstance(stage, ItemResult):
+                        results[i] = stage
+                    else:
+                        staged.append((i, *stage))
+                for i, put in self._put(staged).items():
+                    results[i] = put
             if evict_memory:
                 for h, res in zip(handles, results, strict=True):
                     if res is not None and res.ok:

@@ -248,7 +248,7 @@ class CacheState:
             if rec.state is State.ON_DISK_READY:
                 self._apply(rec, Event.DROP_COPY, Params())
             elif rec.state is State.ON_DISK_INFLIGHT:
-                self._apply(rec, Event.LOAD_FAILED, Params())
+                self._disk_event(rec, Params(), Event.LOAD_FAILED)  # releases its ticket too
             return
         self._apply(rec, Event.LOSE, Params())
 

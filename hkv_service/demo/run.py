@@ -1,8 +1,10 @@
 """``hkv demo``: drive the reference-model workload through hkv and report.
 
-Backend choice (``cli.py`` has no flag for it): ``HKV_DEMO_BACKEND=inprocess`` (default) or
-``system``. The system backend needs the embedded service (``workers.launcher``); when it cannot
-start, the demo says so on stderr and runs in-process.
+Backend choice (``cli.py`` has no flag for it): ``HKV_DEMO_BACKEND=system`` or ``inprocess``.
+``hkv demo`` defaults to the embedded system (``system_backend.py``); ``run_workload`` to
+in-process. When the system cannot start, the demo says so on stderr and runs in-process.
+Faults the system backend cannot inject are taken out of the plan and listed under
+``faults_not_injected``.
 """
 
 from __future__ import annotations
@@ -43,19 +45,39 @@ class DemoConfig(argparse.Namespace):
     endpoint: str | None = None
 
 
-def make_backend(model: RefModel, rates: dict[str, float], note: Any = None) -> CacheBackend:
-    choice = os.environ.get("HKV_DEMO_BACKEND", "inprocess").strip().lower()
-    if choice not in ("inprocess", "system"):
-        raise FaultSpecError(f"HKV_DEMO_BACKEND must be 'inprocess' or 'system', got {choice!r}")
-    if choice == "system" and note is not None:
-        note("system backend is not available in this build; running in-process")
-    spec = model.spec
+def _shapes(model: RefModel) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {}
-    for g in spec.groups:
+    for g in model.spec.groups:
         shapes[g.name] = model.block_shape(g.name)
         if g.kind.value == "COMPRESSED":
             shapes[f"{g.name}.tail"] = model.tail_shape(g.name)
+    return shapes
+
+
+def backend_choice(default: str = "system") -> str:
+    """``HKV_DEMO_BACKEND`` if set, else ``default`` (``hkv demo``: system; the library
+    entry point ``run_workload``: in-process, so callers that pick nothing need no Ray)."""
+    choice = os.environ.get("HKV_DEMO_BACKEND", "").strip().lower() or default
+    if choice not in ("inprocess", "system"):
+        raise FaultSpecError(f"HKV_DEMO_BACKEND must be 'inprocess' or 'system', got {choice!r}")
+    return choice
+
+
+def make_backend(model: RefModel, rates: dict[str, float], note: Any = None,
+                 default: str = "system") -> CacheBackend:
+    choice = backend_choice(default)
+    spec = model.spec
+    shapes = _shapes(model)
     pool = PRESSURE_POOL if rates.get("pool_pressure", 0.0) > 0 else NORMAL_POOL
+    if choice == "system":
+        try:
+            from .system_backend import SystemBackend
+
+            return SystemBackend(spec, shapes, pool_blocks=pool, emit=note)
+        except Exception as err:
+            if note is not None:
+                note(f"the system backend could not start ({type(err).__name__}: "
+                     f"{str(err).splitlines()[0] if str(err) else ''}); running in-process")
     return InProcessBackend(
         spec, shapes, pool_blocks=pool, misaligned_shard=rates.get("misaligned_handle", 0.0) > 0
     )
@@ -69,12 +91,19 @@ def run_workload(
     workers: int = 2,
     duration: float | None = None,
     progress: Any = None,
+    backend: str = "inprocess",
 ) -> dict[str, Any]:
     rates = parse_faults(faults) if isinstance(faults, str) else dict(faults)
     spec = default_spec()
     model = RefModel(spec)
+    be = make_backend(model, rates, progress, backend)
+    skipped: dict[str, str] = {}
+    if getattr(be, "name", "") == "system":
+        from .system_backend import UNSUPPORTED_FAULTS
+
+        skipped = {k: UNSUPPORTED_FAULTS[k] for k in sorted(rates) if k in UNSUPPORTED_FAULTS}
+        rates = {k: v for k, v in rates.items() if k not in skipped}
     plan = FaultPlan(rates, seed)
-    backend = make_backend(model, rates, progress)
     wl = make_workload(requests, seed, vocab=model.config.vocab)
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // max(1, workers)))
     totals = Totals()
@@ -85,7 +114,7 @@ def run_workload(
     errors: list[BaseException] = []
 
     def loop() -> None:
-        w = Worker(model, backend, plan, check)
+        w = Worker(model, be, plan, check)
         while True:
             if duration is not None and time.perf_counter() - start > duration:
                 return
@@ -109,12 +138,17 @@ def run_workload(
         t.join()
     elapsed = time.perf_counter() - start
     try:
-        st = backend.stats()
+        st = be.stats()
     finally:
-        backend.close()
+        be.close()
     if errors:
         raise errors[0]
-    return _report(totals, plan, st, elapsed, rates)
+    rep = _report(totals, plan, st, elapsed, rates)
+    if skipped:
+        rep["faults_not_injected"] = skipped
+        for name in skipped:
+            rep["faults_injected"].setdefault(name, 0)
+    return rep
 
 
 def _report(totals: Totals, plan: FaultPlan, st: dict[str, Any], elapsed: float,
@@ -172,6 +206,8 @@ def _summary(rep: dict[str, Any]) -> str:
     if rep["faults_injected"]:
         lines.append("  faults injected   " + ", ".join(f"{k}={v}" for k, v in
                                                          rep["faults_injected"].items()))
+    for name, why in rep.get("faults_not_injected", {}).items():
+        lines.append(f"  not injected      {name} on the {rep['backend']} backend: {why}")
     t = rep["time_s"]
     lines.append(f"  time (s)          lookup {t.get('lookup', 0):.3f}  transfer "
                  f"{t.get('transfer', 0):.3f}  compute {t.get('compute', 0):.3f}  "
@@ -184,8 +220,9 @@ def run_demo(args: argparse.Namespace) -> int:
         sys.stderr.write(f"hkv demo: {msg}\n")
 
     if getattr(args, "endpoint", None):
-        note(f"--endpoint {args.endpoint}: attaching to a running service needs the system "
-             "backend, which this build lacks; running in-process")
+        from .system_backend import ENDPOINT_NOTE
+
+        note(f"{ENDPOINT_NOTE} ({args.endpoint} is not used)")
     try:
         rates = parse_faults(args.faults)
     except FaultSpecError as err:
@@ -196,7 +233,7 @@ def run_demo(args: argparse.Namespace) -> int:
         return 2
     try:
         rep = run_workload(args.requests, args.seed, rates, args.check, args.workers,
-                           args.duration, note)
+                           args.duration, note, backend="system")
     except FaultSpecError as err:
         sys.stderr.write(f"hkv: error: {err}.\n")
         return 2

@@ -143,3 +143,18 @@ def test_watch_log_records_transitions(state: CacheState, spec) -> None:
     events = state.events_since(0)
     assert events and [e.seq for e in events] == sorted(e.seq for e in events)
     assert state.events_since(events[-1].seq) == []
+
+
+def test_owner_lost_mid_load_releases_the_admission_ticket(spec, clock) -> None:
+    st = CacheState(spec, clock=clock)
+    st.register_owner(S0, pools_for(st.layout, 64))
+    st.register_owner(ShardId("s1"), pools_for(st.layout, 64))
+    ids = commit_prefix(st, prompt_hashes(spec, 2), owner=S0)
+    disk = st.begin_offload(ids[(1, "c4")], S0)
+    st.transition(disk.object_id, Event.OFFLOAD_COMMITTED)
+    st.evict(ids[(1, "c4")])
+    st.begin_load(disk.object_id, ShardId("s1"))
+    assert st.admission.stats().in_transit_objects == 1
+    st.mark_owner_lost(ShardId("s1"))  # the memory the load was going to is gone
+    assert st.objects[disk.object_id].state is State.ON_DISK
+    assert st.admission.stats().in_transit_objects == 0
