@@ -36,6 +36,12 @@ class Handle:
     abi_fingerprint: int
     address: int  # byte offset of the block inside its pool (layer 4 checks it)
 
+    def __reduce__(self) -> tuple[type[Handle], tuple[object, ...]]:
+        # A plain tuple pickles ~4x faster than the dataclass default: handles cross Ray
+        # by the thousand on every read.
+        return (Handle, (self.object_id, self.generation, self.shard, self.column, self.block,
+                         self.kind, self.group, self.nbytes, self.abi_fingerprint, self.address))
+
 
 @dataclass(frozen=True, slots=True)
 class HandleColumn:
