@@ -592,13 +592,17 @@ class CacheState:
         if entries:
             entries[-1].last_used = self._tick
         n = usable // self.layout.hash_block
-        pick = self._readable_record if self._disk_records else _mem_record
         out: dict[str, tuple[ObjRecord, ...]] = {}
         for column in self.layout.columns:
             c = column.index
-            recs = [r for d in self._needed_depths(column, n) if (r := pick(entries[d], c))]
+            depths = self._needed_depths(column, n)
+            if self._disk_records:
+                found = [self._readable_record(entries[d], c) for d in depths]
+                recs = tuple(r for r in found if r is not None)
+            else:  # the funnel accepted these entries: each has a READY memory record here
+                recs = tuple(entries[d].mem[c] for d in depths)  # type: ignore[misc]
             if recs:
-                out[column.name] = tuple(recs)
+                out[column.name] = recs
         return out
 
     def _snapshot(self, recs: tuple[ObjRecord, ...]) -> HandleColumn:
@@ -946,10 +950,6 @@ def _checked_pool(name: str, cfg: PoolConfig) -> PoolConfig:
     if cfg.stride < 1 or cfg.base_align < 1 or cfg.base_align & (cfg.base_align - 1):
         raise InvalidInput(f"pool {name!r}: stride >= 1 and a power-of-two base_align needed")
     return cfg
-
-
-def _mem_record(e: PrefixEntry, col: int) -> ObjRecord | None:
-    return e.mem[col]
 
 
 def _handle_shard(rec: ObjRecord) -> ShardId:
