@@ -54,7 +54,12 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="hkv", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = _Parser(
+        prog="hkv",
+        description="hkv: a KV-cache state service for hybrid-attention LLM inference. "
+        "Start with 'hkv demo' (brings the embedded system up, runs the reference workload, "
+        "shuts down) or 'hkv up' (stays up).",
+    )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     serve = sub.add_parser("serve", help="run the metadata service (gRPC)")
