@@ -242,4 +242,5 @@ def run_demo(args: argparse.Namespace) -> int:
         print(json.dumps(rep, sort_keys=True))
     else:
         print(_summary(rep))
+    sys.stdout.flush()  # before interpreter teardown (ray/grpc threads) can lose a pipe buffer
     return 1 if args.check and rep["silent_errors"] else 0
