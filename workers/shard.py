@@ -31,7 +31,6 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,7 +75,6 @@ __all__ = ["PACK_BELOW", "ShardActor", "ShardConfig"]
 PACK_BELOW = 256 * 1024  # blocks smaller than this are packed into one buffer per read
 
 log = logging.getLogger(__name__)
-_DONE_MEMORY = 65536  # commits remembered for idempotent retries
 _TARGET = {
     Event.WRITE_DONE: {State.COMPRESSED_READY, State.SWA_VALID, State.INDEXER_WRITTEN,
                        State.INDEXER_SYNCED},
@@ -117,7 +115,6 @@ class ShardActor:
         self._lock = threading.RLock()
         self._tags: dict[tuple[str, int], tuple[int, BlockTag]] = {}  # (column, block)
         self._disk_ids: dict[DiskKey, ObjectId] = {}
-        self._done: OrderedDict[tuple[int, Event], int] = OrderedDict()
         self._counts: dict[str, int] = {}
         self.incarnation = 0
         self.confirmed = 0
@@ -178,7 +175,6 @@ class ShardActor:
                 pool.generation[:] = 0
                 pool.object_id[:] = -1
             self._tags.clear()
-            self._done.clear()
             self._disk_ids.clear()
             self._bump("rejoins")
             try:
@@ -251,10 +247,11 @@ class ShardActor:
 
     def _commit(self, oid: ObjectId, event: Event, params: Params | None = None,
                 generation: int | None = None) -> ItemResult:
-        """Report one transition at most once (idempotent under retries)."""
-        key = (int(oid), event)
-        if key in self._done:
-            return ItemResult(Outcome.OK, "already committed", version=self._done[key])
+        """Report one transition. A repeat of one already applied (a call re-run after a
+        restart) is recognised by the table's refusal naming the target state, and is OK.
+        Nothing is remembered across calls: the same event legitimately repeats on one object
+        (a disk copy loaded again after its memory copy was dropped, a load failing twice, an
+        indexer re-synced), and a memo that swallowed such a repeat left objects in flight."""
         try:
             res = self.meta.transition(oid, event, params, generation)
         except IllegalTransition as exc:
@@ -263,9 +260,6 @@ class ShardActor:
             return ItemResult(Outcome.NOT_READABLE, str(exc))
         except Exception as exc:
             return _failure(exc)
-        self._done[key] = res.version
-        while len(self._done) > _DONE_MEMORY:
-            self._done.popitem(last=False)
         return ItemResult(Outcome.OK, version=res.version)
 
     # -- reads ------------------------------------------------------------------------------

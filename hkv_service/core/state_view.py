@@ -21,7 +21,7 @@ import itertools
 import operator
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -930,6 +930,11 @@ class CacheState:
                 "admission_refused": adm.refused,
                 "owners_alive": sum(o.alive for o in self.owners.values()),
             }
+            # Who holds the in-transit tickets (bounded by the cap): a stuck transfer shows here.
+            held = Counter(r.state.value for oid in self._tickets if (r := self.objects.get(oid)))
+            gauges = snap["gauges"]
+            assert isinstance(gauges, dict)
+            gauges.update({f"in_transit_{state.lower()}": n for state, n in held.items()})
             return snap
 
 

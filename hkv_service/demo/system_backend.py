@@ -301,6 +301,17 @@ class SystemBackend:
                             self.alignment, LEASE_TTL_S if lease else 0.0)
         incarnations = dict(self.incarnation)
         m = self.client.lookup(req)
+        for _ in range(2):
+            # DISK_INFLIGHT here means another worker's load is running (loads finish within
+            # one shard call, under self.lock): wait for it to land rather than recompute.
+            if not any(d.reason is Reason.DISK_INFLIGHT for d in m.downgrades):
+                break
+            if m.lease_id is not None:
+                with contextlib.suppress(Exception):
+                    self.client.release_lease(m.lease_id)
+            with self.lock:
+                self.events["waited_for_inflight_load"] += 1
+            m = self.client.lookup(req)
         return Lookup(m, m.usable_tokens, hashes, 0, incarnations, dict(m.handles), m.lease_id)
 
     def load(self, lk: Lookup, slow: bool = False) -> list[str]:

@@ -76,9 +76,9 @@ def test_retried_commit_is_idempotent(meta: LocalMetadata, data_dir: Path, w: An
     commit = Commit((Event.WRITE_DONE,))
     first = shard.write_blocks([alloc.handle], [c4_bytes(3)], None, [commit])[0]
     again = shard.write_blocks([alloc.handle], [c4_bytes(3)], None, [commit])[0]
-    assert first.ok and again.ok and first.version == again.version
+    assert first.ok and again.ok  # the repeat is recognised as already applied
     rec = meta.state.objects[alloc.handle.object_id]
-    assert rec.seq == 1  # one transition applied, not two
+    assert rec.seq == 1 and rec.version == first.version  # one transition applied, not two
     shard.shutdown()
 
 
@@ -172,3 +172,28 @@ def flip_payload_byte(path: Path, data: np.ndarray) -> None:
     with path.open("r+b") as f:
         f.seek(off)
         f.write(bytes([raw[off] ^ 0x01]))
+
+
+def test_the_same_disk_copy_loads_and_fails_again_and_again(meta: LocalMetadata,
+                                                            data_dir: Path, w: Any) -> None:
+    """Regression: the shard once memoised (object, event) commits, so a second LOAD_VERIFIED
+    or LOAD_FAILED for one disk object was swallowed and the object stayed ON_DISK_INFLIGHT
+    forever, holding an admission ticket."""
+    shard = make_shard(meta, data_dir)
+    hashes = w.prompt(1, seed=8)
+    data = c4_bytes(9)
+    [off] = shard.offload([write_c4(shard, meta, hashes, 0, data)], evict_memory=True)
+    assert off.ok and off.handle is not None
+    disk = off.handle.object_id
+    for _ in range(3):  # load, drop the memory copy, load again
+        [ld] = shard.load([(off.handle, hashes[0])])
+        assert ld.ok and ld.handle is not None, ld
+        assert meta.state.objects[disk].state is State.ON_DISK_READY
+        assert np.array_equal(shard.read_blocks([ld.handle])[0], data)
+        meta.state.transition(disk, Event.DROP_COPY)
+    for _ in range(2):  # a load that fails twice: both failures must land
+        meta.state.begin_load(disk, ShardId("s0"))
+        assert shard._commit(disk, Event.LOAD_FAILED).ok
+        assert meta.state.objects[disk].state is State.ON_DISK
+    assert meta.state.admission.stats().in_transit_objects == 0
+    shard.shutdown()
