@@ -38,7 +38,7 @@ from hkv_service.core.transitions import Params
 
 from .ports import BlockTag, Commit, ItemResult, MetadataPort, Outcome
 
-__all__ = ["DataPlane", "Recompute", "WriteReport", "handle_depths"]
+__all__ = ["DataPlane", "Recompute", "WriteReport"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -128,13 +128,22 @@ class DataPlane:
         """Load ``match.load`` on the shards; returns ``{object id: memory handle}``."""
         if block_hashes is None:
             return Recompute(Reason.MISSING_COMPONENT, "a disk load needs the lookup's hashes")
-        depth_of = {h.object_id: d for col, hs in match.handles.items()
-                    for h, d in zip(hs, handle_depths(self.layout, col, match.usable_tokens),
-                                    strict=False)}
-        items = [(h, block_hashes[depth_of[h.object_id]]) for h in match.load]
-        # The handle of a DISK object at rest does not name its disk owner: ask every shard;
-        # each loads only the records its own tier holds (NOT_HERE for the rest).
-        refs = {sid: actor.load.remote(items) for sid, actor in self.shards.items()}
+        depth_of: dict[int, int] = {}
+        for col, hs in match.handles.items():
+            depths = self.layout.needed_depths(self.layout.by_name[col], match.usable_tokens)
+            if len(depths) != len(hs):
+                return Recompute(Reason.MISSING_COMPONENT, f"{col}: handles do not cover it")
+            depth_of.update((h.object_id, d) for h, d in zip(hs, depths, strict=True))
+        # A DISK handle at rest names its disk owner: each load goes to that shard only.
+        by_owner: dict[str, list[tuple[Handle, BlockHash]]] = defaultdict(list)
+        for h in match.load:
+            by_owner[h.shard].append((h, block_hashes[depth_of[h.object_id]]))
+        refs = {}
+        for sid, items in by_owner.items():
+            actor = self.shards.get(sid)
+            if actor is None:
+                return Recompute(Reason.OWNER_LOST, f"disk owner {sid!r} is not a known shard")
+            refs[sid] = actor.load.remote(items)
         loaded: dict[int, Handle] = {}
         failures: list[ItemResult] = []
         for sid, ref in refs.items():
@@ -144,7 +153,7 @@ class DataPlane:
             for item in res:
                 if item.ok and item.handle is not None:
                     loaded[item.handle.object_id] = item.handle
-                elif item.outcome is not Outcome.NOT_HERE:
+                else:
                     failures.append(item)
         missing = [h for h in match.load if h.object_id not in loaded]
         if missing:
@@ -288,22 +297,3 @@ class DataPlane:
         except Exception as exc:
             log.debug("ignored: %s", exc)
             return None
-
-
-def handle_depths(layout: Layout, column: str, usable: int) -> list[int]:
-    """Depths of the entries whose objects a lookup returns for ``column``, in token order
-    (mirrors the state view's choice of needed columns: every block in ``[0, usable)``; an SWA
-    block only when it meets ``[usable - W, usable)``; a TAIL only at ``usable``)."""
-    col = layout.by_name[column]
-    c = layout.columns[col]
-    hb = layout.hash_block
-    depths = []
-    for depth in range(usable // hb):
-        if not layout.lives_at(col, depth):
-            continue
-        if c.kind is Kind.TAIL and (depth + 1) * hb != usable:
-            continue
-        if c.kind is Kind.SWA and (depth + 1) * hb <= usable - c.group.window:
-            continue
-        depths.append(depth)
-    return depths

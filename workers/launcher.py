@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -34,7 +35,8 @@ from .dataplane import DataPlane
 from .shard import ShardActor, ShardConfig
 
 __all__ = [
-    "System", "SystemConfig", "config_from_args", "init_local_ray", "run_up", "start_system",
+    "System", "SystemConfig", "clear_stale_ray", "config_from_args", "init_local_ray", "run_up",
+    "start_system", "worker_pythonpath",
 ]
 
 log = logging.getLogger(__name__)
@@ -142,7 +144,7 @@ def _init_ray(config: SystemConfig) -> bool:
         return False
     kwargs: dict[str, Any] = {"address": "local", "include_dashboard": False,
                               "namespace": NAMESPACE, "num_cpus": config.num_cpus,
-                              "runtime_env": {"env_vars": {"PYTHONPATH": _pythonpath()}}}
+                              "runtime_env": {"env_vars": {"PYTHONPATH": worker_pythonpath()}}}
     init_local_ray(**kwargs)
     return True
 
@@ -151,6 +153,7 @@ def init_local_ray(attempts: int = 3, **kwargs: Any) -> None:
     """``ray.init`` for a local instance that survives two known start-up failures: a stale
     session file left by a killed instance (ray would try to join a dead cluster), and a raylet
     slower than ray's fixed 30 s registration wait on an overloaded 2-core machine."""
+    clear_stale_ray()
     for attempt in range(1, attempts + 1):
         try:
             ray.init(**kwargs)
@@ -165,7 +168,25 @@ def init_local_ray(attempts: int = 3, **kwargs: Any) -> None:
     ray.init(**kwargs)
 
 
-def _pythonpath() -> str:
+def clear_stale_ray() -> bool:
+    """Remove ``/tmp/ray/ray_current_cluster`` when the GCS it names no longer answers (a
+    killed run left it); a live cluster's file is left alone. True if one was removed."""
+    try:
+        addr = RAY_CURRENT.read_text().strip()
+    except OSError:
+        return False
+    host, _, port = addr.rpartition(":")
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=0.5):
+            return False
+    except (OSError, ValueError):
+        pass
+    RAY_CURRENT.unlink(missing_ok=True)
+    return True
+
+
+def worker_pythonpath() -> str:
+    """PYTHONPATH for Ray workers and the service subprocess: this checkout first."""
     root = str(Path(__file__).resolve().parent.parent)
     return os.pathsep.join([root, *filter(None, os.environ.get("PYTHONPATH", "").split(":"))])
 
@@ -190,7 +211,7 @@ def serve_argv(config: SystemConfig) -> list[str]:
 
 
 def _spawn_service(config: SystemConfig) -> subprocess.Popen[str]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=_pythonpath())
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=worker_pythonpath())
     return subprocess.Popen(serve_argv(config), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
 

@@ -151,22 +151,22 @@ _BITS = {
 
 
 def summarise(entry: PrefixEntry, layout: Layout) -> None:
-    """Recompute ``entry.flags`` and ``entry.align`` from its columns' verdicts."""
+    """Recompute ``entry.flags`` and ``entry.gate`` from its columns' verdicts."""
     flags = F_MONO | F_TAIL | F_SWA
     align = 1 << 30
     for col in layout.attached[entry.depth % layout.period]:
         ok_bit, load_bit = _BITS[layout.columns[col].kind]
         verdict = column_verdict(entry, col, layout)
         if verdict == LOAD:
-            flags |= load_bit
-        elif verdict != READY:
+            flags |= load_bit  # at rest on disk: its block (and alignment) is not chosen yet
+            continue
+        if verdict != READY:
             flags &= ~ok_bit
             continue
         rec = entry.mem[col]
-        if rec is not None and verdict == READY and rec.state is not State.ON_DISK_READY:
-            align = min(align, rec.align)
-        elif entry.disk and (d := entry.disk[col]) is not None and d.block >= 0:
-            align = min(align, d.align)
+        if rec is None or record_verdict(rec, entry, layout) != READY:
+            rec = entry.disk[col] if entry.disk else None  # a loaded disk copy serves it
+        assert rec is not None and rec.block >= 0, "a READY column without a memory block"
+        align = min(align, rec.align)
     entry.flags = flags
-    entry.align = align
     entry.gate = align if flags & F_MONO else 0

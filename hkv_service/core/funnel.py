@@ -6,7 +6,7 @@
    (COMPRESSED, INDEXER) need all blocks in ``[0, p)``; TAILs are checked at p itself; SWA needs
    only blocks meeting ``[p-W, p)``. SWA readiness is not monotone in p, so candidates shrink
    from the longest until every group accepts one (a fixed point), never a union/minimum.
-4. Byte alignment of every handle (folded into each entry's ``align``).
+4. Byte alignment of every handle (folded into each entry's ``gate``).
 
 ::
 
@@ -30,7 +30,7 @@ from .errors import BadHash, InvalidInput, PositionBeyondHashes, UnknownGroup
 from .ids import BLOCK_HASH_BYTES, BlockHash, GroupName
 from .layout import Layout
 from .records import PrefixEntry
-from .states import Kind, Reason
+from .states import Kind, Reason, State
 
 __all__ = ["Downgrade", "FunnelResult", "LookupRequest", "run_funnel"]
 
@@ -184,6 +184,6 @@ def _swa_block_ok(e: PrefixEntry, col: int, need_lo: int, need_hi: int, layout: 
     if verdict not in (READY, LOAD):
         return False
     rec = e.mem[col]
-    if rec is None or verdict == LOAD or rec.state.value != "SWA_VALID":
+    if rec is None or verdict == LOAD or rec.state is not State.SWA_VALID:
         rec = e.disk[col] if e.disk else None
     return rec is not None and rec.lo <= need_lo and rec.hi >= need_hi

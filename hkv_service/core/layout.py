@@ -91,6 +91,21 @@ class Layout:
     def lives_at(self, column: int, depth: int) -> bool:
         return column in self.attached[depth % self.period]
 
+    def needed_depths(self, column: int, usable: int) -> range:
+        """Depths of the entries whose ``column`` objects a reader resuming at ``usable`` (a
+        multiple of L) needs, in token order: every block in ``[0, usable)``; an SWA block only
+        if it meets ``[usable - W, usable)``; a TAIL only at ``usable`` itself."""
+        col = self.columns[column]
+        n = usable // self.hash_block
+        if col.kind is Kind.TAIL:
+            return range(n - 1, n) if n else range(0)
+        every = col.group.block_size // self.hash_block
+        first = every - 1
+        if col.kind is Kind.SWA:
+            lo = max(0, usable - col.group.window) // self.hash_block  # first meeting [p-W, p)
+            first += max(0, -(-(lo - first) // every)) * every
+        return range(first, n, every)
+
     def block_range(self, column: int, depth: int) -> tuple[int, int]:
         """Token range [start, end) covered by the block of ``column`` ending at ``depth``."""
         end = (depth + 1) * self.hash_block

@@ -114,7 +114,7 @@ class DiskRecord(ObjRecord):
 class PrefixEntry:
     """One hash block of some prefix: the objects of every column that end at this block.
 
-    ``flags`` and ``align`` summarise readiness of all columns so the funnel's walk is one
+    ``flags`` and ``gate`` summarise readiness of all columns so the funnel's walk is one
     dict lookup plus one integer test per block; they are recomputed by the state view after
     every transition that touches this entry (see ``contracts.summarise``).
     """
@@ -125,7 +125,6 @@ class PrefixEntry:
     mem: list[ObjRecord | None]
     disk: list[ObjRecord | None] | None = None  # disk copies, allocated on first offload
     flags: int = 0
-    align: int = 0
     gate: int = 0  # align if every monotone column is usable, else 0: the walk's one test
     children: int = 0
     swa_need: int = 0  # resume points within one window after this block

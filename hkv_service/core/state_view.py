@@ -46,7 +46,7 @@ from .errors import (
 )
 from .funnel import Downgrade, LookupRequest, run_funnel, validate_request
 from .ids import BLOCK_HASH_BYTES, BlockHash, CaptureId, LeaseId, ObjectId, ShardId
-from .layout import Column, Layout
+from .layout import Layout
 from .objects import ObjectTable
 from .records import DiskRecord, Handle, HandleColumn, ObjRecord, PrefixEntry
 from .spec import CacheSpec
@@ -480,31 +480,12 @@ class CacheState:
                 raise IllegalTransition(
                     f"object {object_id} is {src.state.value}; only readable objects are offloaded"
                 )
-            entry = src.entry
-            if entry.disk is None:
-                entry.disk = [None] * len(self.layout.columns)
-            if entry.disk[src.column] is not None:
-                return self._handle(entry.disk[src.column])  # type: ignore[arg-type]
+            existing = src.entry.disk[src.column] if src.entry.disk else None
+            if existing is not None:
+                return self._handle(existing)
             ticket = self.admission.acquire(self.layout.columns[src.column].nbytes)
-            rec = DiskRecord(
-                self.objects.new_id(),
-                Kind.DISK,
-                src.column,
-                entry,
-                State.OFFLOADING,
-                _NO_SHARD,
-                -1,
-                0,
-                version=src.version,
-                lo=src.lo,
-                hi=src.hi,
-                inner=src.kind,
-                disk_owner=disk_owner,
-            )
+            rec = self._add_disk_record(src.entry, src.column, State.OFFLOADING, disk_owner, src)
             self._tickets[rec.object_id] = ticket
-            entry.disk[src.column] = rec
-            self._disk_records += 1
-            self.objects.put(rec)
             self._after_change(rec)
             return self._handle(rec)
 
@@ -542,10 +523,8 @@ class CacheState:
             Event.LOAD_FAILED,
             Event.OFFLOAD_FAILED,
         ):
-            apply_checked = rec.state
-            self._apply(rec, event, params)
-            if apply_checked is not rec.state or rec.state in TERMINAL_STATES:
-                self._end_transfer(rec)
+            self._apply(rec, event, params)  # raises (changing nothing) if illegal
+            self._end_transfer(rec)  # the transfer ended, whichever way: return its ticket
         else:
             self._apply(rec, event, params)
 
@@ -591,11 +570,10 @@ class CacheState:
             return {}
         if entries:
             entries[-1].last_used = self._tick
-        n = usable // self.layout.hash_block
         out: dict[str, tuple[ObjRecord, ...]] = {}
         for column in self.layout.columns:
             c = column.index
-            depths = self._needed_depths(column, n)
+            depths = self.layout.needed_depths(c, usable)
             if self._disk_records:
                 found = [self._readable_record(entries[d], c) for d in depths]
                 recs = tuple(r for r in found if r is not None)
@@ -632,18 +610,6 @@ class CacheState:
             blocks,
             addresses,
         )
-
-    def _needed_depths(self, column: Column, n: int) -> range:
-        hb = self.layout.hash_block
-        if column.kind is Kind.TAIL:
-            return range(n - 1, n)
-        every = column.group.block_size // hb
-        first = every - 1
-        if column.kind is Kind.SWA:
-            lo = max(0, n * hb - column.group.window) // hb  # first entry meeting [p-W, p)
-            while first < lo:
-                first += every
-        return range(first, n, every)
 
     def _readable_record(self, e: PrefixEntry, col: int) -> ObjRecord | None:
         rec = e.mem[col]
@@ -741,60 +707,49 @@ class CacheState:
         self, o: _Owner, owner: ShardId, entry: PrefixEntry, col: int, r: ObjectReport
     ) -> int:
         column = self.layout.columns[col]
-        rec: ObjRecord
         if r.state is State.ON_DISK:
-            if entry.disk is None:
-                entry.disk = [None] * len(self.layout.columns)
-            if entry.disk[col] is not None:
+            if entry.disk is not None and entry.disk[col] is not None:
                 return 0
-            rec = DiskRecord(
-                self.objects.new_id(),
-                Kind.DISK,
-                col,
-                entry,
-                State.ON_DISK,
-                _NO_SHARD,
-                -1,
-                0,
-                version=r.version,
-                lo=r.lo,
-                hi=r.hi,
-                inner=column.kind,
-                disk_owner=owner,
-            )
-            entry.disk[col] = rec
-            self._disk_records += 1
-        else:
-            pool = o.pools.get(col)
-            if pool is None or entry.mem[col] is not None or not 0 <= r.block < len(pool.owner):
-                return 0
-            if pool.owner[r.block] is not None or r.block not in pool.free:
-                return 0
-            pool.free.remove(r.block)
-            pool.generation[r.block] = max(pool.generation[r.block], r.generation)
-            rec = ObjRecord(
-                self.objects.new_id(),
-                column.kind,
-                col,
-                entry,
-                r.state,
-                owner,
-                r.block,
-                pool.generation[r.block],
-                align=pool.alignment_of(r.block, column.nbytes),
-                version=r.version,
-                lo=r.lo,
-                hi=r.hi,
-            )
-            pool.owner[r.block] = rec
-            entry.mem[col] = rec
-            if column.kind is Kind.TAIL:
-                self._track_resume_point(rec, State.ALLOCATED)
+            self._after_change(self._add_disk_record(entry, col, State.ON_DISK, owner, r))
+            return 1
+        pool = o.pools.get(col)
+        if pool is None or entry.mem[col] is not None or not 0 <= r.block < len(pool.owner):
+            return 0
+        if pool.owner[r.block] is not None or r.block not in pool.free:
+            return 0
+        pool.free.remove(r.block)
+        pool.generation[r.block] = max(pool.generation[r.block], r.generation)
+        rec = ObjRecord(
+            self.objects.new_id(), column.kind, col, entry, r.state, owner, r.block,
+            pool.generation[r.block], align=pool.alignment_of(r.block, column.nbytes),
+            version=r.version, lo=r.lo, hi=r.hi,
+        )
+        pool.owner[r.block] = rec
+        entry.mem[col] = rec
+        if column.kind is Kind.TAIL:
+            self._track_resume_point(rec, State.ALLOCATED)
         self.objects.put(rec)
         self._after_change(rec)
         return 1
 
     # ---- helpers ------------------------------------------------------------------------
+
+    def _add_disk_record(
+        self, entry: PrefixEntry, col: int, state: State, disk_owner: ShardId,
+        source: ObjRecord | ObjectReport,
+    ) -> DiskRecord:
+        """A DISK copy at ``entry``/``col`` carrying ``source``'s version and valid range."""
+        if entry.disk is None:
+            entry.disk = [None] * len(self.layout.columns)
+        rec = DiskRecord(
+            self.objects.new_id(), Kind.DISK, col, entry, state, _NO_SHARD, -1, 0,
+            version=source.version, lo=source.lo, hi=source.hi,
+            inner=self.layout.columns[col].kind, disk_owner=disk_owner,
+        )
+        entry.disk[col] = rec
+        self._disk_records += 1
+        self.objects.put(rec)
+        return rec
 
     def _ensure_path(self, hashes: Sequence[BlockHash], last: int) -> list[PrefixEntry]:
         out: list[PrefixEntry] = []

@@ -493,7 +493,7 @@ class InProcessBackend:
         with self.lock:
             self._drain()
             load = lk.match.load if not layer3_disabled() else tuple(
-                h for col in lk.handles.values() for h in col if h.shard == ""
+                h for col in lk.handles.values() for h in col if h.block < 0  # a DISK copy at rest
             )
             for h in load:
                 rec = self.state.objects.get(h.object_id)

@@ -29,7 +29,6 @@ import contextlib
 import dataclasses
 import os
 import shutil
-import socket
 import threading
 import time
 from collections import Counter
@@ -80,35 +79,9 @@ ENDPOINT_NOTE = (
     "writes need the shards' Ray actor handles, which an endpoint does not give); starting "
     "an embedded system instead"
 )
-RAY_CURRENT = Path("/tmp/ray/ray_current_cluster")
 RESTART_WAIT_S = 60.0
 _EMPTY_OBJECT = -1  # the pool's "no occupant" object id
 _NO_OPTS = WriteOptions()
-# A CPU reader's hardware alignment: torch's CPU allocator guarantees 64 bytes, and so do the
-# shards' host pools (workers/pool.py allocates them with torch.zeros, not ALIGN-aligned), so a
-# 128-byte reader would see MISALIGNED on every host pool whose base happens to be 64 mod 128.
-CPU_READER_ALIGNMENT = 64
-
-
-def clear_stale_ray() -> bool:
-    """Remove ``/tmp/ray/ray_current_cluster`` when the GCS it names no longer answers."""
-    try:
-        addr = RAY_CURRENT.read_text().strip()
-    except OSError:
-        return False
-    host, _, port = addr.rpartition(":")
-    try:
-        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=0.5):
-            return False  # a live cluster: leave it
-    except (OSError, ValueError):
-        pass
-    RAY_CURRENT.unlink(missing_ok=True)
-    return True
-
-
-def _pythonpath() -> str:
-    root = str(Path(__file__).resolve().parents[2])
-    return os.pathsep.join([root, *filter(None, os.environ.get("PYTHONPATH", "").split(":"))])
 
 
 class _Books:
@@ -179,7 +152,13 @@ class SystemBackend:
     ) -> None:
         import ray
 
-        from workers.launcher import NAMESPACE, SystemConfig, start_system
+        from workers.launcher import (
+            NAMESPACE,
+            SystemConfig,
+            init_local_ray,
+            start_system,
+            worker_pythonpath,
+        )
 
         self.spec = spec
         self.shapes = dict(shapes)
@@ -203,12 +182,10 @@ class SystemBackend:
         self._closed = False
         try:
             if not ray.is_initialized():
-                if clear_stale_ray():
-                    self.say(f"removed a stale {RAY_CURRENT}")
                 self.say("starting a local Ray instance")
-                ray.init(address="local", include_dashboard=False, log_to_driver=False,
-                         namespace=NAMESPACE, num_cpus=max(2, os.cpu_count() or 2),
-                         runtime_env={"env_vars": {"PYTHONPATH": _pythonpath()}})
+                init_local_ray(address="local", include_dashboard=False, log_to_driver=False,
+                               namespace=NAMESPACE, num_cpus=max(2, os.cpu_count() or 2),
+                               runtime_env={"env_vars": {"PYTHONPATH": worker_pythonpath()}})
                 self._ray_started = True
                 self.pids += _ray_pids()
             config = SystemConfig(
@@ -228,8 +205,6 @@ class SystemBackend:
             for sid, actor in self.system.shards.items():
                 info = ray.get(actor.ping.remote(), timeout=start_timeout_s)
                 self.incarnation[sid] = int(info["incarnation"])
-                if not str(info.get("device", "cpu")).startswith("cuda"):
-                    self.alignment = CPU_READER_ALIGNMENT
                 self._shard_dirs.append(self._data_dir / sid)
             self._watcher = threading.Thread(target=self._watch, name="hkv-demo-watch",
                                              daemon=True)
@@ -332,7 +307,7 @@ class SystemBackend:
         """Loads finish within ``load``: nothing is left in flight."""
 
     def read(self, lk: Lookup) -> ReadResult:
-        from workers.dataplane import Recompute, handle_depths
+        from workers.dataplane import Recompute
 
         for hs in lk.handles.values():
             for h in hs:
@@ -347,7 +322,7 @@ class SystemBackend:
         tails: Tails = {}
         for name, arrays in out.items():
             col = lay.columns[lay.by_name[name]]
-            depths = handle_depths(lay, name, lk.usable)
+            depths = lay.needed_depths(lay.by_name[name], lk.usable)
             if len(depths) != len(arrays):
                 return ReadResult(reason=Reason.MISSING_COMPONENT.value)
             for d, arr in zip(depths, arrays, strict=True):

@@ -177,7 +177,7 @@ def _with_loads(w: Worker, lk: Any, hashes: list[Any], limit: int, reader_abi: A
     (slow_disk_load) shows as DISK_INFLIGHT; the reader then waits for it and looks up again."""
     be, fp = w.backend, w.faults
     if not (lk.match.needs_load or (lk.usable and any(
-            h.shard == "" for c in lk.handles.values() for h in c))):
+            h.block < 0 for c in lk.handles.values() for h in c))):
         return lk
     if faults and fp.roll("disk_bitflip") and be.inject_disk_bitflip(lk, fp.choice(1 << 30)):
         fp.count("disk_bitflip")

@@ -17,7 +17,8 @@ import pytest
 from hkv_service.demo import system_backend
 from hkv_service.demo.faults import DEFAULT_RATES
 from hkv_service.demo.run import run_workload
-from hkv_service.demo.system_backend import UNSUPPORTED_FAULTS, SystemBackend, clear_stale_ray
+from hkv_service.demo.system_backend import UNSUPPORTED_FAULTS, SystemBackend
+from workers.launcher import clear_stale_ray
 
 pytest.importorskip("ray")
 

@@ -5,40 +5,22 @@ Helpers reach test modules through the ``w`` fixture (several conftest.py files,
 
 from __future__ import annotations
 
-import os
 import shutil
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-_ROOT = Path(__file__).resolve().parents[2]
-# tests/storage (no __init__.py) shadows the real ``storage`` package as a namespace package
-# when pytest puts tests/ on sys.path; the repository root must come first.
-if str(_ROOT) not in sys.path[:1]:
-    sys.path.insert(0, str(_ROOT))
-if getattr(sys.modules.get("storage"), "__file__", "") is None:
-    for _name in [m for m in sys.modules if m == "storage" or m.startswith("storage.")]:
-        del sys.modules[_name]
+import numpy as np
+import pytest
+import ray
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import ray  # noqa: E402
-
-from hkv_service.core.hashing import ExtraKeys, hash_blocks  # noqa: E402
-from hkv_service.core.ids import BlockHash  # noqa: E402
-from hkv_service.core.layout import Layout  # noqa: E402
-from hkv_service.core.state_view import StateConfig  # noqa: E402
-from hkv_service.specs import default_spec  # noqa: E402
-from workers.launcher import init_local_ray  # noqa: E402
-from workers.local import ActorMetadata, MetadataActor  # noqa: E402
-
-RAY_CURRENT = Path("/tmp/ray/ray_current_cluster")
-
-
-def clear_stale_ray() -> None:
-    if RAY_CURRENT.exists():
-        RAY_CURRENT.unlink(missing_ok=True)
+from hkv_service.core.hashing import ExtraKeys, hash_blocks
+from hkv_service.core.ids import BlockHash
+from hkv_service.core.layout import Layout
+from hkv_service.core.state_view import StateConfig
+from hkv_service.specs import default_spec
+from workers.launcher import clear_stale_ray, init_local_ray, worker_pythonpath
+from workers.local import ActorMetadata, MetadataActor
 
 
 def prompt(n_blocks: int, seed: int = 0, hb: int = 64) -> list[BlockHash]:
@@ -87,13 +69,9 @@ def ray_local() -> Iterator[None]:
     if ray.is_initialized():
         ray.shutdown()
     init_local_ray(num_cpus=4, include_dashboard=False, log_to_driver=False,
-                   runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(_pythonpath())}})
+                   runtime_env={"env_vars": {"PYTHONPATH": worker_pythonpath()}})
     yield
     ray.shutdown()
-
-
-def _pythonpath() -> list[str]:
-    return [str(_ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
 
 
 @pytest.fixture

@@ -70,11 +70,9 @@ def expected(dp: DataPlane, payload: dict[Any, np.ndarray], column: str,
 
 
 def check_bytes(dp: DataPlane, match: Any, out: Any, payload: Any) -> None:
-    from workers.dataplane import handle_depths
-
     assert not isinstance(out, Recompute), out
     for column, arrays in out.items():
-        depths = handle_depths(dp.layout, column, match.usable_tokens)
+        depths = list(dp.layout.needed_depths(dp.layout.by_name[column], match.usable_tokens))
         assert [a.tobytes() for a in arrays] == expected(dp, payload, column, depths)
 
 
