@@ -43,11 +43,13 @@ from hkv_service.core.allocator import PoolConfig
 from hkv_service.core.errors import HkvError, PoolExhausted, StaleHandle
 from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.ids import BlockHash, LeaseId, ObjectId, ShardId
+from hkv_service.core.layout import Column, Layout
 from hkv_service.core.records import Handle
 from hkv_service.core.spec import CacheSpec
 from hkv_service.core.state_view import AllocRequest, CacheState, Match, ObjectReport
 from hkv_service.core.states import TERMINAL_STATES, Event, Kind, Reason, State
 from hkv_service.core.transitions import Params
+from hkv_service.testing import pools_for
 
 __all__ = [
     "ALIGNMENT",
@@ -162,6 +164,17 @@ def _needed_columns(lay: Any, depth: int, p: int) -> list[int]:
             continue
         out.append(c)
     return out
+
+
+def place_block(blocks: Blocks, tails: Tails, lay: Layout, col: Column, depth: int,
+                tensor: torch.Tensor, usable: int) -> None:
+    """File one read block where ``RefModel.import_cache`` wants it: a tail with the number of
+    raw tokens it holds at ``usable``, any other block under its index in its own group."""
+    if col.kind is Kind.TAIL:
+        tails[col.group.name] = (tensor, col.tail_tokens_at(usable))
+    else:
+        end = (depth + 1) * lay.hash_block
+        blocks.setdefault(col.name, {})[end // col.group.block_size - 1] = tensor
 
 
 # ---- owner-side records ---------------------------------------------------------------------
@@ -354,18 +367,11 @@ class InProcessBackend:
     # ---- setup ------------------------------------------------------------------------------
 
     def _pools(self, base_align: int, odd: bool = False) -> dict[str, PoolConfig]:
-        out = {}
-        for c in self._layout_columns():
-            stride = max(256, -(-c.nbytes // 256) * 256)
-            if odd:
-                stride += 32
-            out[c.name] = PoolConfig(self.pool_blocks, stride, base_align)
-        return out
-
-    def _layout_columns(self) -> Any:
-        from hkv_service.core.layout import Layout
-
-        return Layout(self.spec).columns
+        pools = pools_for(Layout(self.spec), self.pool_blocks, base_align)
+        if odd:  # misaligned_handle: every block of this shard starts 32 bytes off
+            pools = {n: PoolConfig(p.num_blocks, p.stride + 32, p.base_align)
+                     for n, p in pools.items()}
+        return pools
 
     def _new_state(self) -> CacheState:
         state = CacheState(self.spec)
@@ -593,13 +599,8 @@ class InProcessBackend:
                         self.lru[key] = self.tick
                     if key is None:
                         return ReadResult(reason=Reason.STALE_HANDLE.value)
-                    depth = self.meta[key].depth
-                    end = (depth + 1) * lay.hash_block
-                    tensor = torch.from_numpy(data.copy())
-                    if col.kind is Kind.TAIL:
-                        tails[col.group.name] = (tensor, col.tail_tokens_at(lk.usable))
-                    else:
-                        blocks.setdefault(col_name, {})[end // col.group.block_size - 1] = tensor
+                    place_block(blocks, tails, lay, col, self.meta[key].depth,
+                                torch.from_numpy(data.copy()), lk.usable)
         return ReadResult(blocks, tails)
 
     def release(self, lk: Lookup) -> None:

@@ -60,6 +60,7 @@ from .backend import (
     WriteOptions,
     WriteReport,
     _needed_columns,
+    place_block,
 )
 
 __all__ = ["ENDPOINT_NOTE", "UNSUPPORTED_FAULTS", "SystemBackend"]
@@ -326,13 +327,9 @@ class SystemBackend:
             if len(depths) != len(arrays):
                 return ReadResult(reason=Reason.MISSING_COMPONENT.value)
             for d, arr in zip(depths, arrays, strict=True):
-                raw = np.frombuffer(np.ascontiguousarray(arr).tobytes(), np.float32)
+                raw = np.ascontiguousarray(arr).view(np.float32)  # one copy below, not two
                 tensor = torch.from_numpy(raw.reshape(self.shapes[name]).copy())
-                if col.kind is Kind.TAIL:
-                    tails[col.group.name] = (tensor, col.tail_tokens_at(lk.usable))
-                else:
-                    end = (d + 1) * lay.hash_block
-                    blocks.setdefault(name, {})[end // col.group.block_size - 1] = tensor
+                place_block(blocks, tails, lay, col, d, tensor, lk.usable)
         return ReadResult(blocks, tails)
 
     def release(self, lk: Lookup) -> None:
