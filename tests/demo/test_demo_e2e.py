@@ -53,7 +53,9 @@ def test_no_faults_reuses_everything_safe() -> None:
 
 def test_layer3_disabled_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(backend, "UNSAFE_DISABLE_LAYER3", True)
-    rep = run_workload(requests=48, seed=3, faults=RATES, check=True, workers=2)
+    # one worker: the interleaving (and so the count) is the same every run; with two it
+    # varied from 0 to 4, which made this check flaky rather than proof
+    rep = run_workload(requests=48, seed=3, faults=RATES, check=True, workers=1)
     assert rep["silent_errors"] > 0
 
 
