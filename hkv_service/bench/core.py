@@ -8,6 +8,7 @@ concatenation per block). Metadata bytes per object are measured with tracemallo
 
 from __future__ import annotations
 
+import gc
 import tracemalloc
 from typing import Any
 
@@ -17,7 +18,7 @@ import xxhash
 from ..core.funnel import LookupRequest, run_funnel, validate_request
 from ..core.hashing import ExtraKeys, hash_blocks, naive_hash_blocks
 from ..core.ids import BlockHash, ShardId
-from ..core.state_view import CacheState
+from ..core.state_view import CacheState, StateConfig
 from ..specs import default_spec
 from ..testing import commit_prefix, pools_for
 from .timing import best_of
@@ -25,9 +26,11 @@ from .timing import best_of
 __all__ = ["run"]
 
 
-def _filled_state(n_blocks: int, pool_blocks: int = 0) -> tuple[CacheState, list[BlockHash]]:
+def _filled_state(
+    n_blocks: int, pool_blocks: int = 0, config: StateConfig | None = None
+) -> tuple[CacheState, list[BlockHash]]:
     spec = default_spec()
-    st = CacheState(spec)
+    st = CacheState(spec, config)
     st.register_owner(ShardId("s0"), pools_for(st.layout, max(pool_blocks, n_blocks + 8)))
     toks = np.random.default_rng(0).integers(0, 50_000, n_blocks * spec.hash_block_size)
     hashes = hash_blocks(toks, spec.hash_block_size, ExtraKeys(spec.model_id))
@@ -77,9 +80,17 @@ def _hash_figures(n_blocks: int, repeat: int, number: int) -> dict[str, float]:
 
 
 def _traced_bytes(n_blocks: int, pool_blocks: int) -> tuple[int, int]:
+    # Records and entries form reference cycles: without a collection first, the previous
+    # fill's garbage is freed at a random point inside this one and the figure swings by
+    # hundreds of bytes per object between runs.
+    gc.collect()
     tracemalloc.start()
     before = tracemalloc.take_snapshot()
-    st, _ = _filled_state(n_blocks, pool_blocks)
+    # The transition log is a fixed-size ring: a small one is full in every fill, so it
+    # cancels out of the slope like the pools do (the default 8,192 would not be full in a
+    # quick run and would count as per-object bytes).
+    st, _ = _filled_state(n_blocks, pool_blocks, StateConfig(log_capacity=256))
+    gc.collect()  # temporaries of the fill itself
     after = tracemalloc.take_snapshot()
     tracemalloc.stop()
     grown = sum(s.size_diff for s in after.compare_to(before, "filename"))
@@ -90,6 +101,7 @@ def _bytes_per_object(n_blocks: int) -> float:
     """Marginal metadata bytes per tracked object: the slope between two fill sizes, so the
     fixed-size parts (bounded transition log, pools sized by capacity) do not count."""
     pools = n_blocks + 8  # the same capacity in both fills: pools cancel out
+    _traced_bytes(n_blocks // 4, pools)  # one-time costs (caches, classes) land here, unseen
     small_bytes, small_objs = _traced_bytes(n_blocks // 2, pools)
     big_bytes, big_objs = _traced_bytes(n_blocks, pools)
     return (big_bytes - small_bytes) / (big_objs - small_objs)

@@ -26,6 +26,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .checks import Holds
 from .records import ObjRecord
 from .states import Kind, State
 
@@ -80,8 +81,9 @@ class BlockPool:
         self.generation[block] += 1
         self.free.append(block)
 
-    def victim(self, kind: Kind) -> ObjRecord | None:
-        """The best eviction candidate by ``kind``'s policy, or None if nothing may go."""
+    def victim(self, kind: Kind, holds: Holds) -> ObjRecord | None:
+        """The best eviction candidate by ``kind``'s policy, or None if nothing may go
+        (leased or captured records never go)."""
         occupied = self.config.num_blocks - len(self.free)
         if occupied == 0:
             return None
@@ -95,14 +97,14 @@ class BlockPool:
                 )
                 if r is not None
             ]
-        candidates = [r for r in pool if _evictable(r)]
+        candidates = [r for r in pool if _evictable(r, holds)]
         if not candidates:
             return None
         return min(candidates, key=EVICTION_POLICIES[kind])
 
 
-def _evictable(rec: ObjRecord) -> bool:
-    return rec.state in _EVICTABLE and not rec.pins and not rec.captures
+def _evictable(rec: ObjRecord, holds: Holds) -> bool:
+    return rec.state in _EVICTABLE and not holds.held(rec)
 
 
 def _swa_key(rec: ObjRecord) -> tuple[int, int]:

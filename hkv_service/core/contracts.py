@@ -150,8 +150,9 @@ _BITS = {
 }
 
 
-def summarise(entry: PrefixEntry, layout: Layout) -> None:
-    """Recompute ``entry.flags`` and ``entry.gate`` from its columns' verdicts."""
+def summarise(entry: PrefixEntry, layout: Layout, align_of: Callable[[ObjRecord], int]) -> None:
+    """Recompute ``entry.flags`` and ``entry.gate`` from its columns' verdicts; ``align_of``
+    gives a placed record's byte alignment (its pool knows it)."""
     flags = F_MONO | F_TAIL | F_SWA
     align = 1 << 30
     for col in layout.attached[entry.depth % layout.period]:
@@ -167,6 +168,6 @@ def summarise(entry: PrefixEntry, layout: Layout) -> None:
         if rec is None or record_verdict(rec, entry, layout) != READY:
             rec = entry.disk[col] if entry.disk else None  # a loaded disk copy serves it
         assert rec is not None and rec.block >= 0, "a READY column without a memory block"
-        align = min(align, rec.align)
+        align = min(align, align_of(rec))
     entry.flags = flags
     entry.gate = align if flags & F_MONO else 0

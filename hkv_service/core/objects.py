@@ -3,7 +3,8 @@
 A dict entry costs ~50-100 bytes per object; a slab slot costs 8. Ids stay unique forever:
 ``id = serial << 32 | slot``, so a freed and reused slot never answers to an old id (a late
 commit for an evicted object is "unknown object", never a transition of its successor). Ids
-stay below 2**63 (serial < 2**30), so they fit a signed 64-bit field.
+start below 2**60 (serial < 2**28): a Python int that size takes 32 B, not 36, per object.
+They reach 2**63 (a signed 64-bit field's limit) only after ~2**31 allocations.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ class ObjectTable:
         # A random base per state view: ids issued before a service restart do not match ids
         # issued after it, so a pre-restart handle can never name a new object.
         self._serial = (
-            random.SystemRandom().getrandbits(20) << 10 if serial_base is None else (serial_base)
+            random.SystemRandom().getrandbits(17) << 10 if serial_base is None else (serial_base)
         )
         self._count = 0
 

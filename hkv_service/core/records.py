@@ -12,13 +12,17 @@ Column layout of a prefix entry (one entry per hash block)::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
+import functools
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
 
 from .ids import BlockHash, GroupName, ObjectId, ShardId
 from .states import Kind, State
 
-__all__ = ["DiskRecord", "Handle", "HandleColumn", "ObjRecord", "PrefixEntry"]
+__all__ = [
+    "DiskRecord", "Handle", "HandleColumn", "ObjRecord", "PrefixEntry", "SwaRecord", "TailRecord",
+    "VersionedRecord", "new_record", "record_type",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,35 +83,91 @@ class HandleColumn:
 
 @dataclass(slots=True, eq=False)
 class ObjRecord:
-    """One cache object. ``kind`` is fixed; everything else moves through transitions."""
+    """One cache object; build it with :func:`new_record`.
+
+    Memory is the budget here (one record per block per column, millions per service), so a
+    record carries only what moves: ``kind`` and ``column`` are class attributes of a small
+    class per (kind, column) (see :func:`record_type`), each kind's class adds only the
+    fields that kind uses (``version``, ``lo``/``hi``), the other fields read the class
+    defaults below, and leases/captures are counted beside the records (``checks.Holds``).
+    The handle's byte alignment is derived from the owner's pool when needed.
+    """
 
     object_id: ObjectId
-    kind: Kind
-    column: int
     entry: PrefixEntry
     state: State
     shard: ShardId  # owner of the bytes ("" while a DISK object has no memory copy)
     block: int  # -1 when no memory block backs it
     generation: int
-    align: int = 1 << 30  # largest power of two dividing the block's address and length
-    version: int = 0  # COMPRESSED: KV version; INDEXER: version synced to; DISK: inner's
-    lo: int = 0  # SWA: valid tokens [lo, hi); TAIL: hi = raw tokens held
-    hi: int = 0
     seq: int = 0  # transitions applied; compare-and-set token
-    pins: int = 0  # live leases
-    captures: int = 0  # live graph captures
-    # Only DiskRecord stores these; memory records read the class defaults (saves 16 B each).
-    inner: ClassVar[Kind | None] = None
-    disk_owner: ClassVar[ShardId | None] = None
+    kind: ClassVar[Kind]
+    column: ClassVar[int]
+    # Kind-specific fields: the class defaults answer for kinds that do not store them;
+    # assigning one on such a record raises AttributeError (no silent write).
+    version: ClassVar[int] = 0  # COMPRESSED: KV version; INDEXER: version synced to
+    lo: ClassVar[int] = 0  # SWA: valid tokens [lo, hi)
+    hi: ClassVar[int] = 0  # SWA: end of the valid range; TAIL: raw tokens held
+    inner: ClassVar[Kind | None] = None  # DISK: kind of the memory object it copies
+    disk_owner: ClassVar[ShardId | None] = None  # DISK: the tier holding the copy
+
+
+@dataclass(slots=True, eq=False)
+class VersionedRecord(ObjRecord):
+    version: int = 0  # type: ignore[misc]
+
+
+@dataclass(slots=True, eq=False)
+class SwaRecord(ObjRecord):
+    lo: int = 0  # type: ignore[misc]
+    hi: int = 0  # type: ignore[misc]
+
+
+@dataclass(slots=True, eq=False)
+class TailRecord(ObjRecord):
+    hi: int = 0  # type: ignore[misc]
 
 
 @dataclass(slots=True, eq=False)
 class DiskRecord(ObjRecord):
     """A DISK object: a copy of a memory object in an owner's disk tier."""
 
-    # These slots shadow ObjRecord's class-level defaults (mypy cannot express that).
+    version: int = 0  # type: ignore[misc]
+    lo: int = 0  # type: ignore[misc]
+    hi: int = 0  # type: ignore[misc]
     inner: Kind | None = None  # type: ignore[misc]
     disk_owner: ShardId | None = None  # type: ignore[misc]
+
+
+_KIND_BASE: dict[Kind, type[ObjRecord]] = {
+    Kind.COMPRESSED: VersionedRecord,
+    Kind.INDEXER: VersionedRecord,
+    Kind.SWA: SwaRecord,
+    Kind.TAIL: TailRecord,
+    Kind.DISK: DiskRecord,
+}
+_FIELDS: dict[type[ObjRecord], frozenset[str]] = {
+    cls: frozenset(f.name for f in fields(cls)) for cls in set(_KIND_BASE.values())
+}
+
+
+@functools.cache
+def record_type(kind: Kind, column: int) -> type[ObjRecord]:
+    """The record class of one (kind, column): no slots of its own, two class attributes."""
+    base = _KIND_BASE[kind]
+    name = f"{base.__name__}_{kind.name.lower()}_{column}"
+    return type(name, (base,), {"__slots__": (), "kind": kind, "column": column})
+
+
+def new_record(
+    kind: Kind, column: int, object_id: ObjectId, entry: PrefixEntry, state: State,
+    shard: ShardId, block: int, generation: int, **kind_fields: Any,
+) -> ObjRecord:
+    """A record of ``kind`` in ``column``; ``kind_fields`` the kind does not store (``lo`` of
+    a COMPRESSED object, say) are dropped: they mean nothing for it."""
+    cls = record_type(kind, column)
+    known = _FIELDS[_KIND_BASE[kind]]
+    extra = {k: v for k, v in kind_fields.items() if k in known}
+    return cls(object_id, entry, state, shard, block, generation, **extra)
 
 
 @dataclass(slots=True, eq=False)

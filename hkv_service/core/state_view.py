@@ -48,7 +48,7 @@ from .funnel import Downgrade, LookupRequest, run_funnel, validate_request
 from .ids import BLOCK_HASH_BYTES, BlockHash, CaptureId, LeaseId, ObjectId, ShardId
 from .layout import Layout
 from .objects import ObjectTable
-from .records import DiskRecord, Handle, HandleColumn, ObjRecord, PrefixEntry
+from .records import DiskRecord, Handle, HandleColumn, ObjRecord, PrefixEntry, new_record
 from .spec import CacheSpec
 from .states import TERMINAL_STATES, Event, Kind, State
 from .transitions import Params, apply
@@ -181,6 +181,7 @@ class CacheState:
         self.objects = ObjectTable()
         self.owners: dict[ShardId, _Owner] = {}
         self.leases = LeaseBook()
+        self.holds = self.leases.holds  # leases and captures per record
         self.captures: dict[CaptureId, Capture] = {}
         self.topology_epoch = 0
         self.log: deque[TransitionEvent] = deque(maxlen=self.config.log_capacity)
@@ -242,7 +243,7 @@ class CacheState:
             return lost
 
     def _force_gone(self, rec: ObjRecord, owner: ShardId) -> None:
-        if rec.captures:
+        if rec in self.holds.captures:
             self._invalidate_captures(rec)
         if rec.kind is Kind.DISK and rec.disk_owner != owner:
             if rec.state is State.ON_DISK_READY:
@@ -290,16 +291,9 @@ class CacheState:
             return Allocation(self._handle(existing), True, existing.state, existing.version)
         shard, pool, block = self._take_block(col, owner)
         column = self.layout.columns[col]
-        rec = ObjRecord(
-            self.objects.new_id(),
-            column.kind,
-            col,
-            entry,
-            State.ALLOCATED,
-            shard,
-            block,
+        rec = new_record(
+            column.kind, col, self.objects.new_id(), entry, State.ALLOCATED, shard, block,
             pool.generation[block],
-            align=pool.alignment_of(block, column.nbytes),
         )
         pool.owner[block] = rec
         entry.mem[col] = rec
@@ -331,7 +325,7 @@ class CacheState:
         return [s for s, _ in live]
 
     def _evict_from(self, pool: BlockPool, col: int) -> bool:
-        victim = pool.victim(self.layout.columns[col].kind)
+        victim = pool.victim(self.layout.columns[col].kind, self.holds)
         if victim is None:
             return False
         self.evict(victim.object_id)
@@ -349,7 +343,7 @@ class CacheState:
                 )
                 return
             for partner in self._partners(rec):
-                if partner.state in TERMINAL_STATES or partner.pins or partner.captures:
+                if partner.state in TERMINAL_STATES or self.holds.held(partner):
                     continue
                 if (partner.kind, partner.state) in _PARTNER_EVICTABLE:
                     self._apply(partner, Event.EVICT, Params())
@@ -403,7 +397,7 @@ class CacheState:
         self._after_change(rec)
 
     def _after_change(self, rec: ObjRecord) -> None:
-        contracts.summarise(rec.entry, self.layout)
+        contracts.summarise(rec.entry, self.layout, self._align_of)
         self.counters.transitions[(rec.kind, rec.state)] += 1
         self._log_seq += 1
         self.log.append(
@@ -506,7 +500,6 @@ class CacheState:
                 raise
             self._tickets[rec.object_id] = ticket
             rec.shard, rec.block, rec.generation = shard, block, pool.generation[block]
-            rec.align = pool.alignment_of(block, self.layout.columns[rec.column].nbytes)
             pool.owner[block] = rec
             self._apply(rec, Event.LOAD_BEGIN, Params())
             return self._handle(rec)
@@ -652,8 +645,7 @@ class CacheState:
             for h in handles:
                 self.check_read(h)
                 records.append(self.objects[h.object_id])
-            for rec in records:
-                rec.captures += 1
+            self.holds.add(self.holds.captures, records, 1)
             cap = Capture(CaptureId(next(self._captures)), records, self.topology_epoch)
             self.captures[cap.capture_id] = cap
             return cap.capture_id, self.topology_epoch
@@ -663,8 +655,7 @@ class CacheState:
             cap = self.captures.pop(capture_id, None)
             if cap is None:
                 raise UnknownCapture(f"capture {capture_id} is not registered")
-            for rec in cap.records:
-                rec.captures -= 1
+            self.holds.add(self.holds.captures, cap.records, -1)
 
     def capture_status(self, capture_id: CaptureId) -> tuple[bool, int]:
         """(still valid, current topology epoch) for a capture's owner to poll."""
@@ -719,10 +710,9 @@ class CacheState:
             return 0
         pool.free.remove(r.block)
         pool.generation[r.block] = max(pool.generation[r.block], r.generation)
-        rec = ObjRecord(
-            self.objects.new_id(), column.kind, col, entry, r.state, owner, r.block,
-            pool.generation[r.block], align=pool.alignment_of(r.block, column.nbytes),
-            version=r.version, lo=r.lo, hi=r.hi,
+        rec = new_record(
+            column.kind, col, self.objects.new_id(), entry, r.state, owner, r.block,
+            pool.generation[r.block], version=r.version, lo=r.lo, hi=r.hi,
         )
         pool.owner[r.block] = rec
         entry.mem[col] = rec
@@ -741,11 +731,12 @@ class CacheState:
         """A DISK copy at ``entry``/``col`` carrying ``source``'s version and valid range."""
         if entry.disk is None:
             entry.disk = [None] * len(self.layout.columns)
-        rec = DiskRecord(
-            self.objects.new_id(), Kind.DISK, col, entry, state, _NO_SHARD, -1, 0,
+        rec = new_record(
+            Kind.DISK, col, self.objects.new_id(), entry, state, _NO_SHARD, -1, 0,
             version=source.version, lo=source.lo, hi=source.hi,
             inner=self.layout.columns[col].kind, disk_owner=disk_owner,
         )
+        assert isinstance(rec, DiskRecord)
         entry.disk[col] = rec
         self._disk_records += 1
         self.objects.put(rec)
@@ -776,7 +767,7 @@ class CacheState:
         e = self.index.get(h)
         if e is None:
             e = PrefixEntry(h, parent, depth, [None] * len(self.layout.columns))
-            contracts.summarise(e, self.layout)
+            contracts.summarise(e, self.layout, self._align_of)
             self.index[h] = e
             if parent is not None:
                 parent.children += 1
@@ -858,6 +849,18 @@ class CacheState:
     def tail_required(self, record: ObjRecord) -> int:
         position = (record.entry.depth + 1) * self.layout.hash_block
         return self.layout.columns[record.column].tail_tokens_at(position)
+
+    def _align_of(self, rec: ObjRecord) -> int:
+        """Largest power of two dividing the handle's address and length (layer 4), from
+        the owner's pool: a record does not store it (8 B each)."""
+        owner = self.owners.get(rec.shard)
+        pool = owner.pools.get(rec.column) if owner is not None else None
+        if pool is None:
+            return 1  # no pool to place it: the least alignment, never a false "aligned"
+        return pool.alignment_of(rec.block, self.layout.columns[rec.column].nbytes)
+
+    def holds_of(self, record: ObjRecord) -> tuple[int, int]:
+        return self.holds.pins.get(record, 0), self.holds.captures.get(record, 0)
 
     # ---- introspection ------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from .errors import IllegalTransition, VersionConflict
-from .records import ObjRecord
+from .records import DiskRecord, ObjRecord, SwaRecord, TailRecord, VersionedRecord
 from .states import Event, Kind, State
 
 __all__ = ["PRECONDITIONS", "TABLE", "Params", "TransitionContext", "apply"]
@@ -112,16 +112,18 @@ class TransitionContext(Protocol):
     def kv_version_for(self, record: ObjRecord) -> int | None: ...
     def block_range(self, record: ObjRecord) -> tuple[int, int]: ...
     def tail_required(self, record: ObjRecord) -> int: ...
+    def holds_of(self, record: ObjRecord) -> tuple[int, int]: ...  # (leases, captures)
 
 
 Check = Callable[[ObjRecord, Params, TransitionContext], str | None]
 
 
-def _no_pins(rec: ObjRecord, _p: Params, _c: TransitionContext) -> str | None:
-    if rec.pins:
-        return f"object {rec.object_id} is leased by {rec.pins} reader(s)"
-    if rec.captures:
-        return f"object {rec.object_id} is pinned by {rec.captures} graph capture(s)"
+def _no_pins(rec: ObjRecord, _p: Params, ctx: TransitionContext) -> str | None:
+    pins, captures = ctx.holds_of(rec)
+    if pins:
+        return f"object {rec.object_id} is leased by {pins} reader(s)"
+    if captures:
+        return f"object {rec.object_id} is pinned by {captures} graph capture(s)"
     return None
 
 
@@ -171,13 +173,16 @@ PRECONDITIONS: dict[tuple[Kind, Event], Check] = {
 
 
 def _write_fields(rec: ObjRecord, event: Event, p: Params, ctx: TransitionContext) -> None:
-    if rec.kind is Kind.SWA and event is Event.WRITE_DONE:
+    # Each kind's class stores only its own fields (see records.new_record).
+    if isinstance(rec, SwaRecord) and event is Event.WRITE_DONE:
         start, end = ctx.block_range(rec)
         rec.lo = start if p.lo is None else p.lo
         rec.hi = end if p.hi is None else p.hi
-    elif rec.kind is Kind.TAIL and p.tail_len is not None:
+    elif isinstance(rec, TailRecord) and p.tail_len is not None:
         rec.hi = p.tail_len
-    elif event is Event.INDEXER_SYNC or (rec.kind is Kind.COMPRESSED and p.version is not None):
+    elif isinstance(rec, VersionedRecord | DiskRecord) and (
+        event is Event.INDEXER_SYNC or (rec.kind is Kind.COMPRESSED and p.version is not None)
+    ):
         rec.version = rec.version if p.version is None else p.version
 
 

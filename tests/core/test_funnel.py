@@ -204,9 +204,9 @@ def test_stale_indexer_can_be_refreshed(state: CacheState, spec) -> None:
     m = state.lookup(LookupRequest(hs, lease_ttl_s=5))  # a reader pins the indexer...
     state.release_lease(m.lease_id)  # ...then lets go; the KV moves on, the indexer stays
     idx = state.objects[ids[(5, "idx")]]
-    idx.pins += 1
+    state.holds.pins[idx] = 1  # a reader holds the indexer alone
     state.evict(ids[(5, "c4")])
-    idx.pins -= 1
+    del state.holds.pins[idx]
     (kv,) = state.allocate(hs, [AllocRequest(5, "c4")])
     v = state.transition(kv.handle.object_id, Event.WRITE_DONE).version
     (again,) = state.allocate(hs, [AllocRequest(5, "idx")])

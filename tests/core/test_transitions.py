@@ -10,13 +10,14 @@ import pytest
 
 from hkv_service.core.errors import IllegalTransition, VersionConflict
 from hkv_service.core.ids import BlockHash, ObjectId, ShardId
-from hkv_service.core.records import ObjRecord, PrefixEntry
+from hkv_service.core.records import ObjRecord, PrefixEntry, new_record
 from hkv_service.core.states import Event, Kind, State
 from hkv_service.core.transitions import TABLE, Params, apply
 
 
 class Ctx:
     kv_version = 7
+    holds = (0, 0)  # (leases, captures) on every record
 
     def kv_version_for(self, record: ObjRecord) -> int | None:
         return self.kv_version
@@ -27,10 +28,13 @@ class Ctx:
     def tail_required(self, record: ObjRecord) -> int:
         return 4
 
+    def holds_of(self, record: ObjRecord) -> tuple[int, int]:
+        return self.holds
+
 
 def record(kind: Kind, state: State) -> ObjRecord:
     entry = PrefixEntry(BlockHash(bytes(16)), None, 0, [None])
-    return ObjRecord(ObjectId(1), kind, 0, entry, state, ShardId("s"), 0, 0, 64, 0)
+    return new_record(kind, 0, ObjectId(1), entry, state, ShardId("s"), 0, 0)
 
 
 GOOD = Params(version=7, lo=0, hi=64, tail_len=4)
@@ -108,11 +112,12 @@ def test_swa_range_never_shrinks() -> None:
 
 
 def test_eviction_refused_while_leased_or_captured() -> None:
-    for field in ("pins", "captures"):
+    for holds, word in (((1, 0), "leased"), ((0, 1), "graph capture")):
         rec = record(Kind.COMPRESSED, State.COMPRESSED_READY)
-        setattr(rec, field, 1)
-        with pytest.raises(IllegalTransition):
-            apply(rec, Event.EVICT, Params(), Ctx())
+        ctx = Ctx()
+        ctx.holds = holds
+        with pytest.raises(IllegalTransition, match=word):
+            apply(rec, Event.EVICT, Params(), ctx)
         assert rec.state is State.COMPRESSED_READY
 
 

@@ -1,0 +1,54 @@
+"""Records carry only what their kind uses; leases and captures are counted beside them."""
+
+from __future__ import annotations
+
+import pytest
+
+from hkv_service.core.errors import IllegalTransition
+from hkv_service.core.funnel import LookupRequest
+from hkv_service.core.ids import BlockHash, ObjectId, ShardId
+from hkv_service.core.records import PrefixEntry, new_record, record_type
+from hkv_service.core.state_view import CacheState
+from hkv_service.core.states import Event, Kind, State
+from hkv_service.core.transitions import Params
+from hkv_service.testing import commit_prefix, prompt_hashes
+
+
+def _entry() -> PrefixEntry:
+    return PrefixEntry(BlockHash(bytes(16)), None, 0, [None])
+
+
+@pytest.mark.parametrize("kind", list(Kind))
+def test_kind_and_column_are_class_attributes(kind: Kind) -> None:
+    rec = new_record(kind, 3, ObjectId(1), _entry(), State.ALLOCATED, ShardId("s"), 0, 0)
+    assert (rec.kind, rec.column) == (kind, 3) and type(rec) is record_type(kind, 3)
+    assert not hasattr(rec, "__dict__")  # slots only: nothing can be added per record
+
+
+def test_a_field_the_kind_lacks_is_dropped_and_cannot_be_written() -> None:
+    rec = new_record(Kind.COMPRESSED, 0, ObjectId(1), _entry(), State.ALLOCATED, ShardId("s"),
+                     0, 0, version=4, lo=9, hi=12)
+    assert (rec.version, rec.lo, rec.hi) == (4, 0, 0)
+    with pytest.raises(AttributeError):
+        rec.lo = 5  # type: ignore[misc]  # a silent write to a shared default would be a bug
+    swa = new_record(Kind.SWA, 2, ObjectId(2), _entry(), State.ALLOCATED, ShardId("s"), 0, 0,
+                     version=4, lo=9, hi=12)
+    assert (swa.version, swa.lo, swa.hi) == (0, 9, 12)
+
+
+def test_holds_empty_again_after_leases_and_captures_end(state: CacheState, spec) -> None:
+    hs = prompt_hashes(spec, 8)
+    ids = commit_prefix(state, hs)
+    m = state.lookup(LookupRequest(hs, lease_ttl_s=5))
+    cap, _ = state.register_capture(m.handles["c4"][:2])
+    c4 = state.objects[ids[(1, "c4")]]
+    assert state.holds_of(c4) == (1, 1)
+    with pytest.raises(IllegalTransition, match="leased by 1"):
+        state.transition(c4.object_id, Event.EVICT, Params())
+    state.release_lease(m.lease_id)
+    with pytest.raises(IllegalTransition, match="graph capture"):
+        state.transition(c4.object_id, Event.EVICT, Params())
+    state.release_capture(cap)
+    assert not state.holds.pins and not state.holds.captures  # nothing left behind
+    state.transition(c4.object_id, Event.EVICT, Params())
+    assert c4.state is State.EVICTED
