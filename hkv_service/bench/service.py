@@ -5,9 +5,12 @@ committed) and an echo server (a generic bytes-in/bytes-out handler, no protobuf
 Measured in the same run:
 
 * latency p50/p99 of Lookup for 1- and 2,048-block prefixes (request pre-serialized, reply
-  left as bytes: the service's cost plus transport) and through the typed client (plus
-  decoding into core types); the in-process ``CacheState.lookup`` with its handles built;
-  the echo of the very same request bytes;
+  left as bytes: the service's cost plus transport), with handles (~5k packed handles for
+  2,048 blocks: a 113 KB reply) and match-only (tokens and downgrades, what a router asks),
+  and through the typed client (plus decoding into core types); the in-process
+  ``CacheState.lookup``; the echo of the very same request bytes, and an echo that answers
+  the same request with as many bytes as the Lookup reply (the transport floor of the
+  exchange);
 * throughput of 1-block lookups with 1 and 4 client threads, batched 16 per call, and
   ping-pong over the ``LookupStream`` bidi stream, against echo (unary and bidi) the same way.
 
@@ -43,12 +46,15 @@ _LOOKUP = "/hkv.v1.MetadataService/Lookup"
 _STREAM = "/hkv.v1.MetadataService/LookupStream"
 _ECHO = "/bench.Echo/Echo"
 _ECHO_STREAM = "/bench.Echo/EchoStream"
+_REPLY = "/bench.Echo/Reply"
+_REPLY_BYTES: dict[str, bytes] = {"reply": b""}  # what Reply answers, set per measurement
 
 
 def _echo_server() -> tuple[grpc.Server, int]:
     handlers = {
         "Echo": grpc.unary_unary_rpc_method_handler(lambda req, _ctx: req),
         "EchoStream": grpc.stream_stream_rpc_method_handler(lambda it, _ctx: it),
+        "Reply": grpc.unary_unary_rpc_method_handler(lambda _req, _ctx: _REPLY_BYTES["reply"]),
     }
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16),
                          options=[("grpc.max_receive_message_length", 64 << 20)])
@@ -148,15 +154,21 @@ def _latencies(endpoint: str, echo: str, state: CacheState, hashes: list[BlockHa
     req = LookupRequest(hashes[:n])
     payload = _batch_bytes([req])
     svc, ech = _unary(endpoint, _LOOKUP, payload)(), _unary(echo, _ECHO, payload)()
+    only = _unary(endpoint, _LOOKUP, _batch_bytes([LookupRequest(hashes[:n], handles=False)]))()
+    reply = svc()
+    assert isinstance(reply, bytes)
+    _REPLY_BYTES["reply"] = bytes(len(reply))
+    sized = _unary(echo, _REPLY, payload)()
     out: dict[str, float] = {}
-    for name, fn in (("service", svc), ("echo", ech),
-                     ("core", lambda: state.lookup(req).handles)):
+    for name, fn in (("service", svc), ("match_only", only), ("echo", ech),
+                     ("echo_reply_sized", sized), ("core", lambda: state.lookup(req))):
         for k, v in _latency(fn, count).items():
             out[f"lookup{n}_{name}_{k}"] = v
     with MetadataClient(endpoint, timeout_s=30) as client:
         for k, v in _latency(lambda: client.lookup(req), count).items():
             out[f"lookup{n}_client_{k}"] = v
     out[f"lookup{n}_request_bytes"] = float(len(payload))
+    out[f"lookup{n}_reply_bytes"] = float(len(reply))
     return out
 
 
@@ -197,6 +209,10 @@ def run(quick: bool = False) -> dict[str, Any]:
     ratios = {
         "lookup2048_vs_echo_latency":
             lat["lookup2048_service_p50_s"] / lat["lookup2048_echo_p50_s"],
+        "lookup2048_vs_reply_sized_echo_latency":
+            lat["lookup2048_service_p50_s"] / lat["lookup2048_echo_reply_sized_p50_s"],
+        "lookup2048_match_only_vs_echo_latency":
+            lat["lookup2048_match_only_p50_s"] / lat["lookup2048_echo_p50_s"],
         "lookup1_vs_echo_latency": lat["lookup1_service_p50_s"] / lat["lookup1_echo_p50_s"],
         "lookup2048_service_vs_core_latency":
             lat["lookup2048_service_p50_s"] / lat["lookup2048_core_p50_s"],

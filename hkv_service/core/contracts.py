@@ -152,7 +152,9 @@ _BITS = {
 
 def summarise(entry: PrefixEntry, layout: Layout, align_of: Callable[[ObjRecord], int]) -> None:
     """Recompute ``entry.flags`` and ``entry.gate`` from its columns' verdicts; ``align_of``
-    gives a placed record's byte alignment (its pool knows it)."""
+    gives a placed record's byte alignment (its pool knows it). Drops the entry's packed
+    handle row: every change to an entry's records passes through here."""
+    entry.row = None
     flags = F_MONO | F_TAIL | F_SWA
     align = 1 << 30
     for col in layout.attached[entry.depth % layout.period]:

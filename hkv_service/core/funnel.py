@@ -42,6 +42,7 @@ class LookupRequest:
     reader_abi: Mapping[str, int] | None = None  # group -> ABI fingerprint the reader expects
     alignment: int = 1  # bytes every handle's address and length must be a multiple of
     lease_ttl_s: float = 0.0  # > 0: pin the matched objects for this long (atomic with lookup)
+    handles: bool = True  # False: usable tokens and downgrades only (a router's question)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +73,9 @@ def validate_request(req: LookupRequest, layout: Layout) -> int:
         raise PositionBeyondHashes(
             f"resume position {limit} is outside the {hashed} tokens the {len(hashes)} hashes cover"
         )
+    if req.lease_ttl_s > 0 and not req.handles:
+        raise InvalidInput("a lease pins the handles a lookup returns: ask for handles or "
+                           "drop the lease")
     if req.alignment < 1 or req.alignment & (req.alignment - 1):
         raise InvalidInput(f"alignment must be a power of two >= 1, got {req.alignment}")
     for name in req.reader_abi or {}:

@@ -73,6 +73,11 @@ class Layout:
         )
         self.by_name = by_name
         self.swa_columns = tuple(c.index for c in self.columns if c.kind is Kind.SWA)
+        # COMPRESSED and INDEXER: needed at every block they live at in [0, p), so a lookup
+        # packs them from per-entry rows (PrefixEntry.row), in this order
+        self.mono_columns = tuple(
+            c.index for c in self.columns if c.kind in (Kind.COMPRESSED, Kind.INDEXER)
+        )
         self.max_window = max(
             (c.group.window for c in self.columns if c.kind is Kind.SWA), default=0
         )

@@ -13,15 +13,19 @@ Column layout of a prefix entry (one entry per hash block)::
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
+
+import numpy as np
+import numpy.typing as npt
 
 from .ids import BlockHash, GroupName, ObjectId, ShardId
 from .states import Kind, State
 
 __all__ = [
-    "DiskRecord", "Handle", "HandleColumn", "ObjRecord", "PrefixEntry", "SwaRecord", "TailRecord",
-    "VersionedRecord", "new_record", "record_type",
+    "HANDLE_DTYPE", "DiskRecord", "Handle", "HandleColumn", "ObjRecord", "PrefixEntry",
+    "SwaRecord", "TailRecord", "VersionedRecord", "new_record", "record_type",
 ]
 
 
@@ -47,35 +51,91 @@ class Handle:
                          self.kind, self.group, self.nbytes, self.abi_fingerprint, self.address))
 
 
+HANDLE_DTYPE = np.dtype(
+    [("object_id", "<u8"), ("generation", "<u8"), ("block", "<i4"), ("shard", "<u2")]
+)
+"""One handle as a packed little-endian record (22 bytes): what a lookup hands out per object,
+in memory and on the wire. ``shard`` indexes the column's ``shard_names``."""
+
+
 @dataclass(frozen=True, slots=True)
 class HandleColumn:
-    """The handles of one column, as parallel arrays: a snapshot taken under the state view's
-    lock, cheap to build (no object per handle) and to pack into a protobuf message."""
+    """The handles of one column as packed :data:`HANDLE_DTYPE` records: a snapshot taken
+    under the state view's lock. Packing is the point: a 2,048-block match has ~5k handles,
+    and the lookup path never builds a Python object per handle (the state view joins
+    per-entry rows; the server copies the bytes into the reply). The per-handle tuples and
+    :class:`Handle` objects are materialised only for a caller that asks."""
 
     column: int
     name: GroupName
     kind: Kind
     nbytes: int
     abi_fingerprint: int
-    object_ids: tuple[int, ...]
-    generations: tuple[int, ...]
-    shards: tuple[ShardId, ...]
-    blocks: tuple[int, ...]  # -1: a DISK copy at rest, to be loaded first
-    addresses: tuple[int, ...]
+    records: bytes  # n * HANDLE_DTYPE.itemsize bytes
+    shard_names: tuple[ShardId, ...]  # record.shard -> shard name
+    strides: tuple[int, ...]  # record.shard -> block stride in that shard's pool (0: none)
+
+    def check(self) -> HandleColumn:
+        """Raise ValueError unless the records are well-formed; for columns that arrive from
+        outside (the wire). The state view builds well-formed ones and skips this."""
+        if len(self.records) % HANDLE_DTYPE.itemsize:
+            raise ValueError(f"handle records of {self.name!r} are not whole "
+                             f"{HANDLE_DTYPE.itemsize}-byte records")
+        if len(self.strides) != len(self.shard_names):
+            raise ValueError("one stride per shard name is required")
+        if len(self) and int(self.array["shard"].max()) >= len(self.shard_names):
+            raise ValueError(f"a handle of {self.name!r} names a shard outside the table")
+        return self
+
+    @classmethod
+    def pack(
+        cls, column: int, name: GroupName, kind: Kind, nbytes: int, abi_fingerprint: int,
+        object_ids: Sequence[int], generations: Sequence[int], shards: Sequence[int],
+        blocks: Sequence[int], shard_names: tuple[ShardId, ...], strides: tuple[int, ...],
+    ) -> HandleColumn:
+        """From parallel arrays (``shards`` as indexes into ``shard_names``)."""
+        arr = np.zeros(len(object_ids), HANDLE_DTYPE)
+        arr["object_id"], arr["generation"] = object_ids, generations
+        arr["block"], arr["shard"] = blocks, shards
+        return cls(column, name, kind, nbytes, abi_fingerprint, arr.tobytes(), shard_names,
+                   strides)
+
+    @property
+    def array(self) -> npt.NDArray[np.void]:
+        return np.frombuffer(self.records, HANDLE_DTYPE)
 
     def __len__(self) -> int:
-        return len(self.object_ids)
+        return len(self.records) // HANDLE_DTYPE.itemsize
+
+    @property
+    def object_ids(self) -> tuple[int, ...]:
+        return tuple(self.array["object_id"].tolist())
+
+    @property
+    def generations(self) -> tuple[int, ...]:
+        return tuple(self.array["generation"].tolist())
+
+    @property
+    def blocks(self) -> tuple[int, ...]:  # -1: a DISK copy at rest, to be loaded first
+        return tuple(self.array["block"].tolist())
+
+    @property
+    def shards(self) -> tuple[ShardId, ...]:
+        return tuple(map(self.shard_names.__getitem__, self.array["shard"].tolist()))
+
+    @property
+    def addresses(self) -> tuple[int, ...]:
+        """Byte offset of each block in its pool (layer 4 checked its alignment)."""
+        arr = self.array
+        stride = np.asarray(self.strides, dtype=np.int64)[arr["shard"].astype(np.int64)]
+        return tuple(np.where(arr["block"] >= 0, arr["block"] * stride, 0).tolist())
 
     def handles(self) -> tuple[Handle, ...]:
         c, k, g, n, a = self.column, self.kind, self.name, self.nbytes, self.abi_fingerprint
         return tuple(
             Handle(ObjectId(o), gen, sh, c, blk, k, g, n, a, addr)
             for o, gen, sh, blk, addr in zip(
-                self.object_ids,
-                self.generations,
-                self.shards,
-                self.blocks,
-                self.addresses,
+                self.object_ids, self.generations, self.shards, self.blocks, self.addresses,
                 strict=True,
             )
         )
@@ -189,3 +249,7 @@ class PrefixEntry:
     children: int = 0
     swa_need: int = 0  # resume points within one window after this block
     last_used: int = 0
+    # Packed handles (HANDLE_DTYPE, one per monotone column, zeros where a column does not
+    # live at this depth) built by the first lookup through this entry; summarise drops it
+    # whenever anything here changes, so a row never outlives the records it was built from.
+    row: bytes | None = None

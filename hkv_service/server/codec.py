@@ -8,15 +8,16 @@ with :class:`InvalidInput`, never guessed.
 A Match's handles are packed per column (see ``HandleColumn`` in the proto)::
 
     Match.handles[c] = HandleColumn{group, column, kind, nbytes, abi,   <- once per column
-                                    object_ids[i], generations[i], shards[i] -> shard_names,
-                                    blocks[i], addresses[i]}           <- once per handle
+                                    strides[shard] (address = block * stride),
+                                    records: n x 22 bytes (object_id u64, generation u64,
+                                             block i32, shard u16 -> Match.shard_names)}
 """
 
 from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, Generic, TypeVar
 
 from hkv_service.core.errors import InvalidInput
@@ -96,47 +97,42 @@ def decode_handle(msg: Any, where: str = "handle") -> Handle:
     )
 
 
-def _encode_column(col: HandleColumn, shards: dict[str, int], out: Any) -> None:
+def _encode_column(col: HandleColumn, n_names: int, out: Any) -> None:
     out.group, out.column, out.kind = col.name, col.column, KINDS.to_pb[col.kind]
     out.nbytes, out.abi_fingerprint = col.nbytes, col.abi_fingerprint
-    out.object_ids.extend(col.object_ids)
-    out.generations.extend(col.generations)
-    out.shards.extend([shards.setdefault(s, len(shards)) for s in col.shards])
-    out.blocks.extend(col.blocks)
-    out.addresses.extend(col.addresses)
+    out.records = col.records  # already the wire format: one copy, no per-handle work
+    # the match's name table may be longer than this column's (append-only): pad with 0
+    out.strides.extend(col.strides + (0,) * (n_names - len(col.strides)))
 
 
-def _decode_column(msg: Any, shard_names: Sequence[ShardId]) -> HandleColumn:
-    n = len(msg.object_ids)
-    if not (len(msg.generations) == len(msg.shards) == len(msg.blocks) == len(msg.addresses) == n):
-        raise ValueError("handle column arrays differ in length")
+def _decode_column(msg: Any, shard_names: tuple[ShardId, ...]) -> HandleColumn:
+    """Checked: whole records, every shard inside the table, one stride per shard."""
     return HandleColumn(
         msg.column, GroupName(msg.group), KINDS.decode(msg.kind, "handle column"), msg.nbytes,
-        msg.abi_fingerprint, tuple(msg.object_ids), tuple(msg.generations),
-        tuple(map(shard_names.__getitem__, msg.shards)), tuple(msg.blocks),
-        tuple(msg.addresses),
-    )
+        msg.abi_fingerprint, msg.records, shard_names, tuple(msg.strides),
+    ).check()
 
 
 # ---- lookup ---------------------------------------------------------------------------------
 
 def encode_match(m: Match, out: Any) -> Any:
-    """Packs ``m.columns`` (the snapshot the lookup took) without building a Handle each."""
+    """Copies ``m.columns`` (the packed snapshot the lookup took) into the reply."""
     out.usable_tokens, out.matched_tokens = m.usable_tokens, m.matched_tokens
     out.lease_id = m.lease_id or 0
-    shards: dict[str, int] = {}
+    # every column of one lookup indexes the same append-only table: take the longest
+    names = max((c.shard_names for c in m.columns.values()), key=len, default=())
     for col in m.columns.values():
         if len(col):
-            _encode_column(col, shards, out.handles.add())
+            _encode_column(col, len(names), out.handles.add())
     for d in m.downgrades:
         out.downgrades.add(reason=REASONS.to_pb[d.reason], group=d.group or "",
                            position=d.position)
-    out.shard_names.extend(shards)
+    out.shard_names.extend(names)
     return out
 
 
 def decode_match(msg: Any) -> Match:
-    names = [ShardId(n) for n in msg.shard_names]
+    names = tuple(ShardId(n) for n in msg.shard_names)
     columns = {c.group: _decode_column(c, names) for c in msg.handles}
     downgrades = tuple(
         Downgrade(REASONS.decode(d.reason, "downgrade"), GroupName(d.group) if d.group else None,
@@ -155,6 +151,7 @@ def encode_lookup(req: LookupRequest, out: Any) -> Any:
         out.reader_abi[name] = fp
     out.alignment = req.alignment
     out.lease_ttl_s = req.lease_ttl_s
+    out.match_only = not req.handles
     return out
 
 
@@ -163,11 +160,12 @@ def decode_lookup(msg: Any, where: str = "lookup") -> LookupRequest:
     if not math.isfinite(ttl) or ttl < 0:
         raise InvalidInput(f"{where}: lease_ttl_s must be a finite number >= 0, got {ttl}")
     return LookupRequest(
-        [BlockHash(h) for h in msg.block_hashes],
+        list(msg.block_hashes),  # bytes already (BlockHash is a NewType): no per-hash call
         msg.resume_tokens if msg.HasField("resume_tokens") else None,
-        dict(msg.reader_abi) or None,
+        dict(msg.reader_abi) if len(msg.reader_abi) else None,
         msg.alignment or 1,
         ttl,
+        not msg.match_only,
     )
 
 

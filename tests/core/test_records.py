@@ -52,3 +52,24 @@ def test_holds_empty_again_after_leases_and_captures_end(state: CacheState, spec
     assert not state.holds.pins and not state.holds.captures  # nothing left behind
     state.transition(c4.object_id, Event.EVICT, Params())
     assert c4.state is State.EVICTED
+
+
+def test_a_malformed_handle_column_from_the_wire_is_refused() -> None:
+    from hkv_service.core.ids import GroupName
+    from hkv_service.core.records import HandleColumn
+
+    def col(records: bytes, names: tuple[str, ...], strides: tuple[int, ...]) -> HandleColumn:
+        return HandleColumn(0, GroupName("c4"), Kind.COMPRESSED, 64, 1, records,
+                            tuple(ShardId(n) for n in names), strides)
+
+    good = HandleColumn.pack(0, GroupName("c4"), Kind.COMPRESSED, 64, 1, [7, 8], [0, 3], [0, 1],
+                             [5, -1], (ShardId("a"), ShardId("b")), (128, 256))
+    assert good.check() is good
+    assert good.handles()[0].address == 5 * 128 and good.handles()[1].address == 0
+    assert good.shards == ("a", "b") and good.blocks == (5, -1)
+    with pytest.raises(ValueError, match="whole"):
+        col(good.records[:-1], ("a", "b"), (128, 256)).check()
+    with pytest.raises(ValueError, match="outside the table"):
+        col(good.records, ("a",), (128,)).check()
+    with pytest.raises(ValueError, match="one stride per shard"):
+        col(good.records, ("a", "b"), (128,)).check()

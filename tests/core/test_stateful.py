@@ -299,6 +299,12 @@ class FunnelMachine(RuleBasedStateMachine):
                 s.pins += 1
             self.leases.append((m.lease_id, mem_used))
         assert len(used) == sum(len(v) for v in m.handles.values())
+        for name, column in m.handles.items():  # packed rows/snapshots never go stale
+            for h in column:
+                rec = self.state.objects.get(h.object_id)
+                assert rec is not None and h.group == name
+                assert (h.column, h.block, h.generation) == (rec.column, rec.block, rec.generation)
+                assert h.shard in (rec.shard, rec.disk_owner)
         self.handles = [h for hs_ in m.handles.values() for h in hs_]
 
     @precondition(lambda self: bool(self.handles))

@@ -55,6 +55,19 @@ def test_match_equals_in_process_lookup(live: Live, client: MetadataClient) -> N
     assert same(client.lookup(req), live.state.lookup(req))
 
 
+def test_match_only_lookup_answers_tokens_without_handles(
+    live: Live, client: MetadataClient
+) -> None:
+    register(client)
+    hs = hashes(16)
+    commit_remote(client, hs)
+    full = client.lookup(LookupRequest(hs, resume_tokens=640))
+    only = client.lookup(LookupRequest(hs, resume_tokens=640, handles=False))
+    assert full.handles and not only.handles and only.lease_id is None
+    assert (only.usable_tokens, only.matched_tokens, only.downgrades) == (
+        full.usable_tokens, full.matched_tokens, full.downgrades)
+
+
 def test_transition_batch_reports_each_item(client: MetadataClient) -> None:
     register(client)
     (a,) = client.allocate(hashes(1), [AllocRequest(0, "c4")])

@@ -150,28 +150,22 @@ class Handle(_message.Message):
     def __init__(self, object_id: _Optional[int] = ..., generation: _Optional[int] = ..., shard: _Optional[str] = ..., column: _Optional[int] = ..., block: _Optional[int] = ..., kind: _Optional[_Union[Kind, str]] = ..., group: _Optional[str] = ..., nbytes: _Optional[int] = ..., abi_fingerprint: _Optional[int] = ..., address: _Optional[int] = ...) -> None: ...
 
 class HandleColumn(_message.Message):
-    __slots__ = ("group", "column", "kind", "nbytes", "abi_fingerprint", "object_ids", "generations", "shards", "blocks", "addresses")
+    __slots__ = ("group", "column", "kind", "nbytes", "abi_fingerprint", "records", "strides")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     COLUMN_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     ABI_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
-    OBJECT_IDS_FIELD_NUMBER: _ClassVar[int]
-    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
-    SHARDS_FIELD_NUMBER: _ClassVar[int]
-    BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    STRIDES_FIELD_NUMBER: _ClassVar[int]
     group: str
     column: int
     kind: Kind
     nbytes: int
     abi_fingerprint: int
-    object_ids: _containers.RepeatedScalarFieldContainer[int]
-    generations: _containers.RepeatedScalarFieldContainer[int]
-    shards: _containers.RepeatedScalarFieldContainer[int]
-    blocks: _containers.RepeatedScalarFieldContainer[int]
-    addresses: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, group: _Optional[str] = ..., column: _Optional[int] = ..., kind: _Optional[_Union[Kind, str]] = ..., nbytes: _Optional[int] = ..., abi_fingerprint: _Optional[int] = ..., object_ids: _Optional[_Iterable[int]] = ..., generations: _Optional[_Iterable[int]] = ..., shards: _Optional[_Iterable[int]] = ..., blocks: _Optional[_Iterable[int]] = ..., addresses: _Optional[_Iterable[int]] = ...) -> None: ...
+    records: bytes
+    strides: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, group: _Optional[str] = ..., column: _Optional[int] = ..., kind: _Optional[_Union[Kind, str]] = ..., nbytes: _Optional[int] = ..., abi_fingerprint: _Optional[int] = ..., records: _Optional[bytes] = ..., strides: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetSpecRequest(_message.Message):
     __slots__ = ()
@@ -429,7 +423,7 @@ class BeginLoadResponse(_message.Message):
     def __init__(self, handle: _Optional[_Union[Handle, _Mapping]] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("block_hashes", "resume_tokens", "reader_abi", "alignment", "lease_ttl_s")
+    __slots__ = ("block_hashes", "resume_tokens", "reader_abi", "alignment", "lease_ttl_s", "match_only")
     class ReaderAbiEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -442,12 +436,14 @@ class LookupRequest(_message.Message):
     READER_ABI_FIELD_NUMBER: _ClassVar[int]
     ALIGNMENT_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    MATCH_ONLY_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     resume_tokens: int
     reader_abi: _containers.ScalarMap[str, int]
     alignment: int
     lease_ttl_s: float
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., resume_tokens: _Optional[int] = ..., reader_abi: _Optional[_Mapping[str, int]] = ..., alignment: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
+    match_only: bool
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., resume_tokens: _Optional[int] = ..., reader_abi: _Optional[_Mapping[str, int]] = ..., alignment: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., match_only: _Optional[bool] = ...) -> None: ...
 
 class Downgrade(_message.Message):
     __slots__ = ("reason", "group", "position")
