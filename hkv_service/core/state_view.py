@@ -604,10 +604,17 @@ class CacheState:
         column = self.layout.columns[recs[0].column]
         shards = map(_handle_shard, recs) if self._disk_records else map(_SHARD, recs)
         ordinals = tuple(map(self._ordinal, shards))
+        ids, gens, blocks = map(_OBJECT_ID, recs), map(_GENERATION, recs), map(_BLOCK, recs)
+        if len(recs) <= _FEW:  # an SWA window, a tail: struct beats numpy's fixed cost
+            packed = b"".join(map(_HANDLE_STRUCT.pack, ids, gens, blocks, ordinals))
+            return HandleColumn(
+                column.index, column.name, column.kind, column.nbytes, column.abi_fingerprint,
+                packed, self._shard_names, self._strides(column.index),
+            )
         return HandleColumn.pack(
             column.index, column.name, column.kind, column.nbytes, column.abi_fingerprint,
-            tuple(map(_OBJECT_ID, recs)), tuple(map(_GENERATION, recs)), ordinals,
-            tuple(map(_BLOCK, recs)), self._shard_names, self._strides(column.index),
+            tuple(ids), tuple(gens), ordinals, tuple(blocks), self._shard_names,
+            self._strides(column.index),
         )
 
     def _packed_columns(
@@ -973,6 +980,8 @@ _READABLE = {k: c.ready_states for k, c in contracts.CONTRACTS.items()}
 _BLOCK = operator.attrgetter("block")
 _ROW = operator.attrgetter("row")
 _MAX_SHARD_ORDINAL = (1 << 16) - 1  # HANDLE_DTYPE.shard is a u16
+_HANDLE_STRUCT = struct.Struct("<QQiH")  # HANDLE_DTYPE, one record
+_FEW = 32
 _MEM = operator.attrgetter("mem")
 _SHARD = operator.attrgetter("shard")
 _OBJECT_ID = operator.attrgetter("object_id")
