@@ -29,6 +29,7 @@ MIN_SAVING = 0.10  # keep zstd only if stored <= 90% of raw
 PROBE_BYTES = 32 * 1024
 SMALL_BYTES = 4 * 1024  # below this, framing overhead eats any saving: always raw
 ZSTD_LEVEL = 1
+_FHD_UNUSED_RESERVED = 0x18  # frame header descriptor (byte 4) bits 4 and 3, RFC 8878 3.1.1.1.1
 
 _local = threading.local()
 
@@ -88,8 +89,12 @@ def decompress(frame: memoryview, raw_len: int) -> bytes:
     """Decode one frame; raises ``zstandard.ZstdError`` on a damaged one (caller verifies).
 
     The frame's declared size is checked first, so a flipped bit there cannot make zstd
-    allocate a huge buffer.
+    allocate a huge buffer. The descriptor's unused and reserved bits (which this codec never
+    sets) must be zero: zstd ignores the unused one, so a flip there would otherwise be the
+    one single-bit change in a record that decodes to the same bytes and goes unnoticed.
     """
+    if len(frame) < 5 or frame[4] & _FHD_UNUSED_RESERVED:
+        raise zstandard.ZstdError("frame header descriptor has unused/reserved bits set")
     if zstandard.frame_content_size(frame) != raw_len:
         raise zstandard.ZstdError(f"frame declares a size other than {raw_len} bytes")
     return _decompressor().decompress(frame, max_output_size=raw_len)

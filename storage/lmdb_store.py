@@ -79,39 +79,54 @@ def translate(writing: bool) -> Iterator[None]:
         raise _translated(exc, writing) from exc
 
 
+_forks = 0  # forks this process descends from; a store remembers the count it opened at
+
+
+def _count_fork() -> None:
+    global _forks
+    _forks += 1
+
+
+# Cheaper than comparing os.getpid() on every read (a syscall), and exact: multiprocessing's
+# fork start method goes through os.fork too.
+os.register_at_fork(after_in_child=_count_fork)
+
+
 class _SharedExclusive:
     """Many holders of the shared side at once, or one exclusive holder. Not reentrant.
 
-    The shared side is on every read, so it is two lock round trips and no generator.
+    The shared side is on every read, so its fast path is one plain-lock round trip each
+    way (a ``Condition`` built on that same lock serves the rare waits).
     """
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._shared = 0
         self._exclusive = False
 
     def enter_shared(self) -> None:
-        with self._cond:
+        with self._lock:
             while self._exclusive:
                 self._cond.wait()
             self._shared += 1
 
     def exit_shared(self) -> None:
-        with self._cond:
+        with self._lock:
             self._shared -= 1
             if self._exclusive and self._shared == 0:
                 self._cond.notify_all()
 
     @contextmanager
     def exclusive(self) -> Iterator[None]:
-        with self._cond:
+        with self._lock:
             self._cond.wait_for(lambda: not self._exclusive)
             self._exclusive = True  # new shared holders wait from here on
             self._cond.wait_for(lambda: self._shared == 0)
         try:
             yield
         finally:
-            with self._cond:
+            with self._lock:
                 self._exclusive = False
                 self._cond.notify_all()
 
@@ -151,7 +166,7 @@ class DiskStore:
         self.config = config
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
-        self._pid = os.getpid()
+        self._forks = _forks
         self._gate = _SharedExclusive()
         self._write_lock = threading.Lock()
         with translate(writing=False):
@@ -169,7 +184,7 @@ class DiskStore:
         return int(self.env.info()["map_size"])
 
     def _check_process(self) -> None:
-        if os.getpid() != self._pid:
+        if _forks != self._forks:
             raise StorageFailure(
                 "this LMDB environment was opened in another process (inherited across fork); "
                 "open a new DiskTier inside this process"
@@ -223,7 +238,7 @@ class DiskStore:
         return True
 
     def close(self) -> None:
-        if os.getpid() != self._pid:
+        if _forks != self._forks:
             return  # never touch a parent's environment from a forked child
         with self._write_lock, self._gate.exclusive():
             self.env.close()

@@ -30,7 +30,6 @@ import struct
 from dataclasses import dataclass
 from typing import NamedTuple
 
-import numpy as np
 import xxhash
 import zstandard
 
@@ -44,12 +43,11 @@ __all__ = [
     "HEADER",
     "KIND_CODES",
     "MAGIC",
+    "VERIFY_CHUNK",
     "DiskKey",
     "Encoded",
     "Header",
     "RecordMeta",
-    "check_out",
-    "copy_out",
     "encode_record",
     "read_bytes",
     "read_into",
@@ -64,8 +62,12 @@ KIND_CODES: dict[str, int] = {"COMPRESSED": 1, "TAIL": 2, "SWA": 3, "INDEXER": 4
 _KIND_NAMES = {code: name for name, code in KIND_CODES.items()}
 _KEY_FIXED = struct.Struct(">16sQB")
 HEADER = struct.Struct("<4sBBBBQQ16sQQQ")
+# Copy+verify granularity of read_into: a chunk and its source fit the 512 KiB L2 of the
+# development machine's cores with room to spare (64 KiB measured slower: per-chunk calls).
+VERIFY_CHUNK = 128 * 1024
 _CHECKED = HEADER.size - 8  # the header checksum covers header[0, 56)
 assert HEADER.size == 64
+_CODECS = (Codec.RAW, Codec.ZSTD)
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,22 +176,24 @@ def _corrupt(key_bytes: bytes, reason: str, detail: str) -> CorruptEntry:
 
 
 def verify_header(key_bytes: bytes, value: memoryview) -> Header:
-    """Check the header against its checksum, the key and the value length."""
+    """Check the header against its checksum, the key and the value length.
+
+    On every get, so it is kept lean: one unpack, no intermediate copies, no enum call.
+    """
     if len(value) < HEADER.size:
         raise _corrupt(key_bytes, "short", f"{len(value)} bytes, shorter than a header")
-    fields = HEADER.unpack_from(value)
-    sealed = xxhash.xxh3_64_intdigest(key_bytes + bytes(value[:_CHECKED]))
-    if fields[-1] != sealed:
+    magic, version, codec, kind, _, raw_len, stored_len, checksum, abi, created, sealed = (
+        HEADER.unpack_from(value))
+    if sealed != xxhash.xxh3_64_intdigest(key_bytes + value[:_CHECKED]):
         raise _corrupt(key_bytes, "header_checksum", "header checksum mismatch")
-    magic, version, codec, kind, _, raw_len, stored_len, checksum, abi, created, _ = fields
-    key_abi, key_kind = _KEY_FIXED.unpack_from(key_bytes)[1:]
+    _, key_abi, key_kind = _KEY_FIXED.unpack_from(key_bytes)
     if magic != MAGIC or version != FORMAT_VERSION or codec not in (0, 1):
         raise _corrupt(key_bytes, "format", f"unknown magic/version/codec {magic!r}/{version}")
     if abi != key_abi or kind != key_kind:
         raise _corrupt(key_bytes, "key_mismatch", "record ABI or kind differs from its key")
     if len(value) != HEADER.size + stored_len or (codec == Codec.RAW and raw_len != stored_len):
         raise _corrupt(key_bytes, "length", f"{len(value)} bytes, header says {stored_len}")
-    return Header(Codec(codec), _KIND_NAMES[kind], raw_len, stored_len, checksum, abi, created)
+    return Header(_CODECS[codec], _KIND_NAMES[kind], raw_len, stored_len, checksum, abi, created)
 
 
 def _stored(header: Header, value: memoryview) -> memoryview:
@@ -234,23 +238,33 @@ def read_bytes(key_bytes: bytes, header: Header, value: memoryview) -> bytes:
 
 
 def read_into(key_bytes: bytes, header: Header, value: memoryview, out: memoryview) -> None:
-    """Copy the raw payload into ``out`` (``len(out) == raw_len``), then verify ``out``.
+    """Copy the raw payload into ``out`` (``len(out) == raw_len``) and verify ``out``.
 
-    As in :func:`read_bytes`, the destination is what gets hashed. On CorruptEntry ``out``
-    holds unverified bytes and must not be used; the exception is the caller's signal.
+    As in :func:`read_bytes`, the destination is what gets hashed, but copy and hash are
+    fused: each :data:`VERIFY_CHUNK` slice is copied and then fed to a streaming xxh3-128
+    while it is still in the core's L2, so the hash reads cache instead of a second pass
+    over memory (the whole payload would have left L2 by the time a separate hash pass
+    reached its start). On CorruptEntry ``out`` holds unverified bytes and must not be
+    used; the exception is the caller's signal.
     """
-    copy_out(key_bytes, header, value, out)
-    check_out(key_bytes, header, out)
-
-
-def copy_out(key_bytes: bytes, header: Header, value: memoryview, out: memoryview) -> None:
-    """The copy half of :func:`read_into`. numpy's copy runs without the GIL."""
     if header.codec == Codec.RAW:
-        np.copyto(np.frombuffer(out, np.uint8), np.frombuffer(_stored(header, value), np.uint8))
+        src: memoryview = value[HEADER.size :]
     else:
-        out[:] = _decoded(key_bytes, header, value)
-
-
-def check_out(key_bytes: bytes, header: Header, out: memoryview) -> None:
-    """The verify half of :func:`read_into`: xxh3-128 of what landed in ``out``."""
-    _check(key_bytes, header, out)
+        src = memoryview(_decoded(key_bytes, header, value))
+    n = header.raw_len
+    if len(out) != n:
+        raise InvalidInput(f"destination holds {len(out)} bytes, the payload {n}")
+    if len(src) != n:
+        raise _corrupt(key_bytes, "payload_checksum", "payload length mismatch")
+    if n <= VERIFY_CHUNK:
+        out[:] = src
+        digest = xxhash.xxh3_128_digest(out)
+    else:
+        hasher = xxhash.xxh3_128()
+        for start in range(0, n, VERIFY_CHUNK):
+            chunk = out[start : start + VERIFY_CHUNK]
+            chunk[:] = src[start : start + VERIFY_CHUNK]
+            hasher.update(chunk)
+        digest = hasher.digest()
+    if digest != header.checksum:
+        raise _corrupt(key_bytes, "payload_checksum", "payload checksum mismatch")

@@ -15,10 +15,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from storage import CorruptEntry, DiskFull, DiskTier, NotOnDisk
-from storage.record import HEADER
+from storage.record import HEADER, VERIFY_CHUNK
 
 # Offsets inside the 64-byte header (see storage/record.py).
 RAW_LEN_FIELD, RAW_CHECKSUM_FIELD, HEADER_CHECKSUM_FIELD = 9, 30, 60
@@ -66,6 +67,35 @@ def test_bit_flip_in_data_file_is_detected_and_quarantined(
     for i, key in enumerate(others):
         assert tier.get(key) == h.kv_bytes(3000 + i, seed=i)
     assert tier.check_integrity() == [] and stats.admission.in_transit_objects == 0
+
+
+@pytest.mark.parametrize("reader", ["get_into", "get_many_into"])
+def test_bit_flip_in_a_late_chunk_fails_get_into(
+    tier_factory: Callable[..., DiskTier], h: Any, tmp_path: Path, reader: str
+) -> None:
+    """The fused copy+verify of get_into covers the last chunk too; nothing bad is returned."""
+    tier = tier_factory()
+    victim, other = h.make_key(0), h.make_key(1)
+    payload = h.kv_bytes(3 * VERIFY_CHUNK + 5000, seed=77)
+    tier.put(victim, payload)
+    tier.put(other, h.kv_bytes(3000, seed=1))
+    tier.close()
+    data = tmp_path / "disk" / "data.mdb"
+    h.flip_bit(data, h.find_once(data, payload[:64]) + 3 * VERIFY_CHUNK + 4000, bit=6)
+
+    tier = tier_factory()
+    out = np.empty(len(payload), np.uint8)
+    with pytest.raises(CorruptEntry) as err:
+        if reader == "get_into":
+            tier.get_into(victim, out)
+        else:
+            tier.get_many_into([other, victim], [np.empty(3000, np.uint8), out])
+    assert err.value.reason == "payload_checksum"
+    assert (tier.stats().corruption, tier.quarantine_count()) == (1, 1)
+    assert tier.stats().admission.in_transit_objects == 0
+    with pytest.raises(NotOnDisk):
+        tier.get_into(victim, out)
+    assert tier.get(other) == h.kv_bytes(3000, seed=1)
 
 
 def _payload_start(h: Any, data: Path, payload: bytes, where: str) -> int:
