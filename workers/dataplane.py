@@ -36,6 +36,7 @@ from hkv_service.core.state_view import Allocation, AllocRequest, Match
 from hkv_service.core.states import Event, Kind, Reason
 from hkv_service.core.transitions import Params
 
+from .pool import HandleBatch
 from .ports import BlockTag, Commit, ItemResult, MetadataPort, Outcome
 
 __all__ = ["DataPlane", "Recompute", "WriteReport"]
@@ -272,7 +273,8 @@ class DataPlane:
             if actor is None:
                 continue
             args = {k: [v[i] for i in idx] for k, v in (extra or {}).items()}
-            refs[sid] = getattr(actor, method).remote([handles[i] for i in idx], **args, **kwargs)
+            batch = HandleBatch.of([handles[i] for i in idx])  # one array, not N pickled handles
+            refs[sid] = getattr(actor, method).remote(batch, **args, **kwargs)
         for sid, ref in refs.items():
             res = self._get(sid, ref)
             for j, i in enumerate(groups[sid]):

@@ -58,7 +58,7 @@ from hkv_service.core.transitions import Params
 from storage import CorruptEntry, DiskFull, DiskKey, DiskTier, NotOnDisk
 
 from .local import connect
-from .pool import PoolSet, StaleRead, StaleWrite
+from .pool import BlockPool, HandleBatch, PoolSet, StaleRead, StaleWrite
 from .ports import (
     BlockTag,
     Commit,
@@ -72,7 +72,9 @@ from .ports import (
 
 __all__ = ["PACK_BELOW", "ShardActor", "ShardConfig"]
 
-PACK_BELOW = 256 * 1024  # blocks smaller than this are packed into one buffer per read
+PACK_BELOW = 32 * 1024  # read spans smaller than this are packed into one buffer per call
+_WRITTEN = ItemResult(Outcome.OK)  # one shared object: a batch of them pickles as memo refs
+_UNREAD = ItemResult(Outcome.FAILED, "not read")  # placeholder while a read is assembled
 
 log = logging.getLogger(__name__)
 _TARGET = {
@@ -191,36 +193,52 @@ class ShardActor:
         tags: Sequence[BlockTag | None] | None = None,
         commits: Sequence[Commit | None] | None = None,
     ) -> list[ItemResult]:
-        """Copy ``arrays[i]`` into ``handles[i]``'s block; once readable, report ``commits[i]``."""
+        """Copy ``arrays[i]`` into ``handles[i]``'s block; once readable, report ``commits[i]``.
+        ``handles`` may be a :class:`~workers.pool.HandleBatch` (what the data plane sends).
+        Results carry the KV version a commit issued, never the handle."""
+        batch = HandleBatch.of(handles)
+        if len(arrays) != len(batch):
+            raise ValueError(f"{len(batch)} handles but {len(arrays)} arrays")
+        groups = [c[3] for c in batch.columns]
         with self._lock:
             out = []
-            for i, (h, data) in enumerate(zip(handles, arrays, strict=True)):
+            for i, (slot, oid, gen, block, _) in enumerate(batch.rows.tolist()):
                 tag = tags[i] if tags else None
                 commit = commits[i] if commits else None
-                out.append(self._write_one(h, data, tag, commit))
+                res = self._copy_in(groups[slot], block, gen, oid, arrays[i])
+                if res.ok and (tag is not None or commit is not None):
+                    res = self._after_write(batch[i], tag, commit)
+                out.append(res)
             self._bump("writes", len(out))
             return out
 
-    def _write_one(self, h: Handle, data: Any, tag: BlockTag | None,
-                   commit: Commit | None) -> ItemResult:
-        pool = self.pools[h.group]
+    def _copy_in(self, group: str, block: int, generation: int, oid: int,
+                 data: Any) -> ItemResult:
+        """Write one block and wait until it is readable ("written" is not "readable")."""
+        pool = self.pools.get(group)
+        if pool is None:
+            return ItemResult(Outcome.FAILED, f"bad handle: no column {group!r}")
         try:
-            pool.write(h.block, h.generation, data, h.object_id)
+            pool.write(block, generation, data, oid)
         except StaleWrite as exc:
             return ItemResult(Outcome.STALE, str(exc))
         except (ValueError, IndexError) as exc:
             return ItemResult(Outcome.FAILED, str(exc))
-        pool.wait(h.block)  # commits are reported only once the bytes are readable
+        pool.wait(block)  # commits are reported only once the bytes are readable
+        return _WRITTEN
+
+    def _after_write(self, h: Handle, tag: BlockTag | None, commit: Commit | None
+                     ) -> ItemResult:
         version = 0
         if commit is not None:
             result = self._commit_all(h, commit)
             if not result.ok:
-                pool.forget(h.block, h.object_id)
+                self.pools[h.group].forget(h.block, h.object_id)
                 return result
             version = result.version
         if tag is not None:
             self._tags[(h.group, h.block)] = (h.object_id, self._final_tag(h, tag, commit, version))
-        return ItemResult(Outcome.OK, handle=h, version=version)
+        return ItemResult(Outcome.OK, version=version) if version else _WRITTEN
 
     def _final_tag(self, h: Handle, tag: BlockTag, commit: Commit | None, version: int) -> BlockTag:
         lo, hi = tag.lo, tag.hi
@@ -265,40 +283,99 @@ class ShardActor:
     # -- reads ------------------------------------------------------------------------------
 
     def read_blocks(self, handles: Sequence[Handle]) -> PackedRead:
-        """Bytes of each handle's block, or a STALE/FAILED result for that item. Each block is
-        re-checked (generation, object, readiness) right before it is taken. Blocks under
-        ``PACK_BELOW`` bytes are copied into one buffer; larger ones are returned as views into
-        the pool, which Ray copies out before this actor runs its next call (calls to one
-        actor run in order), so no write can land between the check and the copy."""
+        """Bytes of each handle's block, or a STALE/FAILED result for that item.
+
+        ``handles`` may be a :class:`~workers.pool.HandleBatch` (what the data plane sends: one
+        array instead of a pickled object per handle). Every block is checked (readiness,
+        then generation and occupant) right before its bytes are taken, under the shard lock.
+        Blocks that sit next to each other in a pool, in request order, travel as one span:
+        a view into a host pool, which Ray copies into its object store before this actor runs
+        its next call (calls to one actor run in order), so no write can land between the
+        check and the copy; a device pool's span is copied to the host and re-checked after
+        the copy. Spans under ``PACK_BELOW`` bytes are packed into one buffer instead (Ray's
+        per-buffer cost would dominate them). ``len(result) == len(handles)``."""
+        batch = HandleBatch.of(handles)
+        n = len(batch)
+        spans: list[tuple[int, int, int] | ItemResult] = [_UNREAD] * n
         with self._lock:
-            spans: list[tuple[int, int, int] | ItemResult] = []
-            big: list[np.ndarray] = []
-            small: list[tuple[int, np.ndarray]] = []
-            packed = 0
-            for h in handles:
-                try:
-                    view = self.pools[h.group].read(h.block, h.generation, h.object_id,
-                                                    copy=False)
-                except StaleRead as exc:
-                    self._bump("stale_reads")
-                    spans.append(ItemResult(Outcome.STALE, str(exc)))
+            slot, blocks = batch.slot_of(), batch.field("block")
+            gens, oids = batch.field("generation"), batch.field("object_id")
+            pools = [self.pools.get(c[3]) for c in batch.columns]
+            ok = np.zeros(n, dtype=bool)
+            for s, pool in enumerate(pools):
+                idx = np.flatnonzero(slot == s) if len(pools) > 1 else np.arange(n)
+                if pool is None:
+                    for i in idx.tolist():
+                        spans[i] = ItemResult(Outcome.FAILED, f"bad handle: no column "
+                                                              f"{batch.columns[s][3]!r}")
                     continue
-                except (KeyError, IndexError) as exc:
-                    spans.append(ItemResult(Outcome.FAILED, f"bad handle: {exc}"))
-                    continue
-                flat = view.reshape(-1).view(np.uint8)
-                if flat.nbytes < PACK_BELOW:
-                    spans.append((0, packed, flat.nbytes))
-                    small.append((packed, flat))
-                    packed += flat.nbytes
-                else:
-                    big.append(flat)
-                    spans.append((len(big), 0, flat.nbytes))
-            buffer = self._scratch_view(packed)
-            for start, flat in small:
-                buffer[start : start + flat.nbytes] = flat
-            self._bump("reads", len(handles))
-            return PackedRead([buffer, *big], spans)
+                inside = (blocks[idx] >= 0) & (blocks[idx] < pool.num_blocks)
+                for i in idx[~inside].tolist():
+                    spans[i] = ItemResult(Outcome.FAILED, f"bad handle: block {blocks[i]} is "
+                                                          f"outside {pool.name!r}")
+                idx = idx[inside]
+                ok[idx] = pool.readable(blocks[idx], gens[idx], oids[idx])
+                self._stale(spans, pool, idx[~ok[idx]], blocks, gens, oids)
+            buffers = self._take(spans, np.flatnonzero(ok), pools, slot, blocks, gens, oids)
+            self._bump("reads", n)
+            return PackedRead(buffers, spans)
+
+    def _take(self, spans: list[tuple[int, int, int] | ItemResult], good: np.ndarray,
+              pools: list[BlockPool | None], slot: np.ndarray, blocks: np.ndarray,
+              gens: np.ndarray, oids: np.ndarray) -> list[np.ndarray]:
+        """Fill ``spans`` for the readable items ``good``: runs of adjacent blocks of one pool
+        become one span; returns the buffers (``[packed, *runs]``, no packed one if empty)."""
+        if not len(good):
+            return []
+        b, sl = blocks[good], slot[good]
+        joins = np.array([p is not None and p.coalesces() for p in pools])
+        brk = np.ones(len(good), dtype=bool)
+        brk[1:] = (sl[1:] != sl[:-1]) | (b[1:] != b[:-1] + 1) | ~joins[sl[1:]]
+        starts = np.flatnonzero(brk).tolist()
+        runs = list(zip(starts, [*starts[1:], len(good)], strict=True))
+        small: list[tuple[int, int, int]] = []  # (run start, run end, offset in packed)
+        packed = 0
+        for lo, hi in runs:
+            pool = pools[int(sl[lo])]
+            assert pool is not None
+            size = (hi - lo - 1) * pool.stride + pool.nbytes
+            if size < PACK_BELOW:
+                small.append((lo, hi, packed))
+                packed += size
+        buffers = [self._scratch_view(packed)] if packed else []  # the packed one first
+        items = good.tolist()
+        small_at = {lo: off for lo, _, off in small}
+        for lo, hi in runs:
+            pool = pools[int(sl[lo])]
+            assert pool is not None
+            first = int(b[lo])
+            data = pool.take(first, hi - lo)
+            if pool.device.type != "cpu":  # a write may have raced the device copy
+                idx = good[lo:hi]
+                fresh = pool.readable(blocks[idx], gens[idx], oids[idx])
+                self._stale(spans, pool, idx[~fresh], blocks, gens, oids)
+            if lo in small_at:
+                buf, base = 0, small_at[lo]
+                buffers[0][base : base + data.nbytes] = data
+            else:
+                buf, base = len(buffers), 0
+                buffers.append(data)
+            stride, nbytes = pool.stride, pool.nbytes
+            for i, blk in zip(items[lo:hi], b[lo:hi].tolist(), strict=True):
+                if spans[i] is _UNREAD:
+                    spans[i] = (buf, base + (blk - first) * stride, nbytes)
+        return buffers
+
+    def _stale(self, spans: list[tuple[int, int, int] | ItemResult], pool: BlockPool,
+               idx: np.ndarray, blocks: np.ndarray, gens: np.ndarray, oids: np.ndarray) -> None:
+        for i in idx.tolist():
+            self._bump("stale_reads")
+            try:
+                pool.check(int(blocks[i]), int(gens[i]), int(oids[i]))
+                detail = "stale"
+            except StaleRead as exc:
+                detail = str(exc)
+            spans[i] = ItemResult(Outcome.STALE, detail)
 
     def _scratch_view(self, nbytes: int) -> np.ndarray:
         """A reused packing buffer: a fresh 64 MiB array costs ~16k page faults per call.

@@ -56,3 +56,21 @@ def test_cuda_shard_offload_load_round_trip(tmp_path: Path, w: Any) -> None:
     out = shard.read_blocks([ld.handle])[0]
     assert isinstance(out, np.ndarray) and np.array_equal(out, data)
     shard.shutdown()
+
+
+def test_cuda_pool_batched_read_check_and_take() -> None:
+    """The batched read path: readiness + generation check for many blocks, one D2H copy per
+    run of adjacent blocks, and a re-check after the copy that catches a reused block."""
+    pool = BlockPool("c", 1 << 16, 8, torch.device("cuda"))
+    data = [np.full(1 << 16, i, dtype=np.uint8) for i in range(8)]
+    for i in range(8):
+        pool.write(i, 0, data[i], object_id=i)
+    blocks = np.arange(2, 6, dtype=np.int64)
+    ok = pool.readable(blocks, np.zeros(4, np.int64), blocks.copy())
+    assert ok.all()
+    run = pool.take(2, 4)
+    assert run.nbytes == 4 << 16 and all((run[k << 16 : (k + 1) << 16] == 2 + k).all()
+                                         for k in range(4))
+    pool.write(3, 1, data[0], object_id=99)  # reused after the copy: the re-check refuses it
+    again = pool.readable(blocks, np.zeros(4, np.int64), blocks.copy())
+    assert again.tolist() == [True, False, True, True]
