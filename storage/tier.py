@@ -12,7 +12,7 @@ Theory of operation.
 * Get: in one read snapshot, verify the header on the zero-copy view of the map, take a
   ticket sized from it (with ``wait_s > 0`` the size comes from the index first, so the wait
   holds no snapshot), copy the payload out once and verify the xxh3-128 of that copy
-  (the ``*_into`` reads fuse the two per 128 KiB chunk, so the hash reads L2, not DRAM). Any
+  (the ``*_into`` reads fuse the two per 256 KiB chunk, so the hash reads cache, not DRAM). Any
   mismatch moves the record to quarantine, bumps ``corruption`` and raises CorruptEntry:
   data that failed verification is never returned. ``get_many`` shares one snapshot and
   one admission per batch.

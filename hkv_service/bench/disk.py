@@ -7,10 +7,11 @@ in RAM but not in the CPU caches, so loads come from the page cache and are boun
 (the 4 KiB-page mmap reads at ~6 GB/s on the 2-core dev machine, against ~9 GB/s for the same
 copy out of anonymous huge-page memory). Raw LMDB is get + one copy into the same preallocated
 numpy buffer (a memoryview assignment, measured faster than ``np.copyto``). Ours adds, per
-object, the xxh3-128 verify of every byte (fused with the copy per ``VERIFY_CHUNK`` so it
-reads L2, not DRAM), the header check, an admission ticket and the last-use note: ~10-20 us
-of Python per get. ``verify`` reports the hash speed on a cache-resident chunk and the ratio
-that the hash alone would allow (``load_ceiling``): no verify-every-byte load can beat it.
+object, the xxh3-128 verify of every byte (of the copy, while it is still in cache; past
+``VERIFY_CHUNK`` fused with the copy chunk by chunk), the header check, an admission ticket
+and the last-use note: ~10-25 us of Python per get (the ticket alone 3-7 us). ``verify``
+reports the hash speed on a cache-resident chunk, and ``load_ceiling`` the ratio that the
+hash alone would allow: no verify-every-byte load can beat it.
 Blocks are random-normal fp16, which zstd level 1 shrinks by only ~8%, under the 10% the tier
 demands, so they are stored raw: the ratios price the checksum, the header and the
 compression probe, not compression itself. Each figure is the best of ``reps`` passes over
