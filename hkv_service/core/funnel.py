@@ -32,7 +32,10 @@ from .layout import Layout
 from .records import PrefixEntry
 from .states import Kind, Reason, State
 
-__all__ = ["Downgrade", "FunnelResult", "LookupRequest", "run_funnel"]
+__all__ = [
+    "Downgrade", "FunnelResult", "LookupRequest", "check_hash_lengths", "run_funnel",
+    "validate_request",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,13 +63,21 @@ class FunnelResult:
     downgrades: tuple[Downgrade, ...]
 
 
-def validate_request(req: LookupRequest, layout: Layout) -> int:
-    """Raise InvalidInput for malformed requests; return the token limit."""
-    hashes = req.block_hashes
-    sizes = set(map(len, hashes))  # C-speed: this runs on every lookup
+def check_hash_lengths(hashes: Sequence[BlockHash], start: int = 0) -> None:
+    """Raise BadHash unless every hash from ``start`` on is 16 bytes."""
+    sizes = set(map(len, itertools.islice(hashes, start, None)))  # C speed
     if sizes - {BLOCK_HASH_BYTES}:
         bad = min(sizes - {BLOCK_HASH_BYTES})
         raise BadHash(f"block hash must be {BLOCK_HASH_BYTES} bytes, got {bad}")
+
+
+def validate_request(req: LookupRequest, layout: Layout, *, hash_lengths: bool = True) -> int:
+    """Raise InvalidInput for malformed requests; return the token limit. A caller that runs
+    the funnel may pass ``hash_lengths=False`` and call :func:`check_hash_lengths` on the
+    hashes the walk did not find (every key of the index is 16 bytes, so a found hash is)."""
+    hashes = req.block_hashes
+    if hash_lengths:
+        check_hash_lengths(hashes)
     hashed = len(hashes) * layout.hash_block
     limit = hashed if req.resume_tokens is None else req.resume_tokens
     if limit < 0 or limit > hashed:

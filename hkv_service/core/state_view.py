@@ -47,7 +47,13 @@ from .errors import (
     UnknownObject,
     UnknownOwner,
 )
-from .funnel import Downgrade, LookupRequest, run_funnel, validate_request
+from .funnel import (
+    Downgrade,
+    LookupRequest,
+    check_hash_lengths,
+    run_funnel,
+    validate_request,
+)
 from .ids import BLOCK_HASH_BYTES, BlockHash, CaptureId, LeaseId, ObjectId, ShardId
 from .layout import Layout
 from .objects import ObjectTable
@@ -540,7 +546,7 @@ class CacheState:
 
     def lookup(self, req: LookupRequest) -> Match:
         with self._lock:
-            limit = validate_request(req, self.layout)
+            limit = validate_request(req, self.layout, hash_lengths=False)
             if req.lease_ttl_s > self.config.max_lease_ttl_s:
                 raise InvalidInput(
                     f"lease_ttl_s {req.lease_ttl_s} exceeds the maximum "
@@ -548,7 +554,10 @@ class CacheState:
                 )
             now = self.clock()
             self.leases.reap(now)
-            result = run_funnel(self.index, self.layout, req, limit)
+            result = run_funnel(self.index, self.layout, req, limit)  # no side effects
+            # The walk found the first matched/H hashes in the index, whose keys are all 16
+            # bytes (allocate and confirm check them): only the rest can be malformed.
+            check_hash_lengths(req.block_hashes, result.matched_tokens // self.layout.hash_block)
             self._count_lookup(result.usable_tokens, limit, result.downgrades)
             usable, entries = result.usable_tokens, result.entries
             if usable and entries:

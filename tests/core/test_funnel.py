@@ -228,3 +228,27 @@ def test_read_refused_while_load_in_flight(state: CacheState, spec) -> None:
         state.check_read(target)
     state.transition(disk.object_id, Event.LOAD_VERIFIED)
     state.check_read(state.lookup(LookupRequest(hs)).handles["swa"][-1])
+
+
+@pytest.mark.parametrize(
+    ("where", "resume"),
+    [("first", None), ("after the matched prefix", None), ("beyond the resume point", 128),
+     ("in the middle", None)],
+)
+def test_a_malformed_hash_is_refused_wherever_it_is(
+    state: CacheState, spec, where: str, resume: int | None
+) -> None:
+    """The view checks hash lengths only past what the walk found (every index key is 16
+    bytes): a bad hash anywhere is still BadHash, and the refused lookup changes nothing."""
+    from hkv_service.core.errors import BadHash
+
+    hs = prompt_hashes(spec, 8)
+    commit_prefix(state, hs)
+    bad = {"first": 0, "after the matched prefix": 8, "beyond the resume point": 6,
+           "in the middle": 3}[where]
+    hashes = [*hs, prompt_hashes(spec, 9)[8]]
+    hashes[bad] = hashes[bad][:15] if bad % 2 else hashes[bad] + b"x"
+    before = dict(state.counters.lookups)
+    with pytest.raises(BadHash, match="16 bytes"):
+        state.lookup(LookupRequest(hashes, resume_tokens=resume))
+    assert dict(state.counters.lookups) == before
