@@ -40,7 +40,7 @@ import torch
 import xxhash
 
 from hkv_service.core.allocator import PoolConfig
-from hkv_service.core.errors import HkvError, PoolExhausted, StaleHandle
+from hkv_service.core.errors import HkvError, PoolExhausted
 from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.ids import BlockHash, LeaseId, ObjectId, ShardId
 from hkv_service.core.layout import Column, Layout
@@ -49,6 +49,7 @@ from hkv_service.core.spec import CacheSpec
 from hkv_service.core.state_view import AllocRequest, CacheState, Match, ObjectReport
 from hkv_service.core.states import TERMINAL_STATES, Event, Kind, Reason, State
 from hkv_service.core.transitions import Params
+from hkv_service.refmodel import BlockRun
 from hkv_service.testing import pools_for
 
 __all__ = [
@@ -67,7 +68,7 @@ ALIGNMENT = 128  # bytes every handle must be aligned to (c128 blocks are 128 by
 LEASE_TTL_S = 30.0
 OFFLOAD_BATCH = 32  # objects per LMDB commit (under the admission cap of 64 in transit)
 MISALIGNED_DEPTHS = 8  # the last entries a misaligned writer places (512 tokens)
-Blocks = dict[str, dict[int, torch.Tensor]]
+Blocks = dict[str, Mapping[int, torch.Tensor]]  # per column: {block: tensor} or a BlockRun
 Tails = dict[str, tuple[torch.Tensor, int]]
 
 
@@ -174,7 +175,31 @@ def place_block(blocks: Blocks, tails: Tails, lay: Layout, col: Column, depth: i
         tails[col.group.name] = (tensor, col.tail_tokens_at(usable))
     else:
         end = (depth + 1) * lay.hash_block
-        blocks.setdefault(col.name, {})[end // col.group.block_size - 1] = tensor
+        have = blocks.get(col.name)
+        if not isinstance(have, dict):
+            have = blocks[col.name] = dict(have or {})
+        have[end // col.group.block_size - 1] = tensor
+
+
+def place_column(blocks: Blocks, tails: Tails, lay: Layout, col: Column,
+                 depths: Sequence[int], arrays: Sequence[np.ndarray], usable: int) -> None:
+    """File one column's read blocks (``arrays[i]`` ends at hash block ``depths[i]``).
+
+    Blocks that are consecutive in their group (what a reader needs always is) are stacked
+    into one :class:`BlockRun` with one copy of the column's bytes, which ``import_cache``
+    adopts as the group's rows; anything else (a tail, a gap, a misshapen block) is filed
+    block by block with a copy each, and import names what is wrong."""
+    ks = [((d + 1) * lay.hash_block) // col.group.block_size - 1 for d in depths]
+    if col.kind is not Kind.TAIL and ks and ks == list(range(ks[0], ks[0] + len(ks))):
+        try:
+            stacked = np.stack(arrays)  # the one copy
+        except ValueError:  # shapes differ: block by block below
+            pass
+        else:
+            blocks[col.name] = BlockRun(ks[0], torch.from_numpy(stacked))
+            return
+    for d, a in zip(depths, arrays, strict=True):
+        place_block(blocks, tails, lay, col, d, torch.from_numpy(np.array(a, copy=True)), usable)
 
 
 # ---- owner-side records ---------------------------------------------------------------------
@@ -354,7 +379,6 @@ class InProcessBackend:
         self.on_disk: dict[tuple[bytes, str], _DiskRec] = {}
         self.disk_by_oid: dict[int, tuple[bytes, str]] = {}
         self.inflight: list[tuple[int, int]] = []  # (disk oid, settle at tick) slow loads
-        self.lru: dict[tuple[bytes, str], int] = {}
         self.tick = 0
         self.epoch = 0
         self.incarnation: dict[str, int] = {}
@@ -454,11 +478,6 @@ class InProcessBackend:
             if layer3_disabled() and not reader_abi:
                 usable = self._hash_level_hit(hashes, resume_tokens)
                 handles = self._unsafe_handles(hashes, usable)
-            for col in handles.values():
-                for h in col:
-                    key = self._key_of_handle(h)
-                    if key is not None:
-                        self.lru[key] = self.tick
             return Lookup(m, usable, hashes, self.epoch, dict(self.incarnation), handles,
                           m.lease_id)
 
@@ -566,28 +585,35 @@ class InProcessBackend:
         return self.shapes[column]
 
     def read(self, lk: Lookup) -> ReadResult:
-        """Bytes of every handle, in token order, after the owner's generation re-check."""
+        """Bytes of every handle, in token order, after the owner's generation re-check.
+
+        Per handle: the view's ``check_read`` (lease, generation, state) and the shard's own
+        re-check of the slot; per column, one copy of the bytes (see :func:`place_column`)."""
         lay = self.layout
+        unsafe = layer3_disabled()  # TEST ONLY: readiness not re-validated
         blocks: Blocks = {}
         tails: Tails = {}
         with self.lock:
             if lk.epoch != self.epoch:
                 return ReadResult(reason=Reason.STALE_HANDLE.value)  # the view was rebuilt
             self._drain()
+            shards = {h.shard for handles in lk.handles.values() for h in handles if h.shard}
+            if any(self.incarnation.get(s) != lk.incarnations.get(s) for s in shards):
+                return ReadResult(reason=Reason.OWNER_LOST.value)
+            check_read, slots, meta = self.state.check_read, self.slots, self.meta
+            lease = lk.lease_id
             for col_name, handles in lk.handles.items():
                 col = lay.columns[lay.by_name[col_name]]
+                depths: list[int] = []
+                arrays: list[np.ndarray] = []
                 for h in handles:
-                    if h.shard and self.incarnation.get(h.shard) != lk.incarnations.get(h.shard):
-                        return ReadResult(reason=Reason.OWNER_LOST.value)
-                    try:
-                        if not layer3_disabled():  # TEST ONLY: readiness not re-validated
-                            self.state.check_read(h, lk.lease_id)
-                    except StaleHandle:
-                        return ReadResult(reason=Reason.STALE_HANDLE.value)
-                    except HkvError:
-                        return ReadResult(reason=Reason.STALE_HANDLE.value)
-                    slot = self.slots.get((h.shard, h.column, h.block))
-                    if slot is None and layer3_disabled():
+                    if not unsafe:
+                        try:
+                            check_read(h, lease)
+                        except HkvError:  # StaleHandle, LeaseExpired, ...
+                            return ReadResult(reason=Reason.STALE_HANDLE.value)
+                    slot = slots.get((h.shard, h.column, h.block))
+                    if slot is None and unsafe:
                         data = np.zeros(self._shape(col_name), np.float32)  # never written
                         key = self._key_of_handle(h)
                     elif slot is None or slot.generation != h.generation or (
@@ -596,11 +622,12 @@ class InProcessBackend:
                         return ReadResult(reason=Reason.STALE_HANDLE.value)
                     else:
                         data, key = slot.data, slot.key
-                        self.lru[key] = self.tick
                     if key is None:
                         return ReadResult(reason=Reason.STALE_HANDLE.value)
-                    place_block(blocks, tails, lay, col, self.meta[key].depth,
-                                torch.from_numpy(data.copy()), lk.usable)
+                    depths.append(meta[key].depth)
+                    arrays.append(data)
+                # copied under the lock, as a shard copies out while the generation holds
+                place_column(blocks, tails, lay, col, depths, arrays, lk.usable)
         return ReadResult(blocks, tails)
 
     def release(self, lk: Lookup) -> None:
@@ -725,7 +752,6 @@ class InProcessBackend:
                 r = self.state.objects[h.object_id]
                 self.meta[key] = _Meta(parent, d, version=res.version, lo=r.lo, hi=r.hi)
             rep.written += 1
-            self.lru[key] = self.tick
         return True
 
     def _roomiest(self) -> ShardId:

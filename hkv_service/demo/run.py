@@ -26,9 +26,9 @@ from hkv_service.specs import default_spec
 from .backend import CacheBackend, InProcessBackend
 from .faults import EXPECTED, FaultPlan, FaultSpecError, parse_faults
 from .worker import Totals, Worker
-from .workload import make_workload
+from .workload import long_prompt_workload, make_workload
 
-__all__ = ["DemoConfig", "run_demo", "run_workload"]
+__all__ = ["DemoConfig", "run_demo", "run_long_prompts", "run_workload"]
 
 NORMAL_POOL = 192  # blocks per column per shard; long prompts spill to disk
 PRESSURE_POOL = 48  # pool_pressure: constant eviction
@@ -149,6 +149,42 @@ def run_workload(
         for name in skipped:
             rep["faults_injected"].setdefault(name, 0)
     return rep
+
+
+def run_long_prompts(prefix: int, resumed: int, seed: int = 0, check: bool = True
+                     ) -> dict[str, Any]:
+    """Requests at realistic prompt lengths through the in-process backend, one at a time.
+
+    A document of ``prefix`` tokens is asked about ``resumed + 1`` times (see
+    :func:`long_prompt_workload`): the first request computes it cold, the others resume from
+    what it wrote back. The pools hold the whole document (a deployment sizes them for its
+    working set), so the resumed requests read memory copies; the write-through disk tier is
+    on as in the demo. With ``check`` every resumed request is also recomputed from scratch
+    (``full_s``) and compared with the cached run's logits (the cold one reuses nothing and
+    is not checked).
+    """
+    spec = default_spec()
+    model = RefModel(spec)
+    wl = long_prompt_workload(prefix, resumed, seed, vocab=model.config.vocab)
+    depths = sum(len(r.tokens) for r in wl.requests) // spec.hash_block_size + len(wl.requests)
+    be = InProcessBackend(spec, _shapes(model), pool_blocks=depths + 64)
+    plan = FaultPlan({}, seed)
+    # one thread, as each demo worker has: another process on a shared machine cannot then
+    # stall a parallel region (two threads made a 1 s prefill take 18 s under load)
+    torch.set_num_threads(1)
+    totals = Totals()
+    start = time.perf_counter()
+    try:
+        # the first request has nothing to reuse: it is not checked against itself
+        Worker(model, be, plan, False).run(wl.requests[0], totals)
+        w = Worker(model, be, plan, check)
+        for req in wl.requests[1:]:
+            w.run(req, totals)
+        elapsed = time.perf_counter() - start
+        st = be.stats()
+    finally:
+        be.close()
+    return _report(totals, plan, st, elapsed, {})
 
 
 def _report(totals: Totals, plan: FaultPlan, st: dict[str, Any], elapsed: float,

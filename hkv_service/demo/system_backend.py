@@ -60,7 +60,7 @@ from .backend import (
     WriteOptions,
     WriteReport,
     _needed_columns,
-    place_block,
+    place_column,
 )
 
 __all__ = ["ENDPOINT_NOTE", "UNSUPPORTED_FAULTS", "SystemBackend"]
@@ -326,10 +326,10 @@ class SystemBackend:
             depths = lay.needed_depths(lay.by_name[name], lk.usable)
             if len(depths) != len(arrays):
                 return ReadResult(reason=Reason.MISSING_COMPONENT.value)
-            for d, arr in zip(depths, arrays, strict=True):
-                raw = np.ascontiguousarray(arr).view(np.float32)  # one copy below, not two
-                tensor = torch.from_numpy(raw.reshape(self.shapes[name]).copy())
-                place_block(blocks, tails, lay, col, d, tensor, lk.usable)
+            shape = self.shapes[name]
+            # views of the shard's bytes; place_column copies each column once
+            views = [np.ascontiguousarray(arr).view(np.float32).reshape(shape) for arr in arrays]
+            place_column(blocks, tails, lay, col, depths, views, lk.usable)
         return ReadResult(blocks, tails)
 
     def release(self, lk: Lookup) -> None:

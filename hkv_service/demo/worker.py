@@ -106,7 +106,11 @@ def run_request(w: Worker, req: Request) -> tuple[dict[str, Any], set[str]]:
         g = model.spec.groups[0]
         reader_abi = {str(g.name): g.abi.fingerprint() ^ 1}
         fp.count("abi_mismatch")
+    hashed = time.perf_counter()
+    # the oracle reads the owners' own books; it is the bench's yardstick, not hkv's work, so
+    # its time is left out of the lookup phase
     oracle = be.safe_prefix(hashes, limit, abi_ok=not abi_bad)
+    t0 += time.perf_counter() - hashed
     race = fp.roll("evict_race")
     lk = be.lookup(hashes, limit, reader_abi, lease=not race)
     reasons.update(d.reason.value for d in lk.match.downgrades)

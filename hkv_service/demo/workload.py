@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Request", "Workload", "make_workload"]
+__all__ = ["Request", "Workload", "long_prompt_workload", "make_workload"]
 
 MAX_PROMPT = 2560
 
@@ -25,7 +25,7 @@ MAX_PROMPT = 2560
 @dataclass(frozen=True)
 class Request:
     rid: int
-    kind: str  # "chat", "rag", "long"
+    kind: str  # "chat", "rag", "long", "long_doc"
     tokens: np.ndarray  # int64 [T]
     conversation: int = -1
     turn: int = 0
@@ -76,4 +76,19 @@ def make_workload(n: int, seed: int = 0, vocab: int = 64, long_every: int = 8) -
             convs[c] = grown
             turns[c] += 1
             out.append(Request(rid, "chat", grown, c, turns[c]))
+    return Workload(out)
+
+
+def long_prompt_workload(prefix: int, resumed: int, seed: int = 0, vocab: int = 64,
+                         question: tuple[int, int] = (64, 256)) -> Workload:
+    """Realistic lengths: one long shared document (``prefix`` tokens) asked about
+    ``resumed + 1`` times. The first request computes the document cold and writes it back;
+    every later one resumes from it and computes only its own question."""
+    rng = np.random.default_rng(seed)
+    doc = rng.integers(0, vocab, prefix, dtype=np.int64)
+    out = []
+    for rid in range(resumed + 1):
+        q = rng.integers(0, vocab, int(rng.integers(question[0], question[1] + 1)),
+                         dtype=np.int64)
+        out.append(Request(rid, "long_doc", np.concatenate([doc, q])))
     return Workload(out)

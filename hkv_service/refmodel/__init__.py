@@ -9,6 +9,7 @@ Torch lives here, at the edge; :mod:`hkv_service.core` never imports it.
 
 from __future__ import annotations
 
+from .blocks import BlockRun
 from .cache import CompressedState, ModelCache
 from .config import Geometry, RefModelConfig
 from .model import LOGITS_ATOL, LOGITS_RTOL, RefModel
@@ -16,6 +17,7 @@ from .model import LOGITS_ATOL, LOGITS_RTOL, RefModel
 __all__ = [
     "LOGITS_ATOL",
     "LOGITS_RTOL",
+    "BlockRun",
     "CompressedState",
     "Geometry",
     "ModelCache",

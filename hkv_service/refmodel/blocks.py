@@ -15,11 +15,17 @@ Import at L (a multiple of the LCM block size) needs, and validates, exactly wha
 at L reads: every c4/idx/c128 block before L, the swa blocks meeting [max(0, L - W), L), and
 both tails with the count L implies. Anything missing or misshapen is a ValueError that names
 the group and block; extra blocks are ignored.
+
+A group's blocks come either one tensor per block (``{k: block}``) or, batched, as a
+:class:`BlockRun`: consecutive blocks ``first .. first+n-1`` stacked into one tensor
+``[n, *block_shape]``. A run that is exactly the blocks import needs is checked once and becomes
+the group's rows with no per-block work and no copy (``import_cache`` keeps it: hand over a run
+you will not write to). Any other run is read block by block through its ``Mapping`` face.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -29,10 +35,44 @@ from .cache import CompressedState, ModelCache
 from .compress import tail_start
 from .config import Geometry
 
-__all__ = ["block_shape", "export_block", "export_tail", "import_cache", "tail_shape"]
+__all__ = [
+    "BlockRun",
+    "block_shape",
+    "export_block",
+    "export_tail",
+    "import_cache",
+    "tail_shape",
+]
 
 Blocks = Mapping[str, Mapping[int, torch.Tensor]]
 Tails = Mapping[str, tuple[torch.Tensor, int]]
+
+
+class BlockRun(Mapping[int, torch.Tensor]):
+    """Blocks ``first .. first + len(stacked) - 1`` of one group, stacked: ``stacked[i]`` is
+    block ``first + i``. As a mapping it answers like ``{k: block}`` (views, no copies)."""
+
+    __slots__ = ("first", "stacked")
+
+    def __init__(self, first: int, stacked: torch.Tensor) -> None:
+        if stacked.dim() < 1:
+            raise ValueError("a block run must stack its blocks along dimension 0")
+        self.first = first
+        self.stacked = stacked
+
+    def __getitem__(self, k: int) -> torch.Tensor:
+        if not self.first <= k < self.first + self.stacked.shape[0]:
+            raise KeyError(k)
+        return self.stacked[k - self.first]
+
+    def __len__(self) -> int:
+        return int(self.stacked.shape[0])
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.first, self.first + len(self)))
+
+    def __repr__(self) -> str:
+        return f"BlockRun(first={self.first}, stacked={tuple(self.stacked.shape)})"
 
 
 def block_shape(geo: Geometry, group: str) -> tuple[int, ...]:
@@ -101,6 +141,11 @@ def _gather(
 ) -> torch.Tensor:
     shape = block_shape(geo, group)
     have = blocks.get(group, {})
+    if (
+        isinstance(have, BlockRun) and ks and have.first == ks.start and len(have) == len(ks)
+        and tuple(have.stacked.shape[1:]) == shape and have.stacked.dtype == torch.float32
+    ):  # batched: exactly the blocks needed, in order; one check, one view
+        return have.stacked.reshape(len(ks) * shape[0], *shape[1:]).to(device)
     rows = [_checked(have.get(k), f"group {group!r} block {k}", shape).to(device) for k in ks]
     return torch.cat(rows) if rows else torch.zeros((0, *shape[1:]), device=device)
 

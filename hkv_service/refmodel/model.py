@@ -151,5 +151,8 @@ class RefModel:
         blocks: Mapping[str, Mapping[int, torch.Tensor]],
         tails: Mapping[str, tuple[torch.Tensor, int]],
     ) -> ModelCache:
-        """Rebuild the cache at ``length``; ValueError names any missing or misshapen piece."""
+        """Rebuild the cache at ``length``; ValueError names any missing or misshapen piece.
+
+        A group's blocks may come as a :class:`~.blocks.BlockRun` (one stacked tensor): a run
+        of exactly the blocks needed is adopted as the group's rows without a copy."""
         return blk.import_cache(self.geometry, length, blocks, tails, self.device)

@@ -11,11 +11,20 @@ import subprocess
 import sys
 from typing import Any
 
+import numpy as np
 import pytest
+import torch
 
+from hkv_service.core.hashing import hash_blocks
+from hkv_service.core.layout import Layout
 from hkv_service.demo import backend
-from hkv_service.demo.faults import DEFAULT_RATES, EXPECTED, FaultSpecError, parse_faults
-from hkv_service.demo.run import run_workload
+from hkv_service.demo.backend import InProcessBackend, place_column
+from hkv_service.demo.faults import DEFAULT_RATES, EXPECTED, FaultPlan, FaultSpecError, parse_faults
+from hkv_service.demo.run import _shapes, run_long_prompts, run_workload
+from hkv_service.demo.worker import Totals, Worker
+from hkv_service.demo.workload import long_prompt_workload
+from hkv_service.refmodel import BlockRun, RefModel
+from hkv_service.specs import default_spec
 
 # every fault, with the rare ones raised so a short run sees each of them
 RATES = {**DEFAULT_RATES, "shard_kill": 0.1, "service_restart": 0.1, "partial_tail": 0.6,
@@ -88,3 +97,57 @@ def test_cli_bad_faults_exit_2() -> None:
     out = _hkv("--faults", "meteor_strike")
     assert out.returncode == 2
     assert "unknown fault" in out.stderr and out.stdout == ""
+
+
+# ---- realistic prompt lengths and the batched read path --------------------------------------
+
+
+def test_long_prompts_resume_the_whole_document_exactly() -> None:
+    rep = run_long_prompts(prefix=2048, resumed=2, seed=4, check=True)
+    assert rep["requests"] == 3 and rep["checked"] == 2  # the cold request has nothing to check
+    assert rep["silent_errors"] == 0
+    cold, *resumed = rep["per_request"]
+    assert cold["reused_tokens"] == 0
+    assert [r["reused_tokens"] for r in resumed] == [2048, 2048]
+    assert rep["reuse_efficiency"] == 1.0
+
+
+def test_read_hands_each_column_over_as_one_run() -> None:
+    spec = default_spec()
+    model = RefModel(spec)
+    be = InProcessBackend(spec, _shapes(model), pool_blocks=64)
+    try:
+        w = Worker(model, be, FaultPlan({}, 0), check=True)
+        totals = Totals()
+        for req in long_prompt_workload(640, 1, seed=2).requests:
+            w.run(req, totals)
+        assert totals.silent_errors == 0 and totals.reused_tokens == 640
+        req = long_prompt_workload(640, 0, seed=2).requests[0]
+        hashes = hash_blocks(req.tokens, w.layout.hash_block, w.extra)
+        lk = be.lookup(hashes, 640)
+        res = be.read(lk)
+        be.release(lk)
+        assert res.ok and res.blocks is not None and res.tails is not None
+        # every c4/idx block (64 tokens), every c128 block (128), the swa blocks of the window
+        want = {"c4": range(10), "idx": range(10), "c128": range(5), "swa": range(8, 10)}
+        for group, ks in want.items():
+            run = res.blocks[group]
+            assert isinstance(run, BlockRun) and list(run) == list(ks), group
+        cache = model.import_cache(640, res.blocks, res.tails)
+        logits, _ = model.extend(cache, torch.from_numpy(req.tokens[640:]))
+        assert torch.equal(logits, model.forward_full(torch.from_numpy(req.tokens))[640:])
+    finally:
+        be.close()
+
+
+def test_place_column_files_gaps_block_by_block() -> None:
+    lay = Layout(default_spec())
+    col = lay.columns[lay.by_name["c4"]]
+    arrays = [np.full((16, 2, 16), d, np.float32) for d in (0, 1, 3)]
+    blocks: dict[str, Any] = {}
+    place_column(blocks, {}, lay, col, [0, 1, 3], arrays, 256)
+    assert isinstance(blocks["c4"], dict) and sorted(blocks["c4"]) == [0, 1, 3]
+    assert float(blocks["c4"][3][0, 0, 0]) == 3.0
+    place_column(blocks, {}, lay, col, [0, 1, 2], arrays, 256)
+    assert isinstance(blocks["c4"], BlockRun) and blocks["c4"].first == 0
+    assert not np.shares_memory(blocks["c4"].stacked.numpy(), arrays[0])  # one copy, owned

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -12,11 +12,18 @@ import torch
 
 import hkv_service
 from hkv_service.core.spec import CacheSpec, load_spec, spec_from_dict
-from hkv_service.refmodel import LOGITS_ATOL, LOGITS_RTOL, ModelCache, RefModel, RefModelConfig
+from hkv_service.refmodel import (
+    LOGITS_ATOL,
+    LOGITS_RTOL,
+    BlockRun,
+    ModelCache,
+    RefModel,
+    RefModelConfig,
+)
 from hkv_service.refmodel.cache import check_integrity
 
 SPEC_PATH = Path(hkv_service.__file__).parent / "data" / "reference_spec.yaml"
-Blocks = dict[str, dict[int, torch.Tensor]]
+Blocks = dict[str, Mapping[int, torch.Tensor]]
 Tails = dict[str, tuple[torch.Tensor, int]]
 
 
@@ -311,6 +318,53 @@ def test_swa_blocks_outside_the_window_are_not_needed(short: Scenario) -> None:
     assert short.diff(blocks=blocks) == 0.0
     gone = {**short.blocks, "swa": {k: torch.zeros(64, 2, 16) for k in range(6)} | blocks["swa"]}
     assert short.diff(blocks=gone) == 0.0
+
+
+def _runs(blocks: Blocks, only: range | None = None) -> Blocks:
+    """Each group's blocks as one BlockRun (``only``: just those block indices of every group
+    that has them)."""
+    out: Blocks = {}
+    for g, d in blocks.items():
+        ks = sorted(k for k in d if only is None or k in only)
+        out[g] = BlockRun(ks[0], torch.stack([d[k] for k in ks]))
+    return out
+
+
+@pytest.mark.parametrize("which", ["short", "long"])
+def test_block_runs_import_bit_equal(which: str, request: pytest.FixtureRequest) -> None:
+    s: Scenario = request.getfixturevalue(which)
+    runs = _runs(s.blocks)
+    assert s.diff(blocks=runs) == 0.0
+    a = s.model.import_cache(s.p, s.blocks, s.tails)
+    b = s.model.import_cache(s.p, runs, s.tails)
+    for x, y in ((a.swa_kv, b.swa_kv), (a.sparse.entries, b.sparse.entries),
+                 (a.sparse.index_keys, b.sparse.index_keys), (a.heavy.entries, b.heavy.entries)):
+        assert x is not None and y is not None and torch.equal(x, y)
+    check_integrity(b, s.model.geometry)
+    # a run wider than needed (swa blocks outside the window) is read block by block
+    assert len(runs["swa"]) > 2 and s.diff(blocks=runs) == 0.0
+
+
+def test_block_run_is_a_mapping_of_its_blocks(short: Scenario) -> None:
+    run = _runs(short.blocks)["c4"]
+    assert list(run) == sorted(short.blocks["c4"]) and len(run) == len(short.blocks["c4"])
+    assert all(torch.equal(run[k], short.blocks["c4"][k]) for k in run)
+    assert 99 not in run and run.get(99) is None
+    with pytest.raises(ValueError, match="dimension 0"):
+        BlockRun(0, torch.tensor(1.0))
+
+
+def test_block_runs_that_miss_or_misshape_are_named(short: Scenario) -> None:
+    m, p, b, t = short.model, short.p, short.blocks, short.tails
+    late = {**_runs(b), "c4": _runs(b, range(1, 8))["c4"]}
+    with pytest.raises(ValueError, match="'c4' block 0 is missing"):
+        m.import_cache(p, late, t)
+    double = {**_runs(b), "c128": BlockRun(0, _runs(b)["c128"].stacked.double())}
+    with pytest.raises(ValueError, match="'c128' block 0 must be float32"):
+        m.import_cache(p, double, t)
+    gap = torch.stack([b["idx"][k] for k in range(7)])
+    with pytest.raises(ValueError, match="'idx' block 7 is missing"):
+        m.import_cache(p, {**_runs(b), "idx": BlockRun(0, gap)}, t)
 
 
 # ---- the caller's mistakes --------------------------------------------------------------------
