@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
@@ -23,7 +24,27 @@ import xxhash
 from .errors import InvalidInput
 from .ids import BlockHash
 
-__all__ = ["ExtraKeys", "hash_blocks", "naive_hash_blocks"]
+if TYPE_CHECKING:  # the annotation only: no runtime dependency
+    from typing_extensions import Buffer
+
+__all__ = [
+    "CONTENT_VERSION_BASE", "ExtraKeys", "content_version", "hash_blocks", "naive_hash_blocks",
+]
+
+# KV versions at or above this are content versions (below it: issued by the state view).
+CONTENT_VERSION_BASE = 1 << 62
+
+
+def content_version(payload: Buffer) -> int:
+    """A KV version derived from the KV bytes (xxh3-64), for a writer to pass with WRITE_DONE.
+
+    An indexer synced to version v was computed alongside exactly those bytes, so a KV that
+    is rewritten with identical bytes (the same tokens through a deterministic kernel: a
+    recompute after an eviction, a restart) keeps its version and every indexer and disk
+    copy synced to it stays usable; different bytes get a different version (up to a 2**-62
+    collision) and the indexer is stale, as it must be. Values lie in [2**62, 2**63): apart
+    from the view's own counter and within a signed 64-bit field."""
+    return CONTENT_VERSION_BASE | (xxhash.xxh3_64_intdigest(payload) & (CONTENT_VERSION_BASE - 1))
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,6 +54,7 @@ from .funnel import (
     run_funnel,
     validate_request,
 )
+from .hashing import CONTENT_VERSION_BASE
 from .ids import BLOCK_HASH_BYTES, BlockHash, CaptureId, LeaseId, ObjectId, ShardId
 from .layout import Layout
 from .objects import ObjectTable
@@ -209,7 +210,10 @@ class CacheState:
         self._mono_slot = {c: j for j, c in enumerate(self.layout.mono_columns)}
         self._row_struct = struct.Struct("<" + "QQiH" * len(self.layout.mono_columns))
         self._lock = threading.RLock()
-        self._versions = itertools.count(1)
+        # KV versions: unique for this view's lifetime *and* above every version an owner
+        # re-confirmed or a client passed, or a KV rewritten after a restart could get the
+        # version a stale indexer was synced to and that indexer would pass as synced.
+        self._next_version = 1
         self._log_seq = 0
         self._tick = 0
         self._captures = itertools.count(1)
@@ -397,7 +401,9 @@ class CacheState:
                 self._check_generation(rec, generation)
             p = params or Params()
             if rec.kind is Kind.COMPRESSED and event is Event.WRITE_DONE and p.version is None:
-                p = Params(next(self._versions), p.lo, p.hi, p.tail_len, p.expect_seq)
+                p = Params(self._next_version, p.lo, p.hi, p.tail_len, p.expect_seq)
+            if p.version is not None:
+                self._saw_version(p.version)
             if event is Event.EVICT:
                 self.evict(object_id)
             elif rec.kind is Kind.DISK and event in _DISK_EVENTS:
@@ -803,6 +809,7 @@ class CacheState:
             column.kind, col, self.objects.new_id(), entry, r.state, owner, r.block,
             pool.generation[r.block], version=r.version, lo=r.lo, hi=r.hi,
         )
+        self._saw_version(r.version)
         pool.owner[r.block] = rec
         entry.mem[col] = rec
         if column.kind is Kind.TAIL:
@@ -825,6 +832,7 @@ class CacheState:
             version=source.version, lo=source.lo, hi=source.hi,
             inner=self.layout.columns[col].kind, disk_owner=disk_owner,
         )
+        self._saw_version(source.version)
         assert isinstance(rec, DiskRecord)
         entry.disk[col] = rec
         self._disk_records += 1
@@ -938,6 +946,12 @@ class CacheState:
     def tail_required(self, record: ObjRecord) -> int:
         position = (record.entry.depth + 1) * self.layout.hash_block
         return self.layout.columns[record.column].tail_tokens_at(position)
+
+    def _saw_version(self, version: int) -> None:
+        """Versions issued from now on are above ``version`` (issued versions stay below
+        CONTENT_VERSION_BASE, where writers' content versions live: those never move it)."""
+        if self._next_version <= version < CONTENT_VERSION_BASE:
+            self._next_version = version + 1
 
     def _align_of(self, rec: ObjRecord) -> int:
         """Largest power of two dividing the handle's address and length (layer 4), from

@@ -16,7 +16,7 @@ from hkv_service.core.errors import (
 from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.ids import ObjectId, ShardId
 from hkv_service.core.state_view import AllocRequest, CacheState, ObjectReport, StateConfig
-from hkv_service.core.states import Event, State
+from hkv_service.core.states import Event, Kind, Reason, State
 from hkv_service.testing import commit_prefix, pools_for, prompt_hashes
 
 S0 = ShardId("s0")
@@ -76,6 +76,81 @@ def test_rebuild_only_from_confirmed_objects(spec, clock) -> None:
     assert new.lookup(LookupRequest(hs)).usable_tokens == 128
     assert new.confirm(S0, reports) == len(reports) - len(first)  # idempotent for the rest
     assert new.lookup(LookupRequest(hs)).usable_tokens == 256
+
+
+def _reports(st: CacheState) -> list[ObjectReport]:
+    return [
+        ObjectReport(r.entry.block_hash, r.entry.parent.block_hash if r.entry.parent else None,
+                     r.entry.depth, st.layout.columns[r.column].name, r.state, r.block,
+                     r.generation, r.version, r.lo, r.hi)
+        for r in st.objects.values()
+    ]
+
+
+def test_kv_versions_issued_after_a_restart_never_repeat_confirmed_ones(spec, clock) -> None:
+    """Regression: the version counter restarted at 1, so a KV rewritten after a service
+    restart could get the very version an old indexer was synced to, and that stale indexer
+    then passed as synced (a hit over keys computed for other bytes)."""
+    hs = prompt_hashes(spec, 8)
+    old = CacheState(spec, clock=clock)
+    old.register_owner(S0, pools_for(old.layout, 64))
+    ids = commit_prefix(old, hs)
+    synced = old.objects[ids[(3, "idx")]].version
+    new = CacheState(spec, clock=clock)
+    new.register_owner(S0, pools_for(new.layout, 64))
+    reports = _reports(old)
+    assert new.confirm(S0, reports) == len(reports)
+    idx = next(r for r in new.objects.values() if r.kind is Kind.INDEXER and r.entry.depth == 3)
+    new.holds.pins[idx] = 1  # a reader holds the indexer: each KV goes alone
+    kv = next(r for r in new.objects.values() if r.kind is Kind.COMPRESSED
+              and r.entry.depth == 3 and new.layout.columns[r.column].name == "c4")
+    new.evict(kv.object_id)
+    issued = set()
+    for _ in range(2 * synced + 2):  # rewrite the KV as often as it takes to reach `synced`
+        (a,) = new.allocate(hs, [AllocRequest(3, "c4")])
+        issued.add(new.transition(a.handle.object_id, Event.WRITE_DONE).version)
+        m = new.lookup(LookupRequest(hs))
+        assert m.usable_tokens <= 3 * 64, "a stale indexer passed as synced"
+        assert any(d.reason is Reason.INDEXER_STALE for d in m.downgrades)
+        new.evict(a.handle.object_id)
+    assert synced not in issued and idx.state is State.INDEXER_SYNCED
+
+
+@pytest.mark.parametrize("same_bytes", [True, False])
+def test_a_kv_rewritten_with_the_same_bytes_keeps_its_indexer(
+    state: CacheState, spec, same_bytes: bool
+) -> None:
+    """Content versions: the KV evicted under a held indexer and written again with the very
+    same bytes has the very same version, so the indexer is still in sync; other bytes make
+    it INDEXER_STALE. Content versions never move the view's own counter."""
+    from hkv_service.core.hashing import CONTENT_VERSION_BASE, content_version
+    from hkv_service.core.transitions import Params
+
+    hs = prompt_hashes(spec, 8)
+    ids = commit_prefix(state, hs)
+    kv_bytes = bytes(range(256)) * 4
+    kv_id, idx = ids[(3, "c4")], state.objects[ids[(3, "idx")]]
+    first = content_version(kv_bytes)
+    assert CONTENT_VERSION_BASE <= first < 1 << 63
+    kv = state.objects[kv_id]
+    state.holds.pins[idx] = 1  # a reader holds the indexer: the KV goes alone
+    state.evict(kv_id)
+    (a,) = state.allocate(hs, [AllocRequest(3, "c4")])
+    state.transition(a.handle.object_id, Event.WRITE_DONE, Params(version=first))
+    state.transition(idx.object_id, Event.INDEXER_SYNC, Params(version=first))
+    state.evict(a.handle.object_id)  # and once more: rewritten from the same tokens, or not
+    (b,) = state.allocate(hs, [AllocRequest(3, "c4")])
+    again = content_version(kv_bytes if same_bytes else kv_bytes[::-1])
+    state.transition(b.handle.object_id, Event.WRITE_DONE, Params(version=again))
+    del state.holds.pins[idx]
+    m = state.lookup(LookupRequest(hs))
+    if same_bytes:
+        assert m.usable_tokens == 8 * 64 and not m.downgrades
+    else:
+        assert m.usable_tokens == 3 * 64 - 64 and m.downgrades[0].reason is Reason.INDEXER_STALE
+    assert kv.version < CONTENT_VERSION_BASE  # issued by the view
+    (c,) = state.allocate(prompt_hashes(spec, 1, seed=5), [AllocRequest(0, "c4")])
+    assert state.transition(c.handle.object_id, Event.WRITE_DONE).version < CONTENT_VERSION_BASE
 
 
 def test_offload_burst_admits_exactly_cap(spec, clock) -> None:
