@@ -29,6 +29,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from hkv_service.core.errors import HkvError
+from hkv_service.core.hashing import content_version
 from hkv_service.core.ids import BlockHash, ShardId
 from hkv_service.core.layout import Layout
 from hkv_service.core.records import Handle
@@ -176,10 +177,12 @@ class DataPlane:
         """Allocate, write and commit every block of a prefix. ``blocks[(depth, column)]`` is
         the bytes of a COMPRESSED/SWA/INDEXER block; ``tails[(depth, "<group>.tail")]`` is
         ``(bytes, raw tokens held)``; ``swa_ranges`` optionally narrows an SWA block's
-        ``[lo, hi)``. Objects already present are left alone (``existing``)."""
+        ``[lo, hi)``. Objects already present are left alone (``existing``). A COMPRESSED
+        block's KV version is its content version (``hashing.content_version``): a block
+        rewritten with the same bytes keeps the indexers and disk copies synced to it."""
         data: dict[Slot, tuple[Any, Commit]] = {}
         for slot, arr in blocks.items():
-            data[slot] = (arr, self._commit_for(slot, (swa_ranges or {}).get(slot)))
+            data[slot] = (arr, self._commit_for(slot, arr, (swa_ranges or {}).get(slot)))
         for slot, (arr, n) in (tails or {}).items():
             data[slot] = (arr, Commit((Event.TAIL_DONE,), (Params(tail_len=n),)))
         report = WriteReport()
@@ -213,10 +216,13 @@ class DataPlane:
         self._write(block_hashes, second, data, report)
         return report
 
-    def _commit_for(self, slot: Slot, swa: tuple[int, int] | None) -> Commit:
+    def _commit_for(self, slot: Slot, arr: Any, swa: tuple[int, int] | None) -> Commit:
         kind = self.layout.columns[self.layout.by_name[slot[1]]].kind
         if kind is Kind.SWA and swa is not None:
             return Commit((Event.WRITE_DONE,), (Params(lo=swa[0], hi=swa[1]),))
+        if kind is Kind.COMPRESSED:  # the same bytes keep their version (and their indexer)
+            version = content_version(np.ascontiguousarray(arr).data)
+            return Commit((Event.WRITE_DONE,), (Params(version=version),))
         return Commit((Event.WRITE_DONE,))
 
     def _note_allocations(self, slots: list[Slot], allocs: Sequence[Allocation],

@@ -40,13 +40,20 @@ import torch
 import xxhash
 
 from hkv_service.core.allocator import PoolConfig
-from hkv_service.core.errors import HkvError, PoolExhausted
+from hkv_service.core.errors import HkvError, IllegalTransition, PoolExhausted
 from hkv_service.core.funnel import LookupRequest
+from hkv_service.core.hashing import content_version
 from hkv_service.core.ids import BlockHash, LeaseId, ObjectId, ShardId
 from hkv_service.core.layout import Column, Layout
 from hkv_service.core.records import Handle
 from hkv_service.core.spec import CacheSpec
-from hkv_service.core.state_view import AllocRequest, CacheState, Match, ObjectReport
+from hkv_service.core.state_view import (
+    Allocation,
+    AllocRequest,
+    CacheState,
+    Match,
+    ObjectReport,
+)
 from hkv_service.core.states import TERMINAL_STATES, Event, Kind, Reason, State
 from hkv_service.core.transitions import Params
 from hkv_service.refmodel import BlockRun
@@ -127,7 +134,7 @@ class CacheBackend(Protocol):
         lease: bool = True,
     ) -> Lookup: ...
     def load(self, lk: Lookup, slow: bool = False) -> list[str]: ...
-    def settle(self) -> None: ...
+    def settle(self) -> list[str]: ...
     def inject_evict_race(self, lk: Lookup, pick: int) -> bool: ...
     def inject_disk_bitflip(self, lk: Lookup, pick: int) -> bool: ...
     def inject_shard_kill(self, lk: Lookup) -> bool: ...
@@ -558,16 +565,18 @@ class InProcessBackend:
         self.state.transition(ObjectId(oid), Event.LOAD_VERIFIED)
         return None
 
-    def settle(self) -> None:
-        """Finish every load left in flight now (the reader waited for them)."""
+    def settle(self) -> list[str]:
+        """Finish every load left in flight now (the reader waited for them); returns why
+        any failed (a flipped bit: CORRUPT)."""
         with self.lock:
             self.tick += 1 << 20
-            self._settle_loads()
+            reasons = self._settle_loads()
             self.tick -= 1 << 20
             self._drain()
+            return reasons
 
-    def _settle_loads(self) -> None:
-        keep = []
+    def _settle_loads(self) -> list[str]:
+        keep, reasons = [], []
         for oid, at in self.inflight:
             rec = self.state.objects.get(ObjectId(oid))
             if rec is None or rec.state is not State.ON_DISK_INFLIGHT:
@@ -575,8 +584,11 @@ class InProcessBackend:
             if at > self.tick:
                 keep.append((oid, at))
                 continue
-            self._finish_load(oid, self.state._handle(rec))
+            reason = self._finish_load(oid, self.state._handle(rec))
+            if reason:
+                reasons.append(reason)
         self.inflight = keep
+        return reasons
 
     def _abi(self, column: int) -> int:
         return int(self.layout.columns[column].group.abi.fingerprint())
@@ -648,8 +660,10 @@ class InProcessBackend:
         rep = WriteReport()
         lay = self.layout
         last = max(set(blocks) | set(tails), default=-1)
-        # the faulty object is the first new one: the point later readers of this prefix reach
-        first_tail = min(tails, default=-1)
+        # A faulty KV/indexer is the first new one: every later reader of the prefix walks
+        # through it. A stalled tail is the newest one, the tail still being appended: where
+        # the next turn of the conversation resumes.
+        stalled_tail = max(tails, default=-1)
         first = min(set(blocks) | set(tails), default=-1)
         written: list[int] = []
 
@@ -667,7 +681,7 @@ class InProcessBackend:
                     cols[f"{g}.tail"] = (t, n)
                 order = sorted(cols, key=lambda c: lay.columns[lay.by_name[c]].kind is Kind.INDEXER)
                 here = WriteOptions(
-                    partial_tail=opts.partial_tail and d == first_tail,
+                    partial_tail=opts.partial_tail and d == stalled_tail,
                     stale_indexer=opts.stale_indexer and d == first,
                 )
                 if not self._write_entry(hashes, d, order, cols, place(d), here, rep):
@@ -704,7 +718,7 @@ class InProcessBackend:
             rec = self.state.objects.get(h.object_id)
             if col.kind is Kind.COMPRESSED and rec is not None:
                 versions[name] = rec.version
-            if a.existing and not self._repairable(a.state):
+            if a.existing and not self._repairable(a, col, versions):
                 rep.existing += 1
                 continue
             if col.kind is Kind.TAIL:
@@ -725,7 +739,7 @@ class InProcessBackend:
                 data = cols[name].numpy().astype(np.float32, copy=True)
                 kv = lay.columns[col.indexes or 0].name
                 version = versions.get(kv)
-                if opts.stale_indexer and not a.existing:
+                if opts.stale_indexer and not a.existing and not self._disk_copy(d, hashes, col):
                     # the KV was rewritten after these keys were computed: old bytes, no sync
                     old = np.roll(data, 1, axis=0) * 0.5
                     self._put_slot(h, old, key, False, State.INDEXER_WRITTEN)
@@ -735,18 +749,24 @@ class InProcessBackend:
                     continue
                 if version is None:
                     continue
-                self._put_slot(h, data, key, True, State.INDEXER_SYNCED)
-                if not a.existing:
-                    self.state.transition(h.object_id, Event.WRITE_DONE)
-                else:
+                if not a.existing or a.state is State.INDEXER_SYNCED:
+                    try:  # keys (re)written; refused while a reader holds them
+                        self.state.transition(h.object_id, Event.WRITE_DONE)
+                    except IllegalTransition:
+                        continue
+                if a.existing:
                     rep.repaired += 1
+                self._put_slot(h, data, key, True, State.INDEXER_SYNCED)
                 self.state.transition(h.object_id, Event.INDEXER_SYNC, Params(version=version))
                 self.meta[key] = _Meta(parent, d, version=version)
             else:
                 data = cols[name].numpy().astype(np.float32, copy=True)
                 ready = State.SWA_VALID if col.kind is Kind.SWA else State.COMPRESSED_READY
                 self._put_slot(h, data, key, True, ready)
-                res = self.state.transition(h.object_id, Event.WRITE_DONE)
+                # a KV's version is its content version, as the data plane reports it
+                p = Params(version=content_version(data)) if col.kind is Kind.COMPRESSED \
+                    else Params()
+                res = self.state.transition(h.object_id, Event.WRITE_DONE, p)
                 if col.kind is Kind.COMPRESSED:
                     versions[name] = res.version
                 r = self.state.objects[h.object_id]
@@ -761,10 +781,23 @@ class InProcessBackend:
             key=lambda s: min(len(p.free) for p in self.state.owners[s].pools.values()),
         )
 
-    @staticmethod
-    def _repairable(state: State) -> bool:
-        # a stalled tail or an unsynced indexer is completed by the next writer with fresh bytes
-        return state in (State.TAIL_PARTIAL, State.INDEXER_WRITTEN)
+    def _disk_copy(self, d: int, hashes: Sequence[BlockHash], col: Column) -> bool:
+        """A disk copy of this slot exists: a reader would load it (correctly) past any bad
+        memory copy, so a fault injected in memory here would never be seen."""
+        e = self.state.index.get(hashes[d])
+        return e is not None and e.disk is not None and e.disk[col.index] is not None
+
+    def _repairable(self, a: Allocation, col: Column, versions: Mapping[str, int]) -> bool:
+        """A stalled tail or an unsynced indexer is completed by the next writer with fresh
+        bytes; so is an indexer synced to a KV version that moved on (its KV was evicted and
+        rewritten while the indexer was held): left alone it would be INDEXER_STALE forever."""
+        if a.state in (State.TAIL_PARTIAL, State.INDEXER_WRITTEN):
+            return True
+        if col.kind is not Kind.INDEXER or a.state is not State.INDEXER_SYNCED:
+            return False
+        kv = versions.get(self.layout.columns[col.indexes or 0].name)
+        rec = self.state.objects.get(a.handle.object_id)
+        return kv is not None and rec is not None and rec.version != kv
 
     # ---- write-through to the disk tier -----------------------------------------------------
 

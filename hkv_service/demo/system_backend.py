@@ -304,8 +304,9 @@ class SystemBackend:
         self.events["loaded"] += len(got)
         return []
 
-    def settle(self) -> None:
+    def settle(self) -> list[str]:
         """Loads finish within ``load``: nothing is left in flight."""
+        return []
 
     def read(self, lk: Lookup) -> ReadResult:
         from workers.dataplane import Recompute

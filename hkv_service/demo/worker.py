@@ -192,9 +192,10 @@ def _with_loads(w: Worker, lk: Any, hashes: list[Any], limit: int, reader_abi: A
     reasons.update(d.reason.value for d in lk.match.downgrades)
     if slow:
         fp.count("slow_disk_load")
-        be.settle()  # the slow loads land (checksum-verified) while the reader waits
+        reasons.update(be.settle())  # the slow loads land (checksum-verified) meanwhile
         be.release(lk)
         lk = be.lookup(hashes, limit, reader_abi, lease=lease)
+        reasons.update(d.reason.value for d in lk.match.downgrades)
         if lk.match.needs_load:
             reasons.update(be.load(lk))
             be.release(lk)

@@ -28,7 +28,7 @@ from hkv_service.specs import default_spec
 
 # every fault, with the rare ones raised so a short run sees each of them
 RATES = {**DEFAULT_RATES, "shard_kill": 0.1, "service_restart": 0.1, "partial_tail": 0.6,
-         "stale_indexer": 0.4, "disk_bitflip": 0.4}
+         "stale_indexer": 0.4, "disk_bitflip": 0.4, "abi_mismatch": 0.2}
 
 
 @pytest.fixture(scope="module")
