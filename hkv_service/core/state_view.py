@@ -25,6 +25,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -643,13 +644,16 @@ class CacheState:
             return {}
         lay = self.layout
         n = usable // lay.hash_block
-        rows = list(map(_ROW, entries[:n]))
+        # a comprehension: 3.11's specialised slot load beats operator.attrgetter here
+        rows: list[Any] = [e.row for e in entries[:n]]
         try:
             joined = b"".join(rows)  # a None (row not built) raises TypeError
         except TypeError:  # rows not built yet, or dropped by a change since
             joined = b"".join([r if r is not None else self._build_row(e)
                                for r, e in zip(rows, entries, strict=False)])
-        grid = np.frombuffer(joined, HANDLE_DTYPE).reshape(n, len(lay.mono_columns))
+        # opaque 22-byte records: a strided copy of those is a memcpy per record, ~4x faster
+        # than copying HANDLE_DTYPE's fields one by one
+        grid = np.frombuffer(joined, _HANDLE_BYTES).reshape(n, len(lay.mono_columns))
         out: dict[str, HandleColumn] = {}
         for column in lay.columns:
             c = column.index
@@ -1001,7 +1005,7 @@ class CacheState:
 
 _READABLE = {k: c.ready_states for k, c in contracts.CONTRACTS.items()}
 _BLOCK = operator.attrgetter("block")
-_ROW = operator.attrgetter("row")
+_HANDLE_BYTES = np.dtype(f"V{HANDLE_DTYPE.itemsize}")
 _MAX_SHARD_ORDINAL = (1 << 16) - 1  # HANDLE_DTYPE.shard is a u16
 _HANDLE_STRUCT = struct.Struct("<QQiH")  # HANDLE_DTYPE, one record
 _FEW = 32
