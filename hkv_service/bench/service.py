@@ -1,7 +1,8 @@
 """Service bench: Lookup over gRPC against the in-process lookup and a bare gRPC echo.
 
-One process hosts the metadata service (127.0.0.1:0, reference spec, a 2,048-block prefix
-committed) and an echo server (a generic bytes-in/bytes-out handler, no protobuf at all).
+A child process hosts the metadata service (127.0.0.1:0, reference spec, a 2,048-block prefix
+committed) and an echo server (a generic bytes-in/bytes-out handler, no protobuf at all); the
+clients run in this process, as inference workers run apart from the service in production.
 Measured in the same run:
 
 * latency p50/p99 of Lookup for 1- and 2,048-block prefixes (request pre-serialized, reply
@@ -15,17 +16,20 @@ Measured in the same run:
   ping-pong over the ``LookupStream`` bidi stream, against echo (unary and bidi) the same way;
   each pair is the best of three alternating runs.
 
-Client and servers share one process, hence one GIL: the figures bound what Python gRPC can
-do here, and 4 threads show GIL plus state-lock contention together.
+The servers share one process (and GIL), the clients another: 4 client threads show the
+server's GIL plus state-lock contention together.
 """
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
+from multiprocessing.connection import Connection
 from typing import Any
 
 import grpc
@@ -43,19 +47,23 @@ from .timing import percentile, samples
 
 __all__ = ["run"]
 
+SERVER_START_S = 120.0
 _LOOKUP = "/hkv.v1.MetadataService/Lookup"
 _STREAM = "/hkv.v1.MetadataService/LookupStream"
 _ECHO = "/bench.Echo/Echo"
 _ECHO_STREAM = "/bench.Echo/EchoStream"
 _REPLY = "/bench.Echo/Reply"
-_REPLY_BYTES: dict[str, bytes] = {"reply": b""}  # what Reply answers, set per measurement
+# request length -> what Reply answers: as many bytes as Lookup answers that request (set in
+# the server process before it reports ready)
+_REPLY_BYTES: dict[int, bytes] = {}
 
 
 def _echo_server() -> tuple[grpc.Server, int]:
     handlers = {
         "Echo": grpc.unary_unary_rpc_method_handler(lambda req, _ctx: req),
         "EchoStream": grpc.stream_stream_rpc_method_handler(lambda it, _ctx: it),
-        "Reply": grpc.unary_unary_rpc_method_handler(lambda _req, _ctx: _REPLY_BYTES["reply"]),
+        "Reply": grpc.unary_unary_rpc_method_handler(
+            lambda req, _ctx: _REPLY_BYTES.get(len(req), b"")),
     }
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16),
                          options=[("grpc.max_receive_message_length", 64 << 20)])
@@ -66,14 +74,50 @@ def _echo_server() -> tuple[grpc.Server, int]:
     return server, port
 
 
-def _service(n_blocks: int) -> tuple[Service, list[BlockHash]]:
+def _filled(n_blocks: int) -> tuple[CacheState, list[BlockHash]]:
     state = CacheState(default_spec())
     state.register_owner(ShardId("s0"), pools_for(state.layout, n_blocks + 8))
     hashes = prompt_hashes(state.spec, n_blocks)
     commit_prefix(state, hashes)
+    return state, hashes
+
+
+def _service(n_blocks: int) -> tuple[Service, list[BlockHash]]:
+    state, hashes = _filled(n_blocks)
     service = build_service(ServerConfig(port=0), state)
     service.server.start()
     return service, hashes
+
+
+def _ready(conn: Connection, proc: Any) -> tuple[int, int]:
+    """The server process's ports, or a clear error if it died or hung on the way up."""
+    deadline = time.monotonic() + SERVER_START_S
+    while not conn.poll(0.2):
+        if not proc.is_alive():
+            raise RuntimeError(f"the bench's server process exited ({proc.exitcode}) before "
+                               "serving; its traceback is above")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the bench's server process did not start in {SERVER_START_S} s")
+    ports: tuple[int, int] = conn.recv()
+    return ports
+
+
+def _servers(n_blocks: int, conn: Connection) -> None:
+    """The server process: the service over a filled state and the echo server; reports both
+    ports, then serves until told to stop (or the bench process goes away)."""
+    service, hashes = _service(n_blocks)
+    echo_server, echo_port = _echo_server()
+    try:
+        for n in (1, n_blocks):
+            payload = _batch_bytes([LookupRequest(hashes[:n])])
+            reply = _unary(f"127.0.0.1:{service.port}", _LOOKUP, payload)()()
+            _REPLY_BYTES[len(payload)] = bytes(len(reply))  # type: ignore[arg-type]
+        conn.send((service.port, echo_port))
+        with contextlib.suppress(EOFError, OSError):
+            conn.recv()
+    finally:
+        service.stop(0).wait(10)
+        echo_server.stop(0).wait(10)
 
 
 def _batch_bytes(requests: list[LookupRequest]) -> bytes:
@@ -157,9 +201,8 @@ def _latencies(endpoint: str, echo: str, state: CacheState, hashes: list[BlockHa
     svc, ech = _unary(endpoint, _LOOKUP, payload)(), _unary(echo, _ECHO, payload)()
     only = _unary(endpoint, _LOOKUP, _batch_bytes([LookupRequest(hashes[:n], handles=False)]))()
     reply = svc()
-    assert isinstance(reply, bytes)
-    _REPLY_BYTES["reply"] = bytes(len(reply))
     sized = _unary(echo, _REPLY, payload)()
+    assert isinstance(reply, bytes) and len(sized()) == len(reply)  # type: ignore[arg-type]
     out: dict[str, float] = {}
     for name, fn in (("service", svc), ("match_only", only), ("echo", ech),
                      ("echo_reply_sized", sized), ("core", lambda: state.lookup(req))):
@@ -205,16 +248,24 @@ def _throughput(endpoint: str, echo: str, hashes: list[BlockHash], calls: int
 def run(quick: bool = False) -> dict[str, Any]:
     n_blocks = 2048
     count, calls = (60, 600) if quick else (300, 3000)
-    service, hashes = _service(n_blocks)
-    echo_server, echo_port = _echo_server()
-    endpoint, echo = f"127.0.0.1:{service.port}", f"127.0.0.1:{echo_port}"
+    ctx = multiprocessing.get_context("spawn")  # no fork of a process with gRPC threads
+    conn, child_conn = ctx.Pipe()
+    proc = ctx.Process(target=_servers, args=(n_blocks, child_conn), daemon=True)
+    proc.start()
     try:
-        lat = _latencies(endpoint, echo, service.state, hashes, 1, count)
-        lat.update(_latencies(endpoint, echo, service.state, hashes, n_blocks, count // 3))
+        port, echo_port = _ready(conn, proc)
+        endpoint, echo = f"127.0.0.1:{port}", f"127.0.0.1:{echo_port}"
+        state, hashes = _filled(n_blocks)  # an in-process twin, for the core figure
+        lat = _latencies(endpoint, echo, state, hashes, 1, count)
+        lat.update(_latencies(endpoint, echo, state, hashes, n_blocks, count // 3))
         thr = _throughput(endpoint, echo, hashes, calls)
     finally:
-        service.stop(0).wait(10)
-        echo_server.stop(0).wait(10)
+        with contextlib.suppress(OSError):
+            conn.send("stop")
+        proc.join(20)
+        if proc.is_alive():  # stop only what we started, by handle
+            proc.kill()
+            proc.join(5)
     baseline_keys = [k for k in {**lat, **thr} if "echo" in k or "core" in k]
     merged = {**lat, **thr}
     figures = {k: v for k, v in merged.items() if k not in baseline_keys}
