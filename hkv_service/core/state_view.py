@@ -676,9 +676,10 @@ class CacheState:
         values: list[int] = []
         for c in self.layout.mono_columns:
             rec = e.mem[c]
-            if rec is None or not self.layout.lives_at(c, e.depth):
-                values += (0, 0, 0, 0)
+            if not self.layout.lives_at(c, e.depth):
+                values += (0, 0, 0, 0)  # never sliced: needed depths are where c lives
             else:
+                assert rec is not None, "the funnel accepted an entry missing a monotone record"
                 values += (rec.object_id, rec.generation, rec.block, self._ordinal(rec.shard))
         e.row = row = self._row_struct.pack(*values)
         return row
