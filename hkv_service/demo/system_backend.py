@@ -420,8 +420,13 @@ class SystemBackend:
             with contextlib.suppress(Exception):
                 self.client.evict(a.handle.object_id)
             return False
-        self.books.good.discard((bytes(hashes[d]), name))
-        self.faulty[(bytes(hashes[d]), name)] = int(a.handle.object_id)
+        key = (bytes(hashes[d]), name)
+        with self.books.lock:
+            # the bad bytes are in memory only; a disk copy of good bytes (written through
+            # earlier) still serves a reader, who loads it past the bad memory object
+            if not self.books.disk.get(key):
+                self.books.good.discard(key)
+        self.faulty[key] = int(a.handle.object_id)
         return True
 
     def _repair(self, hashes: list[BlockHash], data: Mapping[Slot, np.ndarray],
