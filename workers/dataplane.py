@@ -34,7 +34,7 @@ from hkv_service.core.ids import BlockHash, ShardId
 from hkv_service.core.layout import Layout
 from hkv_service.core.records import Handle
 from hkv_service.core.state_view import Allocation, AllocRequest, Match
-from hkv_service.core.states import Event, Kind, Reason
+from hkv_service.core.states import Event, Kind, Reason, State
 from hkv_service.core.transitions import Params
 
 from .pool import HandleBatch
@@ -196,15 +196,23 @@ class DataPlane:
                 report.failed[slot] = ItemResult(Outcome.FAILED, str(exc))
             return report
         fresh = self._note_allocations(slots, allocs, report)
-        kinds = {s: self.layout.columns[self.layout.by_name[s[1]]].kind for s in fresh}
+        kinds = {s: self.layout.columns[self.layout.by_name[s[1]]].kind for s in slots}
         first = [s for s in fresh if kinds[s] is not Kind.INDEXER]
         self._write(block_hashes, first, data, report)
+        # Indexers are synced to the KV written in this call: the fresh ones, and existing
+        # ones left unsynced or synced to a version that moved on (their KV was evicted and
+        # rewritten with other bytes), which would otherwise stay INDEXER_STALE until evicted.
+        existing = {s: a for s, a in zip(slots, allocs, strict=True) if a.existing}
         second = []
-        for s in fresh:
+        for s in slots:
             if kinds[s] is Kind.INDEXER:
                 kv = self.layout.columns[self.layout.by_name[s[1]]].indexes
                 assert kv is not None
                 version = report.versions.get((s[0], self.layout.columns[kv].name))
+                old = existing.get(s)
+                if old is not None and (version is None or (
+                        old.state is State.INDEXER_SYNCED and old.version == version)):
+                    continue  # in sync, or nothing to sync it to: leave it alone
                 if version is None:
                     report.failed[s] = ItemResult(
                         Outcome.FAILED, "its compressed KV was not written in this call")

@@ -85,6 +85,38 @@ def test_write_commit_lookup_read_round_trip(system: Any, w: Any) -> None:
     assert set(out) == {"c4", "c128", "swa", "idx", "c4.tail", "c128.tail"}
 
 
+@pytest.mark.parametrize("same_kv_bytes", [True, False])
+def test_write_prefix_resyncs_an_indexer_whose_kv_moved_on(
+    system: Any, w: Any, service: Any, same_kv_bytes: bool
+) -> None:
+    """A KV evicted under a held indexer and written again: with the same bytes its content
+    version is unchanged and the indexer is left alone; with other bytes write_prefix rewrites
+    the indexer and syncs it to the new version, so the prefix is a full hit again."""
+    dp, _, meta = system
+    hashes, payload, match = write_and_lookup(dp, w, 2, seed=40 + same_kv_bytes)
+    meta.release_lease(match.lease_id)
+    state = service.state
+    idx_h, kv_h = match.handles["idx"][1], match.handles["c4"][1]
+    idx = state.objects[idx_h.object_id]
+    state.holds.pins[idx] = 1  # a reader holds the indexer: the KV goes alone
+    try:
+        meta.evict(kv_h.object_id)
+    finally:
+        del state.holds.pins[idx]
+    kv_bytes = payload[(1, "c4")] if same_kv_bytes else payload[(1, "c4")][::-1].copy()
+    new_idx = np.full_like(payload[(1, "idx")], 9)
+    rep = dp.write_prefix(hashes, {(1, "c4"): kv_bytes, (1, "idx"): new_idx})
+    assert rep.ok, rep.failed
+    kv_version = rep.versions[(1, "c4")]
+    assert idx.state.value == "INDEXER_SYNCED" and idx.version == kv_version
+    again = dp.meta.lookup(LookupRequest(hashes))
+    assert again.usable_tokens == 128 and not again.downgrades
+    out = dp.read(again, hashes)
+    assert not isinstance(out, Recompute)
+    want = payload[(1, "idx")] if same_kv_bytes else new_idx  # untouched, or rewritten
+    assert out["idx"][1].tobytes() == want.tobytes()
+
+
 def test_generation_recheck_catches_evict_and_reuse(system: Any, w: Any, service: Any) -> None:
     dp, _, meta = system
     hashes, _, match = write_and_lookup(dp, w, 2, seed=2)
@@ -210,3 +242,4 @@ def test_inflight_call_to_killed_shard_fails_within_deadline(service: Any, endpo
     out = dp.read(match, hashes)
     assert isinstance(out, Recompute) and out.reason.value == "OWNER_LOST"
     assert time.monotonic() - start < 3.0 + 2.0
+
