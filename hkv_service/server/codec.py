@@ -155,9 +155,12 @@ def encode_lookup(req: LookupRequest, out: Any) -> Any:
     return out
 
 
-def decode_lookup(msg: Any, where: str = "lookup") -> LookupRequest:
+def decode_lookup(msg: Any, index: int | None = None) -> LookupRequest:
+    """``index``: the item's place in a batch, named in errors (formatted only on error: this
+    runs on every lookup)."""
     ttl = msg.lease_ttl_s
     if not math.isfinite(ttl) or ttl < 0:
+        where = "lookup" if index is None else f"lookup {index}"
         raise InvalidInput(f"{where}: lease_ttl_s must be a finite number >= 0, got {ttl}")
     return LookupRequest(
         list(msg.block_hashes),  # bytes already (BlockHash is a NewType): no per-hash call

@@ -161,7 +161,7 @@ class MetadataServicer(pb_grpc.MetadataServiceServicer):
     # ---- lookup -------------------------------------------------------------------------
 
     def _lookup_batch(self, requests: Any, out: Any) -> None:
-        decoded = [codec.decode_lookup(r, f"lookup {i}") for i, r in enumerate(requests)]
+        decoded = [codec.decode_lookup(r, i) for i, r in enumerate(requests)]
         # One bad item must reject a batch before any lease is taken; a single request is
         # validated by the view itself (validating 2,048 hashes twice costs ~1/4 of the walk).
         if len(decoded) > 1:
