@@ -53,8 +53,9 @@ def test_rows_follow_eviction_and_reallocation(state: CacheState, spec) -> None:
 
 
 def test_rows_identical_to_the_general_path(spec) -> None:
-    """Same state, two views of it: the packed fast path and the per-record snapshot (what a
-    lease or a disk copy forces) return the very same handles."""
+    """Same state, two views of it: the packed rows (the lookup fast path, with or without a
+    lease) and the per-record snapshot (the general path a disk copy forces) give the very
+    same handles."""
     state = CacheState(spec)
     state.register_owner(ShardId("a"), pools_for(state.layout, 2 * N + 8))
     state.register_owner(ShardId("b"), pools_for(state.layout, 2 * N + 8))
