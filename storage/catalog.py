@@ -55,6 +55,11 @@ class Catalog:
         raw = txn.get(key, db=self._index)
         return None if raw is None else IndexEntry(*_INDEX.unpack(bytes(raw)))
 
+    def raw_len(self, txn: lmdb.Transaction, key: bytes) -> int | None:
+        """``lookup(...).raw_len`` without building an IndexEntry (read before a waiting get)."""
+        raw = txn.get(key, db=self._index)
+        return None if raw is None else int(_INDEX.unpack_from(raw)[2])
+
     def record(self, txn: lmdb.Transaction, key: bytes) -> Any:
         """The stored record (a memoryview in a ``buffers=True`` read), or None."""
         return txn.get(key, db=self._records)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import xxhash
 import zstandard
@@ -48,7 +48,10 @@ __all__ = [
     "Encoded",
     "Header",
     "RecordMeta",
+    "check_header",
     "encode_record",
+    "load_bytes",
+    "load_into",
     "read_bytes",
     "read_into",
     "verified_raw",
@@ -179,14 +182,21 @@ def _corrupt(key_bytes: bytes, reason: str, detail: str) -> CorruptEntry:
 
 
 def verify_header(key_bytes: bytes, value: memoryview) -> Header:
-    """Check the header against its checksum, the key and the value length.
+    """Check the header against its checksum, the key and the value length."""
+    _, _, codec, kind, _, raw_len, stored_len, checksum, abi, created, _ = check_header(
+        key_bytes, value)
+    return Header(_CODECS[codec], _KIND_NAMES[kind], raw_len, stored_len, checksum, abi, created)
+
+
+def check_header(key_bytes: bytes, value: memoryview) -> tuple[Any, ...]:
+    """The header's fields (``HEADER`` order) once every check passed; raises CorruptEntry.
 
     On every get, so it is kept lean: one unpack, no intermediate copies, no enum call.
     """
     if len(value) < HEADER.size:
         raise _corrupt(key_bytes, "short", f"{len(value)} bytes, shorter than a header")
-    magic, version, codec, kind, _, raw_len, stored_len, checksum, abi, created, sealed = (
-        HEADER.unpack_from(value))
+    fields = HEADER.unpack_from(value)
+    magic, version, codec, kind, _, raw_len, stored_len, _, abi, _, sealed = fields
     if sealed != xxhash.xxh3_64_intdigest(key_bytes + value[:_CHECKED]):
         raise _corrupt(key_bytes, "header_checksum", "header checksum mismatch")
     _, key_abi, key_kind = _KEY_FIXED.unpack_from(key_bytes)
@@ -194,9 +204,62 @@ def verify_header(key_bytes: bytes, value: memoryview) -> Header:
         raise _corrupt(key_bytes, "format", f"unknown magic/version/codec {magic!r}/{version}")
     if abi != key_abi or kind != key_kind:
         raise _corrupt(key_bytes, "key_mismatch", "record ABI or kind differs from its key")
-    if len(value) != HEADER.size + stored_len or (codec == Codec.RAW and raw_len != stored_len):
+    if len(value) != HEADER.size + stored_len or (codec == 0 and raw_len != stored_len):
         raise _corrupt(key_bytes, "length", f"{len(value)} bytes, header says {stored_len}")
-    return Header(_CODECS[codec], _KIND_NAMES[kind], raw_len, stored_len, checksum, abi, created)
+    return fields
+
+
+def load_into(key_bytes: bytes, value: memoryview, fields: tuple[Any, ...],
+              dest: memoryview) -> int:
+    """Copy the raw payload of ``value`` (whose header :func:`check_header` passed, giving
+    ``fields``) into ``dest[:raw_len]`` and verify the copy there; returns raw_len.
+
+    The tier's per-get path: :func:`read_into`'s work with no :class:`Header` built.
+    ``dest`` is a flat writable byte view; too small raises InvalidInput. On CorruptEntry
+    ``dest`` holds unverified bytes and must not be used.
+    """
+    n: int = fields[5]
+    if n > len(dest):
+        raise InvalidInput(f"buffer of {len(dest)} bytes is too small for {n}")
+    if fields[2] == 0:  # Codec.RAW
+        src: memoryview = value[HEADER.size :]
+    else:
+        src = memoryview(_decoded_frame(key_bytes, value[HEADER.size :], n))
+        if len(src) != n:
+            raise _corrupt(key_bytes, "payload_checksum", "payload length mismatch")
+    _copy_verified(key_bytes, src, dest if n == len(dest) else dest[:n], fields[7])
+    return n
+
+
+def load_bytes(key_bytes: bytes, value: memoryview, fields: tuple[Any, ...]) -> bytes:
+    """:func:`read_bytes` from :func:`check_header`'s ``fields``: a verified private copy."""
+    if fields[2] == 0:  # Codec.RAW
+        raw = bytes(value[HEADER.size :])
+    else:
+        raw = _decoded_frame(key_bytes, value[HEADER.size :], fields[5])
+    if len(raw) != fields[5] or xxhash.xxh3_128_digest(raw) != fields[7]:
+        raise _corrupt(key_bytes, "payload_checksum", "payload checksum mismatch")
+    return raw
+
+
+def _copy_verified(key_bytes: bytes, src: memoryview, out: memoryview, checksum: bytes) -> None:
+    """``out[:] = src``, then the xxh3-128 of ``out`` must be ``checksum`` (equal lengths).
+
+    Past one :data:`VERIFY_CHUNK`, copy and hash are fused chunk by chunk (see
+    :func:`read_into`)."""
+    n = len(out)
+    if n <= VERIFY_CHUNK:
+        out[:] = src
+        digest = xxhash.xxh3_128_digest(out)
+    else:
+        hasher = xxhash.xxh3_128()
+        for start in range(0, n, VERIFY_CHUNK):
+            chunk = out[start : start + VERIFY_CHUNK]
+            chunk[:] = src[start : start + VERIFY_CHUNK]
+            hasher.update(chunk)
+        digest = hasher.digest()
+    if digest != checksum:
+        raise _corrupt(key_bytes, "payload_checksum", "payload checksum mismatch")
 
 
 def _stored(header: Header, value: memoryview) -> memoryview:
@@ -204,8 +267,12 @@ def _stored(header: Header, value: memoryview) -> memoryview:
 
 
 def _decoded(key_bytes: bytes, header: Header, value: memoryview) -> bytes:
+    return _decoded_frame(key_bytes, _stored(header, value), header.raw_len)
+
+
+def _decoded_frame(key_bytes: bytes, frame: memoryview, raw_len: int) -> bytes:
     try:
-        return decompress(_stored(header, value), header.raw_len)
+        return decompress(frame, raw_len)
     except zstandard.ZstdError as exc:
         raise _corrupt(key_bytes, "zstd", f"zstd frame does not decode: {exc}") from exc
 
@@ -259,15 +326,4 @@ def read_into(key_bytes: bytes, header: Header, value: memoryview, out: memoryvi
         raise InvalidInput(f"destination holds {len(out)} bytes, the payload {n}")
     if len(src) != n:
         raise _corrupt(key_bytes, "payload_checksum", "payload length mismatch")
-    if n <= VERIFY_CHUNK:
-        out[:] = src
-        digest = xxhash.xxh3_128_digest(out)
-    else:
-        hasher = xxhash.xxh3_128()
-        for start in range(0, n, VERIFY_CHUNK):
-            chunk = out[start : start + VERIFY_CHUNK]
-            chunk[:] = src[start : start + VERIFY_CHUNK]
-            hasher.update(chunk)
-        digest = hasher.digest()
-    if digest != header.checksum:
-        raise _corrupt(key_bytes, "payload_checksum", "payload checksum mismatch")
+    _copy_verified(key_bytes, src, out, header.checksum)
