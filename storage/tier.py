@@ -408,14 +408,15 @@ class DiskTier:
         try:
             with self._store.read() as txn:
                 for kb, dest in zip(kbs, dests, strict=True):
+                    if tickets and objects >= cap.max_objects:
+                        return
                     value = record(txn, kb)
                     if value is None:
                         raise _missing(kb)
                     fields = check_header(kb, value)
                     if tickets is not None:
                         size = fields[5]
-                        if tickets and (objects >= cap.max_objects
-                                        or nbytes + size > cap.max_bytes):
+                        if tickets and nbytes + size > cap.max_bytes:
                             return
                         try:
                             tickets.append(gate.acquire(size, 0.0))
