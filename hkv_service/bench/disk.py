@@ -9,9 +9,12 @@ copy out of anonymous huge-page memory). Raw LMDB is get + one copy into the sam
 numpy buffer (a memoryview assignment, measured faster than ``np.copyto``). Ours adds, per
 object, the xxh3-128 verify of every byte (of the copy, while it is still in cache; past
 ``VERIFY_CHUNK`` fused with the copy chunk by chunk), the header check, an admission ticket
-and the last-use note: ~10-25 us of Python per get (the ticket alone 3-7 us). ``verify``
-reports the hash speed on a cache-resident chunk, and ``load_ceiling`` the ratio that the
-hash alone would allow: no verify-every-byte load can beat it.
+and the last-use note. ``verify`` reports the hash speed on a cache-resident chunk;
+``load_ceiling`` is measured, not derived from it: bare LMDB get + copy + xxh3-128 of the
+copy (chunked as the tier does), no header, ticket or note, over raw get + copy. The hash
+of a just-copied object runs well below the cache-resident speed (on the dev machine ~14-17
+GB/s for 1 MiB, against ~40-50 GB/s hot), so the earlier formula
+``hot_hash / (hot_hash + raw_get)`` overstated the ceiling.
 Blocks are random-normal fp16, which zstd level 1 shrinks by only ~8%, under the 10% the tier
 demands, so they are stored raw: the ratios price the checksum, the header and the
 compression probe, not compression itself. Each figure is the best of ``reps`` passes over
@@ -152,6 +155,31 @@ class _RawLmdb:
 
         return _timed(gets)
 
+    def read_verify(self) -> float:
+        """``read`` plus the xxh3-128 of each copy, chunked as the tier does (fused past
+        ``VERIFY_CHUNK``): the bare cost of a verify-every-byte load, no header or ticket."""
+        env = self.env
+        assert env is not None
+
+        def gets() -> None:
+            for key, out in zip(self.keys, self.outs, strict=True):
+                with env.begin(buffers=True) as txn:
+                    view = txn.get(key)
+                    assert view is not None
+                    dest = out.data
+                    if len(view) <= VERIFY_CHUNK:
+                        dest[:] = view
+                        xxhash.xxh3_128_digest(dest)
+                        continue
+                    hasher = xxhash.xxh3_128()
+                    for start in range(0, len(view), VERIFY_CHUNK):
+                        chunk = dest[start : start + VERIFY_CHUNK]
+                        chunk[:] = view[start : start + VERIFY_CHUNK]
+                        hasher.update(chunk)
+                    hasher.digest()
+
+        return _timed(gets)
+
     def close(self) -> None:
         if self.env is not None:
             self.env.close()
@@ -199,12 +227,13 @@ def _measure(root: Path, blocks: list[memoryview], reps: int) -> dict[str, dict[
 
     writers = [("raw_put", raw.write), ("ours_put", ours.write), ("file_write", plain.write)]
     readers = [("raw_get", raw.read), ("ours_get", ours.read),
-               ("ours_get_many", ours.read_many), ("file_read", plain.read)]
+               ("ours_get_many", ours.read_many), ("file_read", plain.read),
+               ("raw_get_verify", raw.read_verify)]
     for rep in range(reps):  # rotate the order: no contender always follows another's I/O
         for name, fn in writers[rep % 3 :] + writers[: rep % 3]:
             note(name, fn())
     for rep in range(reps + 1):  # the first pass also maps the pages; best-of drops it
-        for name, fn in readers[rep % 4 :] + readers[: rep % 4]:
+        for name, fn in readers[rep % 5 :] + readers[: rep % 5]:
             note(name, fn())
     total = sum(len(b) for b in blocks)
     gbps = {name: _gbps(total, seconds) for name, seconds in best.items()}
@@ -213,7 +242,8 @@ def _measure(root: Path, blocks: list[memoryview], reps: int) -> dict[str, dict[
     return {
         "ours": {"offload_gbps": gbps["ours_put"], "load_gbps": gbps["ours_get"],
                  "load_many_gbps": gbps["ours_get_many"], "zstd_kept": ours.kept_zstd},
-        "lmdb": {"put_gbps": gbps["raw_put"], "get_gbps": gbps["raw_get"]},
+        "lmdb": {"put_gbps": gbps["raw_put"], "get_gbps": gbps["raw_get"],
+                 "get_verify_gbps": gbps["raw_get_verify"]},
         "file": {"write_gbps": gbps["file_write"], "read_gbps": gbps["file_read"]},
     }
 
@@ -253,8 +283,8 @@ def run(quick: bool = False) -> dict[str, Any]:
                 f"load_vs_lmdb_get_{label}": ours["load_gbps"] / raw["get_gbps"],
                 f"load_many_vs_lmdb_get_{label}": ours["load_many_gbps"] / raw["get_gbps"],
                 f"offload_vs_file_write_{label}": ours["offload_gbps"] / plain["write_gbps"],
-                # raw time / (raw time + hash time): the best any verified load could do
-                f"load_ceiling_vs_lmdb_get_{label}": hash_gbps / (hash_gbps + raw["get_gbps"]),
+                # bare get + copy + hash of the copy, measured: what verifying costs alone
+                f"load_ceiling_vs_lmdb_get_{label}": raw["get_verify_gbps"] / raw["get_gbps"],
             })
     finally:
         shutil.rmtree(root, ignore_errors=True)
