@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .layout import Layout
+from .memo import drop_memos
 from .records import ObjRecord, PrefixEntry
 from .states import Kind, Reason, State
 
@@ -153,8 +154,10 @@ _BITS = {
 def summarise(entry: PrefixEntry, layout: Layout, align_of: Callable[[ObjRecord], int]) -> None:
     """Recompute ``entry.flags`` and ``entry.gate`` from its columns' verdicts; ``align_of``
     gives a placed record's byte alignment (its pool knows it). Drops the entry's packed
-    handle row: every change to an entry's records passes through here."""
+    handle row and lookup memos: every change to an entry's records passes through here."""
     entry.row = None
+    if entry.memos:
+        drop_memos(entry)
     flags = F_MONO | F_TAIL | F_SWA
     align = 1 << 30
     for col in layout.attached[entry.depth % layout.period]:

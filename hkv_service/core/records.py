@@ -15,13 +15,16 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
 
 from .ids import BlockHash, GroupName, ObjectId, ShardId
 from .states import Kind, State
+
+if TYPE_CHECKING:  # the annotation only: memo imports this module
+    from .memo import Memo
 
 __all__ = [
     "HANDLE_DTYPE", "DiskRecord", "Handle", "HandleColumn", "ObjRecord", "PrefixEntry",
@@ -253,3 +256,5 @@ class PrefixEntry:
     # live at this depth) built by the first lookup through this entry; summarise drops it
     # whenever anything here changes, so a row never outlives the records it was built from.
     row: bytes | None = None
+    # Lookup memos computed through this entry (see core/memo.py); summarise drops them too.
+    memos: list[Memo] | None = None

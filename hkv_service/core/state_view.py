@@ -24,7 +24,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -58,6 +58,7 @@ from .funnel import (
 from .hashing import CONTENT_VERSION_BASE
 from .ids import BLOCK_HASH_BYTES, BlockHash, CaptureId, LeaseId, ObjectId, ShardId
 from .layout import Layout
+from .memo import LookupMemo
 from .objects import ObjectTable
 from .records import (
     HANDLE_DTYPE,
@@ -93,6 +94,11 @@ class StateConfig:
     max_lease_ttl_s: float = 60.0
     heartbeat_timeout_s: float = 10.0
     log_capacity: int = 8192  # bounded: Watch streams recent history only
+    # Lookup memo (core/memo.py): results of lookups of >= memo_min_blocks hashes, kept until
+    # anything on their path changes; bounded by count and bytes. 0 capacity: off.
+    memo_capacity: int = 1024
+    memo_max_bytes: int = 64 << 20
+    memo_min_blocks: int = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +149,9 @@ class Match:
     downgrades: tuple[Downgrade, ...]
     lease_id: LeaseId | None = None
     columns: Mapping[str, HandleColumn] = field(default_factory=dict, compare=False)
+    # This match as the edge's encoder wrote it (see LookupMemo.encoder), when a memo answered
+    # a lease-free lookup; None otherwise. Opaque to the core.
+    wire: bytes | None = field(default=None, compare=False, repr=False)
 
     @functools.cached_property
     def handles(self) -> Mapping[str, tuple[Handle, ...]]:
@@ -217,6 +226,9 @@ class CacheState:
         self._next_version = 1
         self._log_seq = 0
         self._tick = 0
+        self.memo = LookupMemo(self.config.memo_capacity, self.config.memo_max_bytes,
+                               self.config.memo_min_blocks)
+        self._owners_epoch = 0  # moves on whenever the owner table does (memo keys carry it)
         self._captures = itertools.count(1)
         self._incarnations = itertools.count(1)
 
@@ -232,6 +244,7 @@ class CacheState:
             }  # validate before touching anything
             if owner in self.owners:
                 self.mark_owner_lost(owner)
+            self._owners_epoch += 1
             inc = next(self._incarnations)
             self.owners[owner] = _Owner(inc, self.clock(), built)
             return inc
@@ -265,6 +278,7 @@ class CacheState:
                     self._force_gone(rec, owner)
                     lost += 1
             o.alive = False
+            self._owners_epoch += 1
             self.counters.events["owner_lost"] += 1
             return lost
 
@@ -368,13 +382,15 @@ class CacheState:
                     Params(),
                 )
                 return
-            for partner in self._partners(rec):
+            partners = self._partners(rec)  # before rec leaves its entry
+            # rec first: a refused eviction (held, wrong state) raises with nothing changed
+            self._apply(rec, Event.EVICT, Params())
+            self.counters.evictions[rec.kind] += 1
+            for partner in partners:
                 if partner.state in TERMINAL_STATES or self.holds.held(partner):
                     continue
                 if (partner.kind, partner.state) in _PARTNER_EVICTABLE:
                     self._apply(partner, Event.EVICT, Params())
-            self._apply(rec, Event.EVICT, Params())
-            self.counters.evictions[rec.kind] += 1
 
     def _partners(self, rec: ObjRecord) -> list[ObjRecord]:
         out = []
@@ -561,28 +577,58 @@ class CacheState:
                 )
             now = self.clock()
             self.leases.reap(now)
-            result = run_funnel(self.index, self.layout, req, limit)  # no side effects
-            # The walk found the first matched/H hashes in the index, whose keys are all 16
-            # bytes (allocate and confirm check them): only the rest can be malformed.
-            check_hash_lengths(req.block_hashes, result.matched_tokens // self.layout.hash_block)
+            key = self.memo.key(req, limit, self._owners_epoch)
+            memo = self.memo.get(key, req.block_hashes) if key is not None else None
+            if memo is not None and memo.result is not None:
+                result = memo.result
+                self.counters.events["lookup_memo_hit"] += 1
+            else:
+                result = run_funnel(self.index, self.layout, req, limit)  # no side effects
+                # The walk found the first matched/H hashes in the index, whose keys are all 16
+                # bytes (allocate and confirm check them): only the rest can be malformed.
+                check_hash_lengths(req.block_hashes,
+                                   result.matched_tokens // self.layout.hash_block)
             self._count_lookup(result.usable_tokens, limit, result.downgrades)
             usable, entries = result.usable_tokens, result.entries
             if usable and entries:
                 entries[-1].last_used = self._tick
+            records = memo.records if memo is not None else None
             lease_id = None
-            columns: dict[str, HandleColumn] = {}
-            if req.handles and (req.lease_ttl_s > 0 or self._disk_records):
-                records = self._resolve(entries, usable)
-                if req.lease_ttl_s > 0 and records:
-                    pinned = [r for recs in records.values() for r in recs]
+            if req.lease_ttl_s > 0 and usable:
+                if records is None:
+                    records = self._resolve(entries, usable)
+                    if memo is not None:
+                        memo.records = records
+                pinned = [r for recs in records.values() for r in recs]
+                if pinned:
                     lease_id = self.leases.open(pinned, now + req.lease_ttl_s).lease_id
-                if self._disk_records:  # per-record verdicts: a disk copy may serve a column
-                    columns = {name: self._snapshot(recs) for name, recs in records.items()}
-            if req.handles and not self._disk_records:
-                columns = self._packed_columns(entries, usable)
-            return Match(
-                result.usable_tokens, result.matched_tokens, result.downgrades, lease_id, columns
+            if memo is not None:
+                columns, wire = memo.columns, memo.wire
+            else:
+                columns, wire = self._columns(req, entries, usable, records), None
+            match = Match(
+                result.usable_tokens, result.matched_tokens, result.downgrades, lease_id,
+                dict(columns) if columns else {}, wire if lease_id is None else None,
             )
+            if memo is None and key is not None and result.walk_complete:
+                self.memo.put(key, req.block_hashes,
+                              match if lease_id is None else replace(match, lease_id=None), result,
+                              records)
+            return match
+
+    def _columns(
+        self, req: LookupRequest, entries: Sequence[PrefixEntry], usable: int,
+        records: dict[str, tuple[ObjRecord, ...]] | None,
+    ) -> dict[str, HandleColumn] | None:
+        """The match's packed handles (None: a match-only lookup). With a disk copy anywhere,
+        per-record verdicts decide which copy serves each column."""
+        if not req.handles:
+            return None
+        if not self._disk_records:
+            return self._packed_columns(entries, usable)
+        if records is None:
+            records = self._resolve(entries, usable)
+        return {name: self._snapshot(recs) for name, recs in records.items()}
 
     def _count_lookup(self, usable: int, limit: int, downgrades: Iterable[Downgrade]) -> None:
         self._tick += 1

@@ -19,6 +19,7 @@ from hkv_service.core.state_view import CacheState
 from hkv_service.proto_gen.hkv.v1 import hkv_pb2, hkv_pb2_grpc
 from hkv_service.specs import default_spec
 
+from . import codec
 from .auth import (
     DEFAULT_EXEMPT,
     CommonNameInterceptor,
@@ -90,12 +91,19 @@ def _add_servicer(servicer: MetadataServicer, server: grpc.Server) -> None:
     hkv_pb2_grpc.add_MetadataServiceServicer_to_server(  # type: ignore[no-untyped-call]
         servicer, capture)
     handlers = dict(capture.handlers)
+    # Lookup replies leave the servicer serialized already (servicer.py says why).
+    handlers["Lookup"] = grpc.unary_unary_rpc_method_handler(
+        servicer.Lookup, request_deserializer=handlers["Lookup"].request_deserializer,
+        response_serializer=_as_is)
     handlers["LookupStream"] = grpc.stream_stream_rpc_method_handler(
-        servicer.LookupStreamRaw,
-        response_serializer=handlers["LookupStream"].response_serializer)
+        servicer.LookupStreamRaw, response_serializer=_as_is)
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
+def _as_is(reply: bytes) -> bytes:
+    return reply
 
 
 def _address(host: str, port: int) -> str:
@@ -119,6 +127,7 @@ def build_service(config: ServerConfig, state: CacheState | None = None) -> Serv
         ],
     )
     stopping = threading.Event()
+    codec.install_encoder(state)
     _add_servicer(MetadataServicer(state, stopping), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

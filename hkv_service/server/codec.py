@@ -17,15 +17,24 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
-from hkv_service.core.errors import InvalidInput
+from hkv_service.core.errors import BadHash, InvalidInput
 from hkv_service.core.funnel import Downgrade, LookupRequest
-from hkv_service.core.ids import BlockHash, GroupName, LeaseId, ObjectId, ShardId
+from hkv_service.core.ids import (
+    BLOCK_HASH_BYTES,
+    BlockHash,
+    GroupName,
+    LeaseId,
+    ObjectId,
+    PackedHashes,
+    ShardId,
+)
 from hkv_service.core.records import Handle, HandleColumn
 from hkv_service.core.state_view import (
     Allocation,
+    CacheState,
     Match,
     ObjectReport,
     TransitionEvent,
@@ -52,6 +61,9 @@ __all__ = [
     "encode_match",
     "encode_report",
     "encode_result",
+    "install_encoder",
+    "match_bytes",
+    "repeated_field",
 ]
 
 E = TypeVar("E", bound=enum.Enum)
@@ -131,6 +143,38 @@ def encode_match(m: Match, out: Any) -> Any:
     return out
 
 
+def match_bytes(m: Match) -> bytes:
+    """``m`` as a serialized ``Match``: the memo's encoding when it has one (see
+    :func:`install_encoder`), else encoded now."""
+    if m.wire is not None:
+        return m.wire
+    return bytes(encode_match(m, pb.Match()).SerializeToString())
+
+
+def install_encoder(state: CacheState) -> None:
+    """Have ``state``'s lookup memo keep each memoised match serialized as well."""
+    state.memo.encoder = match_bytes
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def repeated_field(number: int, messages: list[bytes]) -> bytes:
+    """Serialized messages as the repeated message field ``number`` of an enclosing message:
+    exactly what protobuf writes for them (tag, length, bytes: wire type 2, per item)."""
+    tag = _varint(number << 3 | 2)
+    parts: list[bytes] = []
+    for m in messages:
+        parts += (tag, _varint(len(m)), m)
+    return b"".join(parts)
+
+
 def decode_match(msg: Any) -> Match:
     names = tuple(ShardId(n) for n in msg.shard_names)
     columns = {c.group: _decode_column(c, names) for c in msg.handles}
@@ -144,7 +188,13 @@ def decode_match(msg: Any) -> Match:
 
 
 def encode_lookup(req: LookupRequest, out: Any) -> Any:
-    out.block_hashes.extend(req.block_hashes)
+    hashes = req.block_hashes
+    if isinstance(hashes, PackedHashes):
+        out.packed_hashes = hashes.data
+    elif set(map(len, hashes)) <= {BLOCK_HASH_BYTES}:
+        out.packed_hashes = b"".join(hashes)  # one field, not n
+    else:  # a malformed hash: sent as is, for the server to refuse with a proper status
+        out.block_hashes.extend(hashes)
     if req.resume_tokens is not None:
         out.resume_tokens = req.resume_tokens
     for name, fp in (req.reader_abi or {}).items():
@@ -160,16 +210,31 @@ def decode_lookup(msg: Any, index: int | None = None) -> LookupRequest:
     runs on every lookup)."""
     ttl = msg.lease_ttl_s
     if not math.isfinite(ttl) or ttl < 0:
-        where = "lookup" if index is None else f"lookup {index}"
-        raise InvalidInput(f"{where}: lease_ttl_s must be a finite number >= 0, got {ttl}")
+        raise InvalidInput(f"{_where(index)}: lease_ttl_s must be a finite number >= 0, "
+                           f"got {ttl}")
+    hashes: Sequence[BlockHash]
+    if msg.packed_hashes:
+        if len(msg.block_hashes):
+            raise InvalidInput(f"{_where(index)}: give the prefix as block_hashes or as "
+                               "packed_hashes, not both")
+        try:
+            hashes = PackedHashes(msg.packed_hashes)
+        except BadHash as err:
+            raise BadHash(f"{_where(index)}: {err}") from None
+    else:
+        hashes = list(msg.block_hashes)  # bytes already (BlockHash is a NewType)
     return LookupRequest(
-        list(msg.block_hashes),  # bytes already (BlockHash is a NewType): no per-hash call
+        hashes,
         msg.resume_tokens if msg.HasField("resume_tokens") else None,
         dict(msg.reader_abi) if len(msg.reader_abi) else None,
         msg.alignment or 1,
         ttl,
         not msg.match_only,
     )
+
+
+def _where(index: int | None) -> str:
+    return "lookup" if index is None else f"lookup {index}"
 
 
 # ---- transitions ----------------------------------------------------------------------------

@@ -188,6 +188,21 @@ def test_capture_pins_and_topology_epoch(state: CacheState, spec) -> None:
         state.capture_status(cap)
 
 
+def test_refused_eviction_leaves_the_partner_indexer(state: CacheState, spec) -> None:
+    """Regression (found by the stateful test): evicting a captured KV is refused, and the
+    refusal must change nothing. The indexer that goes with the KV used to be evicted first,
+    so the refused call still destroyed it and the prefix stopped being a hit."""
+    hs = prompt_hashes(spec, 2)
+    ids = commit_prefix(state, hs)
+    m = state.lookup(LookupRequest(hs))
+    state.register_capture(m.handles["c4"][:1])  # the KV of depth 0
+    before = (state.stats(), m.usable_tokens)
+    with pytest.raises(IllegalTransition, match="capture"):
+        state.evict(ids[(0, "c4")])
+    assert state.objects[ids[(0, "idx")]].state is State.INDEXER_SYNCED
+    assert (state.stats(), state.lookup(LookupRequest(hs)).usable_tokens) == before
+
+
 def test_unknown_things_are_not_found(state: CacheState) -> None:
     with pytest.raises(UnknownObject):
         state.transition(ObjectId(99999), Event.WRITE_DONE)

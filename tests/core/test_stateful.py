@@ -20,7 +20,7 @@ from hkv_service.core.errors import IllegalTransition, StaleHandle
 from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.hashing import ExtraKeys, hash_blocks
 from hkv_service.core.ids import ShardId
-from hkv_service.core.state_view import AllocRequest, CacheState
+from hkv_service.core.state_view import AllocRequest, CacheState, Match, StateConfig
 from hkv_service.core.states import Event
 from hkv_service.core.transitions import Params
 from hkv_service.specs import default_spec
@@ -100,12 +100,14 @@ class Oracle:
 class FunnelMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.state = CacheState(SPEC)
+        # the lookup memo on for every length: repeated lookups are answered from it, and
+        # every answer is checked against the oracle and a walk (memo off) below
+        self.state = CacheState(SPEC, StateConfig(memo_min_blocks=1))
         for s in SHARDS:
             self.state.register_owner(s, pools_for(self.state.layout, 64))
         self.oracle = Oracle()
         self.leases: list[tuple[int, list[Slot]]] = []
-        self.captures: list[tuple[int, list[Slot], set[ShardId]]] = []
+        self.captures: list[tuple[int, list[Slot], list[int]]] = []
         self.handles: list = []
 
     # ---- writers -----------------------------------------------------------------------
@@ -147,6 +149,14 @@ class FunnelMachine(RuleBasedStateMachine):
         else:
             slot.version = self.state.transition(oid, Event.WRITE_DONE).version
             slot.status = "ready"
+
+    @rule(chain=st.integers(0, 1), upto=st.integers(1, DEPTHS))
+    def write_prefix(self, chain: int, upto: int) -> None:
+        """Every column of depths [0, upto), complete: a prefix whose walk completes (the
+        lookup memo keeps only those)."""
+        for depth in range(upto):
+            for col in COLUMNS:
+                self.write(chain, depth, col, True)
 
     def _sync(self, h: bytes, slot: Slot) -> None:
         kv = self.oracle.slot(h, "c4")
@@ -306,6 +316,30 @@ class FunnelMachine(RuleBasedStateMachine):
                 assert (h.column, h.block, h.generation) == (rec.column, rec.block, rec.generation)
                 assert h.shard in (rec.shard, rec.disk_owner)
         self.handles = [h for hs_ in m.handles.values() for h in hs_]
+        self._same_as_walk(LookupRequest(hs, resume_tokens=resume), m)
+
+    @rule(chain=st.integers(0, 1), depth=st.sampled_from((2, 4, DEPTHS)),
+          handles=st.booleans())
+    def lookup_again(self, chain: int, depth: int, handles: bool) -> None:
+        """Few distinct keys, each looked up twice: the second of a complete walk makes a
+        memo, and later calls are answered from it until a change on the path drops it."""
+        req = LookupRequest(CHAINS[chain][:depth], handles=handles)
+        for _ in range(2):
+            m = self.state.lookup(req)
+            assert m.usable_tokens == self.oracle.safe_prefix(CHAINS[chain][:depth], depth * H)
+            self._same_as_walk(req, m)
+
+    def _same_as_walk(self, req: LookupRequest, m: Match) -> None:
+        """The answer (memo or walk) equals a fresh walk of the same state, byte for byte."""
+        memo, self.state.memo.capacity = self.state.memo.capacity, 0
+        try:
+            fresh = self.state.lookup(req)
+        finally:
+            self.state.memo.capacity = memo
+        assert (m.usable_tokens, m.matched_tokens, m.downgrades) == (
+            fresh.usable_tokens, fresh.matched_tokens, fresh.downgrades)
+        assert {k: (c.records, c.strides, c.shard_names) for k, c in m.columns.items()} == {
+            k: (c.records, c.strides, c.shard_names) for k, c in fresh.columns.items()}
 
     @precondition(lambda self: bool(self.handles))
     @rule(n=st.integers(1, 6))
@@ -329,7 +363,7 @@ class FunnelMachine(RuleBasedStateMachine):
         cap_id, _ = self.state.register_capture(handles)
         for s in slots:
             s.pins += 1
-        self.captures.append((cap_id, slots, {h.shard for h in handles}))
+        self.captures.append((cap_id, slots, [h.object_id for h in handles]))
 
     @precondition(lambda self: bool(self.captures))
     @rule()
@@ -341,9 +375,10 @@ class FunnelMachine(RuleBasedStateMachine):
 
     @invariant()
     def captures_invalid_only_after_owner_loss(self) -> None:
-        for cap_id, slots, _shards in self.captures:
+        for cap_id, slots, oids in self.captures:
             valid, _ = self.state.capture_status(cap_id)
-            assert valid == all(s.oid is not None for s in slots)
+            # valid while every captured object lives: a slot rewritten since holds another
+            assert valid == all(s.oid == oid for s, oid in zip(slots, oids, strict=True))
 
     @precondition(lambda self: bool(self.leases))
     @rule()

@@ -100,6 +100,11 @@ def test_lookup_fields(fuzz_live: Any, data: st.DataObject) -> None:
     )
     if data.draw(st.booleans()):
         msg.resume_tokens = data.draw(st.integers(0, 2**64 - 1))
+    packing = data.draw(st.sampled_from(["listed", "packed", "both"]))
+    if packing != "listed":  # the same hashes as one field (any length: n*16 or not)
+        msg.packed_hashes = b"".join(msg.block_hashes) or data.draw(st.binary(max_size=40))
+        if packing == "packed":
+            del msg.block_hashes[:]
     stub = ch.unary_unary("/hkv.v1.MetadataService/Lookup",
                           request_serializer=pb.LookupBatchRequest.SerializeToString,
                           response_deserializer=pb.LookupBatchResponse.FromString)

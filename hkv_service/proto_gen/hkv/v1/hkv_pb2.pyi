@@ -423,7 +423,7 @@ class BeginLoadResponse(_message.Message):
     def __init__(self, handle: _Optional[_Union[Handle, _Mapping]] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("block_hashes", "resume_tokens", "reader_abi", "alignment", "lease_ttl_s", "match_only")
+    __slots__ = ("block_hashes", "packed_hashes", "resume_tokens", "reader_abi", "alignment", "lease_ttl_s", "match_only")
     class ReaderAbiEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -432,18 +432,20 @@ class LookupRequest(_message.Message):
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PACKED_HASHES_FIELD_NUMBER: _ClassVar[int]
     RESUME_TOKENS_FIELD_NUMBER: _ClassVar[int]
     READER_ABI_FIELD_NUMBER: _ClassVar[int]
     ALIGNMENT_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     MATCH_ONLY_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    packed_hashes: bytes
     resume_tokens: int
     reader_abi: _containers.ScalarMap[str, int]
     alignment: int
     lease_ttl_s: float
     match_only: bool
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., resume_tokens: _Optional[int] = ..., reader_abi: _Optional[_Mapping[str, int]] = ..., alignment: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., match_only: _Optional[bool] = ...) -> None: ...
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., packed_hashes: _Optional[bytes] = ..., resume_tokens: _Optional[int] = ..., reader_abi: _Optional[_Mapping[str, int]] = ..., alignment: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., match_only: _Optional[bool] = ...) -> None: ...
 
 class Downgrade(_message.Message):
     __slots__ = ("reason", "group", "position")

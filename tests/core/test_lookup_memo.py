@@ -1,0 +1,235 @@
+"""The lookup memo answers a repeated long lookup without walking, and never answers once
+anything on its path changed: each case below makes a memo, changes one thing, and checks
+that the next answer equals a fresh walk of the same state (memo off)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hkv_service.core.errors import BadHash, IllegalTransition
+from hkv_service.core.funnel import LookupRequest
+from hkv_service.core.ids import BlockHash, ObjectId, PackedHashes, ShardId
+from hkv_service.core.memo import _PRUNE_AT
+from hkv_service.core.state_view import AllocRequest, CacheState, Match, StateConfig
+from hkv_service.core.states import Event, State
+from hkv_service.core.transitions import Params
+from hkv_service.specs import default_spec
+from hkv_service.testing import commit_prefix, pools_for, prompt_hashes
+
+N = 40  # >= the memo's default minimum of 32 blocks
+S0, S1 = ShardId("s0"), ShardId("s1")
+Ids = dict[tuple[int, str], ObjectId]
+
+
+def _state(**memo: int) -> CacheState:
+    st = CacheState(default_spec(), StateConfig(**memo))
+    st.register_owner(S0, pools_for(st.layout, 2 * N + 8))
+    return st
+
+
+def _fresh(st: CacheState, req: LookupRequest) -> Match:
+    capacity, st.memo.capacity = st.memo.capacity, 0
+    try:
+        return st.lookup(req)
+    finally:
+        st.memo.capacity = capacity
+
+
+def _same(a: Match, b: Match) -> bool:
+    cols = {k: (c.records, c.strides, c.shard_names) for k, c in a.columns.items()}
+    return (a.usable_tokens, a.matched_tokens, a.downgrades, cols) == (
+        b.usable_tokens, b.matched_tokens, b.downgrades,
+        {k: (c.records, c.strides, c.shard_names) for k, c in b.columns.items()})
+
+
+def _memoised(st: CacheState, req: LookupRequest) -> Match:
+    """Look ``req`` up until the memo answers (by the third time); returns that answer."""
+    st.lookup(req)
+    st.lookup(req)
+    hits = st.memo.hits
+    m = st.lookup(req)
+    assert st.memo.hits == hits + 1, "the third lookup of a complete walk is a memo hit"
+    return m
+
+
+@pytest.fixture
+def prefix() -> tuple[CacheState, list[BlockHash], Ids]:
+    st = _state()
+    hs = prompt_hashes(st.spec, N)
+    return st, hs, commit_prefix(st, hs)
+
+
+def test_repeated_lookup_is_answered_from_the_memo(prefix) -> None:
+    st, hs, _ = prefix
+    req = LookupRequest(hs)
+    first = st.lookup(req)
+    assert first.usable_tokens == N * 64 and len(st.memo) == 0  # seen once: no memo yet
+    st.lookup(req)
+    assert len(st.memo) == 1
+    hits_before = st.counters.lookups["hit"]
+    m = _memoised(st, req)
+    assert st.counters.lookups["hit"] == hits_before + 3  # a memo hit still counts as a hit
+    assert _same(m, first) and _same(m, _fresh(st, req))
+
+
+def _evict_middle(st: CacheState, hs: list[BlockHash], ids: Ids) -> None:
+    st.evict(ids[(N // 2, "c4")])
+
+
+def _tail_restarts(st: CacheState, hs: list[BlockHash], ids: Ids) -> None:
+    (a,) = st.allocate(hs, [AllocRequest(N - 1, "c4.tail")])
+    st.evict(a.handle.object_id)
+    (b,) = st.allocate(hs, [AllocRequest(N - 1, "c4.tail")])
+    st.transition(b.handle.object_id, Event.TAIL_APPEND, Params(tail_len=1))
+
+
+def _indexer_rewritten(st: CacheState, hs: list[BlockHash], ids: Ids) -> None:
+    """The indexer of depth 3 is written again and not synced yet: not usable."""
+    st.evict(ids[(3, "idx")])
+    (a,) = st.allocate(hs, [AllocRequest(3, "idx")])
+    st.transition(a.handle.object_id, Event.WRITE_DONE)
+
+
+def _finish_tail(st: CacheState, hs: list[BlockHash]) -> None:
+    (a,) = st.allocate(hs, [AllocRequest(N - 1, "c4.tail")])
+    need = st.layout.columns[a.handle.column].tail_tokens_at(N * st.layout.hash_block)
+    st.transition(a.handle.object_id, Event.TAIL_DONE, Params(tail_len=need))
+
+
+def _owner_lost(st: CacheState, hs: list[BlockHash], ids: Ids) -> None:
+    st.mark_owner_lost(S0)
+
+
+def _offloaded_and_evicted(st: CacheState, hs: list[BlockHash], ids: Ids) -> None:
+    for col in ("c4", "idx"):  # the KV and its indexer: evicting one takes the other along
+        h = st.begin_offload(ids[(5, col)], S0)
+        st.transition(h.object_id, Event.OFFLOAD_COMMITTED)
+    st.evict(ids[(5, "c4")])  # served from disk now: the handles are the disk copies'
+
+
+def _new_owner(st: CacheState, hs: list[BlockHash], ids: Ids) -> None:
+    st.register_owner(S1, pools_for(st.layout, 8))  # the stride table grows
+
+
+CHANGES = [_evict_middle, _tail_restarts, _indexer_rewritten, _owner_lost, _offloaded_and_evicted,
+           _new_owner]
+
+
+@pytest.mark.parametrize("change", CHANGES, ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.parametrize("handles", [True, False], ids=["handles", "match_only"])
+def test_any_change_on_the_path_drops_the_memo(prefix, change, handles: bool) -> None:
+    st, hs, ids = prefix
+    req = LookupRequest(hs, handles=handles)
+    before = _memoised(st, req)
+    change(st, hs, ids)
+    hits = st.memo.hits
+    after = st.lookup(req)
+    assert st.memo.hits == hits, "answered from a memo computed before the change"
+    assert _same(after, _fresh(st, req))
+    if change is not _new_owner:
+        assert not _same(after, before) or not handles
+
+
+def test_change_off_the_path_keeps_the_memo(prefix) -> None:
+    st, hs, _ = prefix
+    req = LookupRequest(hs)
+    _memoised(st, req)
+    other = prompt_hashes(st.spec, 4, seed=7)
+    commit_prefix(st, other)  # another prompt: nothing on hs's path changes
+    hits = st.memo.hits
+    assert _same(st.lookup(req), _fresh(st, req)) and st.memo.hits == hits + 1
+
+
+def test_same_last_hash_other_prefix_is_not_a_hit(prefix) -> None:
+    """A memo keyed by (last hash, count) must still compare the whole prefix: a request
+    whose early hash differs gets the walk's answer (a miss at that block)."""
+    st, hs, _ = prefix
+    _memoised(st, LookupRequest(hs))
+    forged = [BlockHash(b"\x00" * 16), *hs[1:]]
+    m = st.lookup(LookupRequest(forged))
+    assert m.usable_tokens == 0 and _same(m, _fresh(st, LookupRequest(forged)))
+
+
+def test_malformed_hashes_are_refused_even_when_a_memo_matches_their_bytes(prefix) -> None:
+    st, hs, _ = prefix
+    _memoised(st, LookupRequest(hs))
+    joined = b"".join(hs)
+    odd = [BlockHash(joined[:15]), BlockHash(joined[15:32]), *hs[2:]]  # same bytes, 15 + 17
+    stats = st.stats()
+    with pytest.raises(BadHash, match="16 bytes"):
+        st.lookup(LookupRequest(odd))
+    assert st.stats() == stats
+
+
+def test_packed_and_listed_hashes_get_the_same_answer(prefix) -> None:
+    st, hs, _ = prefix
+    packed = PackedHashes(b"".join(hs))
+    assert packed == hs and len(packed) == N and packed[-1] == hs[-1]
+    a = _memoised(st, LookupRequest(packed))
+    assert _same(a, st.lookup(LookupRequest(hs)))
+    assert st.memo.hits >= 2  # the listed request found the packed one's memo
+    with pytest.raises(BadHash, match="multiple of 16"):
+        PackedHashes(b"x" * 33)
+
+
+def test_leased_lookup_from_the_memo_pins(prefix) -> None:
+    st, hs, ids = prefix
+    _memoised(st, LookupRequest(hs, lease_ttl_s=5))
+    m = st.lookup(LookupRequest(hs, lease_ttl_s=5))
+    assert m.lease_id is not None
+    with pytest.raises(IllegalTransition, match="leased"):
+        st.evict(ids[(1, "c4")])
+    for lease in list(st.leases.leases):
+        st.release_lease(lease)
+    st.evict(ids[(1, "c4")])
+    assert st.lookup(LookupRequest(hs, lease_ttl_s=5)).usable_tokens < N * 64
+
+
+def test_resume_and_alignment_are_part_of_the_key(prefix) -> None:
+    st, hs, _ = prefix
+    full = _memoised(st, LookupRequest(hs))
+    short = st.lookup(LookupRequest(hs, resume_tokens=16 * 64))
+    assert short.usable_tokens == 16 * 64 < full.usable_tokens
+    aligned = st.lookup(LookupRequest(hs, alignment=1 << 20))
+    assert _same(aligned, _fresh(st, LookupRequest(hs, alignment=1 << 20)))
+
+
+def test_table_and_entry_lists_stay_bounded() -> None:
+    st = _state(memo_capacity=3, memo_max_bytes=1 << 30)
+    chains = [prompt_hashes(st.spec, N, seed=s) for s in range(6)]
+    for hs in chains:
+        commit_prefix(st, hs)
+        _memoised(st, LookupRequest(hs))
+    assert len(st.memo) == 3  # least recently used went first
+    hs = chains[-1]
+    for _ in range(20):  # a hot prefix whose tail keeps changing: memos made and dropped
+        _memoised(st, LookupRequest(hs))
+        _tail_restarts(st, hs, {})
+        _finish_tail(st, hs)
+    root = st.index[hs[0]]
+    assert root.memos is not None and len(root.memos) <= _PRUNE_AT
+    small = _state(memo_max_bytes=1024)  # a 40-block match is bigger: never kept
+    commit_prefix(small, chains[0])
+    for _ in range(3):
+        small.lookup(LookupRequest(chains[0]))
+    assert len(small.memo) == 0 and small.memo.nbytes == 0
+
+
+def test_short_lookups_are_not_memoised(prefix) -> None:
+    st, hs, _ = prefix
+    for _ in range(3):
+        st.lookup(LookupRequest(hs[:8]))
+    assert len(st.memo) == 0
+
+
+def test_disk_copy_at_rest_is_served_the_same(prefix) -> None:
+    """A memo taken while a column is served from a disk copy at rest, then the copy is
+    loaded: the load is a change on the path, so the next answer is fresh."""
+    st, hs, ids = prefix
+    _offloaded_and_evicted(st, hs, ids)
+    req = LookupRequest(hs)
+    _memoised(st, req)
+    disk = next(r for r in st.objects.values() if r.state is State.ON_DISK)
+    st.begin_load(disk.object_id, S0)
+    hits = st.memo.hits
+    assert _same(st.lookup(req), _fresh(st, req)) and st.memo.hits == hits

@@ -1,0 +1,72 @@
+"""Lookup replies built as bytes: the framing equals protobuf's own encoding, a memo's stored
+encoding decodes to the match a walk gives, and over a live server a repeated lookup (memo
+hit, reply copied from the stored bytes) answers exactly what the first one did."""
+
+from __future__ import annotations
+
+import pytest
+from svc_util import Live, commit_remote, hashes, register
+
+from hkv_service.client import MetadataClient
+from hkv_service.core.funnel import LookupRequest
+from hkv_service.core.ids import PackedHashes, ShardId
+from hkv_service.core.state_view import CacheState, Match
+from hkv_service.proto_gen.hkv.v1 import hkv_pb2 as pb
+from hkv_service.server import codec
+from hkv_service.specs import default_spec
+from hkv_service.testing import commit_prefix, pools_for, prompt_hashes
+
+N = 40  # long enough for the memo (>= 32 blocks)
+
+
+def _view(m: Match) -> tuple[object, ...]:
+    return (m.usable_tokens, m.matched_tokens, m.downgrades, m.lease_id,
+            {k: (c.records, c.strides, c.shard_names) for k, c in m.columns.items()})
+
+
+@pytest.fixture
+def filled() -> tuple[CacheState, LookupRequest]:
+    st = CacheState(default_spec())
+    st.register_owner(ShardId("s0"), pools_for(st.layout, N + 8))
+    hs = prompt_hashes(st.spec, N)
+    # no tails near the end: the walk matches every hash (a memo is kept) but the match
+    # shrinks back to an earlier tail, so the reply carries a downgrade too
+    commit_prefix(st, hs, skip=frozenset((d, "c4.tail") for d in range(N - 4, N)))
+    codec.install_encoder(st)
+    return st, LookupRequest(PackedHashes.of(hs))
+
+
+@pytest.mark.parametrize("size", [0, 1, 127, 128, 16_383, 16_384, 200_000])
+def test_repeated_field_is_protobufs_encoding(size: int) -> None:
+    items = [pb.Match(usable_tokens=7, lease_id=size), pb.Match(),
+             pb.Match(handles=[pb.HandleColumn(group="g", records=b"r" * size)])]
+    expected = pb.LookupBatchResponse(matches=items).SerializeToString()
+    assert codec.repeated_field(1, [m.SerializeToString() for m in items]) == expected
+
+
+def test_memo_keeps_the_encoded_match(filled) -> None:
+    st, req = filled
+    first = st.lookup(req)
+    assert first.wire is None and 0 < first.usable_tokens < N * 64 and first.downgrades
+    st.lookup(req)  # the memo is made
+    third = st.lookup(req)
+    assert third.wire is not None
+    assert _view(codec.decode_match(pb.Match.FromString(third.wire))) == _view(first)
+    assert codec.match_bytes(third) == codec.match_bytes(first)
+    leased = st.lookup(LookupRequest(req.block_hashes, lease_ttl_s=5))
+    assert leased.lease_id is not None and leased.wire is None  # the reply names the lease
+    assert pb.Match.FromString(codec.match_bytes(leased)).lease_id == leased.lease_id
+
+
+def test_live_repeated_lookup_answers_the_same(live: Live, client: MetadataClient) -> None:
+    register(client)
+    hs = hashes(N)
+    commit_remote(client, hs)
+    answers = [client.lookup(LookupRequest(hs)) for _ in range(4)]
+    assert answers[0].usable_tokens == N * 64
+    assert all(_view(a) == _view(answers[0]) for a in answers[1:])
+    assert client.stats()["events"]["lookup_memo_hit"] == 2  # type: ignore[index]
+    batch = client.lookup_many([LookupRequest(hs), LookupRequest(hs[:3])])
+    assert _view(batch[0]) == _view(answers[0]) and batch[1].usable_tokens < N * 64
+    streamed = next(iter(client.lookup_stream([[LookupRequest(hs)]])))
+    assert _view(streamed[0]) == _view(answers[0])
