@@ -109,6 +109,12 @@ class LookupMemo:
             self._forget(key)
         return None
 
+    def touch(self, memo: Memo) -> None:
+        """``memo`` answered again (a replay): most recently used now."""
+        self.hits += 1
+        if self._memos.get(memo.key) is memo:
+            self._memos.move_to_end(memo.key)
+
     def put(self, key: MemoKey, hashes: Sequence[BlockHash], match: Match, result: FunnelResult,
             records: dict[str, tuple[ObjRecord, ...]] | None) -> Memo | None:
         """Keep ``match`` (lease-free) if ``key`` was looked up before (else remember that it

@@ -58,7 +58,7 @@ from .funnel import (
 from .hashing import CONTENT_VERSION_BASE
 from .ids import BLOCK_HASH_BYTES, BlockHash, CaptureId, LeaseId, ObjectId, ShardId
 from .layout import Layout
-from .memo import LookupMemo
+from .memo import LookupMemo, Memo
 from .objects import ObjectTable
 from .records import (
     HANDLE_DTYPE,
@@ -149,9 +149,10 @@ class Match:
     downgrades: tuple[Downgrade, ...]
     lease_id: LeaseId | None = None
     columns: Mapping[str, HandleColumn] = field(default_factory=dict, compare=False)
-    # This match as the edge's encoder wrote it (see LookupMemo.encoder), when a memo answered
-    # a lease-free lookup; None otherwise. Opaque to the core.
-    wire: bytes | None = field(default=None, compare=False, repr=False)
+    # The memo that answered this lease-free lookup, else None; opaque to callers. Its
+    # ``wire`` is this match as the edge's encoder wrote it (LookupMemo.encoder), and
+    # CacheState.replay(memo) repeats the lookup for as long as nothing on its path changed.
+    memo: Memo | None = field(default=None, compare=False, repr=False)
 
     @functools.cached_property
     def handles(self) -> Mapping[str, tuple[Handle, ...]]:
@@ -602,19 +603,33 @@ class CacheState:
                 pinned = [r for recs in records.values() for r in recs]
                 if pinned:
                     lease_id = self.leases.open(pinned, now + req.lease_ttl_s).lease_id
-            if memo is not None:
-                columns, wire = memo.columns, memo.wire
-            else:
-                columns, wire = self._columns(req, entries, usable, records), None
+            columns = memo.columns if memo is not None else self._columns(
+                req, entries, usable, records)
             match = Match(
                 result.usable_tokens, result.matched_tokens, result.downgrades, lease_id,
-                dict(columns) if columns else {}, wire if lease_id is None else None,
+                dict(columns) if columns else {}, memo if lease_id is None else None,
             )
             if memo is None and key is not None and result.walk_complete:
                 self.memo.put(key, req.block_hashes,
                               match if lease_id is None else replace(match, lease_id=None), result,
                               records)
             return match
+
+    def replay(self, memo: Memo) -> bool:
+        """Repeat the lease-free lookup ``memo`` answered (``Match.memo``): counted and aged
+        like any lookup, with no request to decode or walk. False once anything on its path
+        or the owner table changed: look the request up afresh."""
+        with self._lock:
+            result = memo.result
+            if not memo.live or result is None or memo.key[-1] != self._owners_epoch:
+                return False
+            self.leases.reap(self.clock())
+            self.memo.touch(memo)
+            self.counters.events["lookup_memo_hit"] += 1
+            self._count_lookup(result.usable_tokens, memo.key[2], result.downgrades)
+            if result.usable_tokens and result.entries:
+                result.entries[-1].last_used = self._tick
+            return True
 
     def _columns(
         self, req: LookupRequest, entries: Sequence[PrefixEntry], usable: int,

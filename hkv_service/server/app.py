@@ -91,10 +91,9 @@ def _add_servicer(servicer: MetadataServicer, server: grpc.Server) -> None:
     hkv_pb2_grpc.add_MetadataServiceServicer_to_server(  # type: ignore[no-untyped-call]
         servicer, capture)
     handlers = dict(capture.handlers)
-    # Lookup replies leave the servicer serialized already (servicer.py says why).
+    # Lookup takes the request's bytes and answers bytes (servicer.py says why).
     handlers["Lookup"] = grpc.unary_unary_rpc_method_handler(
-        servicer.Lookup, request_deserializer=handlers["Lookup"].request_deserializer,
-        response_serializer=_as_is)
+        servicer.LookupRaw, response_serializer=_as_is)
     handlers["LookupStream"] = grpc.stream_stream_rpc_method_handler(
         servicer.LookupStreamRaw, response_serializer=_as_is)
     server.add_generic_rpc_handlers(

@@ -146,8 +146,9 @@ def encode_match(m: Match, out: Any) -> Any:
 def match_bytes(m: Match) -> bytes:
     """``m`` as a serialized ``Match``: the memo's encoding when it has one (see
     :func:`install_encoder`), else encoded now."""
-    if m.wire is not None:
-        return m.wire
+    wire = m.memo.wire if m.memo is not None else None  # None too once the memo is dropped
+    if wire is not None:
+        return wire
     return bytes(encode_match(m, pb.Match()).SerializeToString())
 
 
@@ -157,12 +158,17 @@ def install_encoder(state: CacheState) -> None:
 
 
 def _varint(n: int) -> bytes:
+    if n < 0x80:
+        return _BYTE[n]
     out = bytearray()
     while n > 0x7F:
         out.append((n & 0x7F) | 0x80)
         n >>= 7
     out.append(n)
     return bytes(out)
+
+
+_BYTE = [bytes((i,)) for i in range(0x80)]
 
 
 def repeated_field(number: int, messages: list[bytes]) -> bytes:

@@ -20,11 +20,12 @@ from google.protobuf.message import DecodeError
 from hkv_service.core.allocator import PoolConfig
 from hkv_service.core.errors import HkvError, InvalidInput
 from hkv_service.core.ids import BlockHash, CaptureId, LeaseId, ObjectId, ShardId
-from hkv_service.core.state_view import AllocRequest, CacheState
+from hkv_service.core.state_view import AllocRequest, CacheState, Match
 from hkv_service.proto_gen.hkv.v1 import hkv_pb2 as pb
 from hkv_service.proto_gen.hkv.v1 import hkv_pb2_grpc as pb_grpc
 
 from . import codec, validation
+from .replies import ReplyCache
 from .status_map import map_error
 
 __all__ = ["MetadataServicer"]
@@ -62,6 +63,7 @@ class MetadataServicer(pb_grpc.MetadataServiceServicer):
     def __init__(self, state: CacheState, stopping: threading.Event | None = None) -> None:
         self.state = state
         self.stopping = stopping or threading.Event()
+        self.replies = ReplyCache()
 
     # ---- spec and owners ----------------------------------------------------------------
 
@@ -160,22 +162,46 @@ class MetadataServicer(pb_grpc.MetadataServiceServicer):
     # ---- lookup -------------------------------------------------------------------------
 
     # Lookup replies are built as bytes: a repeated lookup answered by the view's memo comes
-    # with its match already encoded (``Match.wire``), and copying those bytes into the reply
-    # beats re-encoding ~5k handles (app._add_servicer registers a bytes-passing serializer).
+    # with its match already encoded (``Match.memo.wire``), and copying those bytes into the
+    # reply beats re-encoding ~5k handles; a request seen before with a memo behind it is
+    # answered from ``replies`` (see replies.py). app._add_servicer registers Lookup with raw
+    # request bytes and a bytes-passing serializer.
 
-    def _lookup_batch(self, requests: Any) -> list[bytes]:
+    def _lookups(self, requests: Any) -> list[Match]:
         decoded = [codec.decode_lookup(r, i) for i, r in enumerate(requests)]
         # One bad item must reject a batch before any lease is taken; a single request is
         # validated by the view itself (validating 2,048 hashes twice costs ~1/4 of the walk).
         if len(decoded) > 1:
             validation.check_lookups(self.state, decoded)
         # The Match's handle columns are a snapshot taken under the view's lock.
-        return [codec.match_bytes(self.state.lookup(req)) for req in decoded]
+        return [self.state.lookup(req) for req in decoded]
 
     @_unary
     def Lookup(self, request: Any, context: grpc.ServicerContext) -> bytes:
         """A serialized LookupBatchResponse."""
-        return codec.repeated_field(1, self._lookup_batch(request.requests))
+        return codec.repeated_field(1, [codec.match_bytes(m) for m in self._lookups(
+            request.requests)])
+
+    @_unary
+    def LookupRaw(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+        """Lookup over the request's bytes: a repeat of a memo-answered request is a replay."""
+        # shorter than the memo's minimum prefix: no memo, so no kept reply either
+        cached = (self.replies.get(raw) if len(raw) > self.state.memo.min_blocks * 16
+                  else None)
+        if cached is not None:
+            memo, reply = cached
+            if self.state.replay(memo):
+                return reply
+            self.replies.discard(raw)  # something on the path changed: look it up afresh
+        try:
+            request = pb.LookupBatchRequest.FromString(raw)
+        except DecodeError:
+            context.abort(grpc.StatusCode.INTERNAL, "cannot decode LookupBatchRequest")
+        matches = self._lookups(request.requests)
+        reply = codec.repeated_field(1, [codec.match_bytes(m) for m in matches])
+        if len(matches) == 1 and matches[0].memo is not None:
+            self.replies.put(raw, matches[0].memo, reply)
+        return reply
 
     def LookupStream(self, request_iterator: Iterator[Any],
                      context: grpc.ServicerContext) -> Iterator[bytes]:
@@ -197,7 +223,7 @@ class MetadataServicer(pb_grpc.MetadataServiceServicer):
         """A serialized LookupStreamResponse: the tag, then the matches or the error."""
         head = pb.LookupStreamResponse(tag=request.tag)
         try:
-            matches = self._lookup_batch(request.requests)
+            matches = [codec.match_bytes(m) for m in self._lookups(request.requests)]
         except HkvError as err:
             _item_error(err, head.error)
             return bytes(head.SerializeToString())

@@ -4,15 +4,18 @@ hit, reply copied from the stored bytes) answers exactly what the first one did.
 
 from __future__ import annotations
 
+import grpc
 import pytest
 from svc_util import Live, commit_remote, hashes, register
 
 from hkv_service.client import MetadataClient
 from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.ids import PackedHashes, ShardId
+from hkv_service.core.memo import Memo
 from hkv_service.core.state_view import CacheState, Match
 from hkv_service.proto_gen.hkv.v1 import hkv_pb2 as pb
 from hkv_service.server import codec
+from hkv_service.server.replies import ReplyCache
 from hkv_service.specs import default_spec
 from hkv_service.testing import commit_prefix, pools_for, prompt_hashes
 
@@ -47,14 +50,14 @@ def test_repeated_field_is_protobufs_encoding(size: int) -> None:
 def test_memo_keeps_the_encoded_match(filled) -> None:
     st, req = filled
     first = st.lookup(req)
-    assert first.wire is None and 0 < first.usable_tokens < N * 64 and first.downgrades
+    assert first.memo is None and 0 < first.usable_tokens < N * 64 and first.downgrades
     st.lookup(req)  # the memo is made
     third = st.lookup(req)
-    assert third.wire is not None
-    assert _view(codec.decode_match(pb.Match.FromString(third.wire))) == _view(first)
+    assert third.memo is not None and third.memo.wire is not None
+    assert _view(codec.decode_match(pb.Match.FromString(third.memo.wire))) == _view(first)
     assert codec.match_bytes(third) == codec.match_bytes(first)
     leased = st.lookup(LookupRequest(req.block_hashes, lease_ttl_s=5))
-    assert leased.lease_id is not None and leased.wire is None  # the reply names the lease
+    assert leased.lease_id is not None and leased.memo is None  # the reply names the lease
     assert pb.Match.FromString(codec.match_bytes(leased)).lease_id == leased.lease_id
 
 
@@ -70,3 +73,50 @@ def test_live_repeated_lookup_answers_the_same(live: Live, client: MetadataClien
     assert _view(batch[0]) == _view(answers[0]) and batch[1].usable_tokens < N * 64
     streamed = next(iter(client.lookup_stream([[LookupRequest(hs)]])))
     assert _view(streamed[0]) == _view(answers[0])
+
+
+def _raw_lookup(live: Live, request: pb.LookupBatchRequest) -> bytes:
+    with grpc.insecure_channel(live.endpoint) as ch:
+        call = ch.unary_unary("/hkv.v1.MetadataService/Lookup")
+        reply: bytes = call(request.SerializeToString(), timeout=5)
+        return reply
+
+
+def test_replayed_reply_never_outlives_a_change(live: Live, client: MetadataClient) -> None:
+    """The same request bytes again: answered from the reply cache while the memo stands,
+    and afresh (a smaller match) right after an eviction on the path or an owner change."""
+    register(client)
+    hs = hashes(N)
+    ids = commit_remote(client, hs)
+    request = pb.LookupBatchRequest()
+    codec.encode_lookup(LookupRequest(hs), request.requests.add())
+    replies = [_raw_lookup(live, request) for _ in range(5)]
+    assert len(set(replies)) == 1
+    stats = client.stats()  # calls 3-5 answered by the memo (4 and 5 replayed from bytes)
+    assert stats["lookups"]["hit"] == 5 and stats["events"]["lookup_memo_hit"] == 3  # type: ignore[index]
+    client.evict(ids[(N // 2, "c4")])
+    after = pb.LookupBatchResponse.FromString(_raw_lookup(live, request)).matches[0]
+    assert after.usable_tokens < N * 64
+    full = pb.LookupBatchResponse.FromString(replies[0]).matches[0]
+    assert full.usable_tokens == N * 64
+    # a new owner (the stride table grows): no replay of a reply made before it
+    for _ in range(3):
+        _raw_lookup(live, request)
+    register(client, owner="s1", blocks=8)
+    memo_hits = client.stats()["events"]["lookup_memo_hit"]  # type: ignore[index]
+    again = pb.LookupBatchResponse.FromString(_raw_lookup(live, request)).matches[0]
+    assert client.stats()["events"]["lookup_memo_hit"] == memo_hits  # type: ignore[index]
+    assert again.usable_tokens == after.usable_tokens  # walked afresh, not replayed
+
+
+def test_reply_cache_is_bounded() -> None:
+    cache = ReplyCache(max_entries=2, max_bytes=1000)
+    memo = Memo((b"", 0, 0, 0, True, (), 0), b"", None, None, None, 0)  # type: ignore[arg-type]
+    for i in range(4):
+        cache.put(bytes([i]) * 100, memo, b"r" * 100)
+    assert len(cache) == 2 and cache.get(b"\x00" * 100) is None
+    assert cache.get(b"\x03" * 100) == (memo, b"r" * 100)
+    cache.put(b"big", memo, b"x" * 2000)  # over the byte bound: not kept
+    assert cache.get(b"big") is None and cache.nbytes == 400
+    other = b"\x03" * 99 + b"\x04"  # same length, another request: never its reply
+    assert cache.get(other) is None
