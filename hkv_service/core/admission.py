@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .errors import AdmissionRefused, InvalidInput
 
@@ -26,8 +27,10 @@ class AdmissionCap:
     max_bytes: int = 256 * 1024 * 1024
 
 
-@dataclass(frozen=True, slots=True)
-class Ticket:
+class Ticket(NamedTuple):
+    """One admitted transfer (a tuple: taken and returned once per object moved, so its
+    construction is on every load's path and a frozen dataclass costs ~3x more)."""
+
     ticket_id: int
     nbytes: int
 
@@ -58,6 +61,7 @@ class AdmissionGate:
         self._refused = 0
         self._next_id = 0
         self._open: set[int] = set()
+        self._waiters = 0
 
     def _fits(self, nbytes: int) -> bool:
         if self._objects + 1 > self.cap.max_objects:
@@ -69,8 +73,14 @@ class AdmissionGate:
         """Admit one object of ``nbytes``; wait up to ``wait_s`` for room, else refuse."""
         if nbytes < 0:
             raise InvalidInput(f"a transfer cannot have negative size ({nbytes} bytes)")
-        deadline = time.monotonic() + max(0.0, wait_s)
         with self._cond:
+            if not self._fits(nbytes):
+                self._wait_for_room(nbytes, time.monotonic() + max(0.0, wait_s))
+            return self._admit(nbytes)
+
+    def _wait_for_room(self, nbytes: int, deadline: float) -> None:
+        self._waiters += 1  # release() notifies only while someone waits
+        try:
             while not self._fits(nbytes):
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -81,7 +91,8 @@ class AdmissionGate:
                         retry_after_s=0.05,
                     )
                 self._cond.wait(left)
-            return self._admit(nbytes)
+        finally:
+            self._waiters -= 1
 
     def _admit(self, nbytes: int) -> Ticket:
         self._objects += 1
@@ -100,7 +111,8 @@ class AdmissionGate:
             self._open.remove(ticket.ticket_id)
             self._objects -= 1
             self._bytes -= ticket.nbytes
-            self._cond.notify_all()
+            if self._waiters:
+                self._cond.notify_all()
 
     def stats(self) -> AdmissionStats:
         with self._cond:
