@@ -142,7 +142,8 @@ class _RawLmdb:
 
         return _timed(batches)
 
-    def read(self) -> float:
+    def _gets(self, copy: Callable[[memoryview, memoryview], object]) -> float:
+        """Time one get + ``copy(view, destination)`` per block, one read txn per get."""
         env = self.env
         assert env is not None
 
@@ -151,34 +152,32 @@ class _RawLmdb:
                 with env.begin(buffers=True) as txn:
                     view = txn.get(key)
                     assert view is not None
-                    out.data[:] = view
+                    copy(view, out.data)
 
         return _timed(gets)
+
+    def read(self) -> float:
+        def copy(view: memoryview, dest: memoryview) -> None:
+            dest[:] = view
+
+        return self._gets(copy)
 
     def read_verify(self) -> float:
         """``read`` plus the xxh3-128 of each copy, chunked as the tier does (fused past
         ``VERIFY_CHUNK``): the bare cost of a verify-every-byte load, no header or ticket."""
-        env = self.env
-        assert env is not None
+        def copy_and_hash(view: memoryview, dest: memoryview) -> None:
+            if len(view) <= VERIFY_CHUNK:
+                dest[:] = view
+                xxhash.xxh3_128_digest(dest)
+                return
+            hasher = xxhash.xxh3_128()
+            for start in range(0, len(view), VERIFY_CHUNK):
+                chunk = dest[start : start + VERIFY_CHUNK]
+                chunk[:] = view[start : start + VERIFY_CHUNK]
+                hasher.update(chunk)
+            hasher.digest()
 
-        def gets() -> None:
-            for key, out in zip(self.keys, self.outs, strict=True):
-                with env.begin(buffers=True) as txn:
-                    view = txn.get(key)
-                    assert view is not None
-                    dest = out.data
-                    if len(view) <= VERIFY_CHUNK:
-                        dest[:] = view
-                        xxhash.xxh3_128_digest(dest)
-                        continue
-                    hasher = xxhash.xxh3_128()
-                    for start in range(0, len(view), VERIFY_CHUNK):
-                        chunk = dest[start : start + VERIFY_CHUNK]
-                        chunk[:] = view[start : start + VERIFY_CHUNK]
-                        hasher.update(chunk)
-                    hasher.digest()
-
-        return _timed(gets)
+        return self._gets(copy_and_hash)
 
     def close(self) -> None:
         if self.env is not None:

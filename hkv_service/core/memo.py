@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 from .ids import BlockHash, PackedHashes
 from .records import HandleColumn, ObjRecord, PrefixEntry
 
-if TYPE_CHECKING:  # the annotation only: funnel imports records, not this module
+if TYPE_CHECKING:  # annotations only: state_view imports this module
     from .funnel import FunnelResult, LookupRequest
     from .state_view import Match
 
