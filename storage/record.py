@@ -36,7 +36,7 @@ import zstandard
 from hkv_service.core.errors import BadHash, InvalidInput
 from hkv_service.core.ids import BLOCK_HASH_BYTES
 
-from .codec import Codec, compress, decompress
+from .codec import Codec, ProbeStreak, compress, decompress
 from .errors import CorruptEntry
 
 __all__ = [
@@ -161,10 +161,12 @@ class Encoded:
         return view
 
 
-def encode_record(key: DiskKey, view: memoryview, now_ns: int) -> Encoded:
-    """Checksum ``view``, compress it when that pays, and seal the header."""
+def encode_record(key: DiskKey, view: memoryview, now_ns: int,
+                  streak: ProbeStreak | None = None) -> Encoded:
+    """Checksum ``view``, compress it when that pays, and seal the header (``streak``: the
+    sampling history of ``view``'s stream, see codec.ProbeStreak)."""
     checksum = xxhash.xxh3_128_digest(view)
-    codec, stored = compress(view)
+    codec, stored = compress(view, streak)
     fields = (MAGIC, FORMAT_VERSION, codec, KIND_CODES[key.kind], 0, len(view), len(stored),
               checksum, key.abi_fingerprint, now_ns)
     unsealed = HEADER.pack(*fields, 0)

@@ -42,7 +42,7 @@ from hkv_service.core.admission import AdmissionCap, AdmissionGate, AdmissionSta
 from hkv_service.core.errors import AdmissionRefused, HkvError, InvalidInput
 
 from .catalog import Catalog, IndexEntry
-from .codec import as_byte_view
+from .codec import ProbeStreak, as_byte_view
 from .errors import CorruptEntry, DiskFull, NotOnDisk
 from .lmdb_store import DiskStore, StoreConfig
 from .record import (
@@ -128,6 +128,8 @@ class DiskTier:
         self._counts = dict.fromkeys(("puts", "gets", "corruption", "quarantined", "evicted"), 0)
         self._closed = False
         self._scratch = bytearray()  # used only under the store's write lock
+        # (group, kind) -> when to stop sampling its payloads for compression (codec.py)
+        self._streaks: dict[tuple[str, str], ProbeStreak] = {}
 
     # -- writes -------------------------------------------------------------------------
 
@@ -184,7 +186,8 @@ class DiskTier:
             self.gate.release(ticket)
 
     def _put_batch(self, views: list[tuple[DiskKey, memoryview]]) -> list[RecordMeta]:
-        encoded = [encode_record(key, view, self._clock.now()) for key, view in views]
+        encoded = [encode_record(key, view, self._clock.now(), self._streak(key))
+                   for key, view in views]
         for record in encoded:
             if record.size > self.budget_bytes:
                 raise DiskFull(
@@ -204,6 +207,13 @@ class DiskTier:
         metas = [record.meta for record in encoded]
         metas[-1] = replace(metas[-1], evicted=evicted)
         return metas
+
+    def _streak(self, key: DiskKey) -> ProbeStreak:
+        stream = (key.group, key.kind)
+        streak = self._streaks.get(stream)
+        if streak is None:  # a race makes two; one is kept, both are correct
+            streak = self._streaks.setdefault(stream, ProbeStreak())
+        return streak
 
     def _commit_batch(self, txn: lmdb.Transaction, encoded: list[Encoded],
                       touched: dict[bytes, int]) -> tuple[DiskKey, ...]:

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from hkv_service.core.errors import BadHash, InvalidInput
 from storage import CorruptEntry, DiskKey
-from storage.codec import Codec, as_byte_view, compress
+from storage.codec import SKIP_AFTER, SKIP_FOR, Codec, ProbeStreak, as_byte_view, compress
 from storage.record import (
     HEADER,
     VERIFY_CHUNK,
@@ -61,6 +61,32 @@ def test_incompressible_kv_stays_raw_and_zeros_compress() -> None:
     codec, stored = compress(memoryview(bytes(1 << 20)))
     assert codec is Codec.ZSTD and len(stored) < 1 << 12
     assert compress(memoryview(bytes(100)))[0] is Codec.RAW  # too small to bother
+
+
+def test_a_stream_that_never_compresses_stops_being_sampled_for_a_while() -> None:
+    """After SKIP_AFTER failed samples in a row the next SKIP_FOR payloads of the stream go
+    raw unsampled (a compressible one too: the proof that no sample was taken); one more
+    failed sample skips again, a promising one resumes sampling every payload."""
+    noise = as_byte_view(np.random.default_rng(0).standard_normal(64 * 1024).astype(np.float16))
+    zeros = as_byte_view(np.zeros(128 * 1024, np.uint8))
+    streak = ProbeStreak()
+    for _ in range(SKIP_AFTER):
+        assert compress(noise, streak)[0] is Codec.RAW
+    assert [compress(zeros, streak)[0] for _ in range(SKIP_FOR)] == [Codec.RAW] * SKIP_FOR
+    assert compress(noise, streak)[0] is Codec.RAW  # sampled: one failure skips again
+    assert [compress(zeros, streak)[0] for _ in range(SKIP_FOR)] == [Codec.RAW] * SKIP_FOR
+    assert compress(zeros, streak)[0] is Codec.ZSTD  # sampled: the stream compresses now
+    assert compress(zeros, streak)[0] is Codec.ZSTD  # and is sampled every time again
+    assert compress(zeros)[0] is Codec.ZSTD  # no streak: always sampled
+
+
+def test_a_compressing_stream_is_always_sampled() -> None:
+    zeros = as_byte_view(np.zeros(128 * 1024, np.uint8))
+    noise = as_byte_view(np.random.default_rng(1).standard_normal(64 * 1024).astype(np.float16))
+    streak = ProbeStreak()
+    for i in range(3 * SKIP_AFTER):  # never SKIP_AFTER failures in a row
+        payload = noise if i % 2 else zeros
+        assert compress(payload, streak)[0] is (Codec.RAW if i % 2 else Codec.ZSTD)
 
 
 def test_payload_views_accept_arrays_and_reject_bad_input() -> None:
