@@ -18,8 +18,8 @@ GB/s for 1 MiB, against ~40-50 GB/s hot), so the earlier formula
 Blocks are random-normal fp16, which zstd level 1 shrinks by only ~8%, under the 10% the tier
 demands, so they are stored raw: the ratios price the checksum, the header and the
 compression probe (sampled on the first payloads of a stream, then once in 64 while the
-stream keeps failing it, as for a group's KV in production), not compression itself. Each figure is the best of ``reps`` passes over
-fresh stores.
+stream keeps failing it, as for a group's KV in production), not compression itself. Each
+figure is the best of ``reps`` passes over fresh stores.
 """
 
 from __future__ import annotations
