@@ -51,6 +51,9 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
                    help="admission cap: objects in transit between tiers at once (default 64)")
     p.add_argument("--max-inflight-bytes", type=int, default=256 << 20,
                    help="admission cap: bytes in transit between tiers at once (default 256 MiB)")
+    p.add_argument("--lookup-memo-mib", type=int, default=64,
+                   help="memory for answers to repeated long lookups, kept until their prefix "
+                        "changes (the lookup memo; 0 = off; default 64)")
 
 
 def build_parser() -> argparse.ArgumentParser:

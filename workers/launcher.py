@@ -348,7 +348,8 @@ def reconcile_shards(system: System, emit: Emit) -> None:
 _FLAG_KEYS = {f.name for f in fields(SystemConfig)} - {"serve_args", "max_restarts", "num_cpus",
                                                        "device", "start_timeout_s"}
 _PASSTHROUGH = {"tls_cert": "--tls-cert", "tls_key": "--tls-key", "tls_ca": "--tls-ca",
-                "metrics_port": "--metrics-port", "grace_s": "--grace-s"}
+                "metrics_port": "--metrics-port", "grace_s": "--grace-s",
+                "lookup_memo_mib": "--lookup-memo-mib"}
 
 
 class ConfigError(Exception):

@@ -91,7 +91,7 @@ class LookupMemo:
     def key(self, req: LookupRequest, limit: int, owners_epoch: int) -> MemoKey | None:
         """The memo key of ``req``; None where a walk is cheap enough not to memoise."""
         hashes = req.block_hashes
-        if self.capacity <= 0 or len(hashes) < self.min_blocks:
+        if self.capacity <= 0 or self.max_bytes <= 0 or len(hashes) < self.min_blocks:
             return None
         abi = tuple(sorted(req.reader_abi.items())) if req.reader_abi else ()
         return (hashes[-1], len(hashes), limit, req.alignment, req.handles, abi, owners_epoch)

@@ -95,7 +95,7 @@ class StateConfig:
     heartbeat_timeout_s: float = 10.0
     log_capacity: int = 8192  # bounded: Watch streams recent history only
     # Lookup memo (core/memo.py): results of lookups of >= memo_min_blocks hashes, kept until
-    # anything on their path changes; bounded by count and bytes. 0 capacity: off.
+    # anything on their path changes; bounded by count and bytes. 0 capacity or bytes: off.
     memo_capacity: int = 1024
     memo_max_bytes: int = 64 << 20
     memo_min_blocks: int = 32

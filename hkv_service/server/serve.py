@@ -116,9 +116,12 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     server = ServerConfig(host=args.host, port=port, auth_token=token, tls=tls, allowed_cns=cns)
     if args.max_inflight_objects < 1 or args.max_inflight_bytes < 1:
         raise UsageError("--max-inflight-objects and --max-inflight-bytes must be at least 1")
+    if args.lookup_memo_mib < 0:
+        raise UsageError(f"--lookup-memo-mib must not be negative, got {args.lookup_memo_mib}")
     state = StateConfig(
         admission=AdmissionCap(args.max_inflight_objects, args.max_inflight_bytes),
         heartbeat_timeout_s=args.heartbeat_timeout_s,
+        memo_max_bytes=args.lookup_memo_mib << 20,
     )
     return ServeConfig(server, state, args.spec, metrics_port, args.grace_s)
 

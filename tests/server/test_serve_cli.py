@@ -34,6 +34,7 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     (("--port", "abc"), "invalid int value"),
     (("--tls-allowed-cn", "worker"), "--tls-allowed-cn needs mTLS"),
     (("--max-inflight-objects", "0"), "must be at least 1"),
+    (("--lookup-memo-mib", "-1"), "--lookup-memo-mib must not be negative"),
 ])
 def test_bad_flags_exit_2_with_one_sentence(args: tuple[str, ...], phrase: str) -> None:
     out = _run(*args)
@@ -148,3 +149,20 @@ def test_restart_rebuilds_only_from_confirmed_objects(procs: list[Proc]) -> None
     assert client.lookup(LookupRequest(hs_b)).usable_tokens == 0  # never confirmed: miss
     client.close()
     assert p2.stop() == 0
+
+
+def test_lookup_memo_flag_sizes_or_turns_off_the_memo() -> None:
+    from hkv_service.cli import build_parser
+    from hkv_service.core.funnel import LookupRequest as Req
+    from hkv_service.core.state_view import CacheState
+    from hkv_service.server.serve import config_from_args
+    from hkv_service.specs import default_spec
+
+    def state_of(*flags: str) -> CacheState:
+        cfg = config_from_args(build_parser().parse_args(["serve", *flags]))
+        return CacheState(default_spec(), cfg.state)
+
+    assert state_of().memo.max_bytes == 64 << 20
+    assert state_of("--lookup-memo-mib", "8").memo.max_bytes == 8 << 20
+    off = state_of("--lookup-memo-mib", "0")
+    assert off.memo.key(Req(hashes(40)), 40 * 64, 0) is None

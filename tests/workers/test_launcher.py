@@ -87,8 +87,8 @@ def test_config_file_values_apply_and_flags_win(tmp_path: Path) -> None:
     from workers.launcher import config_from_args
 
     cfg = tmp_path / "up.yaml"
-    cfg.write_text("blocks-per-group: 32\nport: 7000\ngrace_s: 2.5\n")
+    cfg.write_text("blocks-per-group: 32\nport: 7000\ngrace_s: 2.5\nlookup-memo-mib: 0\n")
     args = build_parser().parse_args(["up", "--config", str(cfg), "--port", "7100"])
     config = config_from_args(args)
     assert config.blocks_per_group == 32 and config.port == 7100
-    assert config.serve_args == ("--grace-s", "2.5")
+    assert config.serve_args == ("--grace-s", "2.5", "--lookup-memo-mib", "0")
