@@ -26,8 +26,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .contracts import F_MONO, F_TAIL, LOAD, READY, column_verdict
-from .errors import BadHash, InvalidInput, PositionBeyondHashes, UnknownGroup
-from .ids import BLOCK_HASH_BYTES, BlockHash, GroupName, PackedHashes
+from .errors import InvalidInput, PositionBeyondHashes, UnknownGroup
+from .ids import BlockHash, GroupName, check_hash_lengths
 from .layout import Layout
 from .records import PrefixEntry
 from .states import Kind, Reason, State
@@ -62,19 +62,6 @@ class FunnelResult:
     entries: Sequence[PrefixEntry]  # entries [0, usable/H); valid under the caller's lock
     downgrades: tuple[Downgrade, ...]
     walked: Sequence[PrefixEntry] = ()  # every entry the walk accepted (the result's inputs)
-    # The walk found every hash it looked at, so the result depends on ``walked`` alone (a walk
-    # that stopped also depends on the entry, or the absence of one, where it stopped).
-    walk_complete: bool = False
-
-
-def check_hash_lengths(hashes: Sequence[BlockHash], start: int = 0) -> None:
-    """Raise BadHash unless every hash from ``start`` on is 16 bytes."""
-    if isinstance(hashes, PackedHashes):
-        return  # 16 bytes each by construction
-    sizes = set(map(len, itertools.islice(hashes, start, None)))  # C speed
-    if sizes - {BLOCK_HASH_BYTES}:
-        bad = min(sizes - {BLOCK_HASH_BYTES})
-        raise BadHash(f"block hash must be {BLOCK_HASH_BYTES} bytes, got {bad}")
 
 
 def validate_request(req: LookupRequest, layout: Layout, *, hash_lengths: bool = True) -> int:
@@ -133,7 +120,7 @@ def run_funnel(
         downgrades.append(Downgrade(Reason.PARTIAL_BLOCK, None, usable))
     return FunnelResult(
         usable, n * layout.hash_block, entries[: usable // layout.hash_block], tuple(downgrades),
-        entries, 0 < n == max_entries,
+        entries,
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
 import struct
 from collections.abc import Iterator, Sequence
@@ -19,6 +20,7 @@ __all__ = [
     "ObjectId",
     "PackedHashes",
     "ShardId",
+    "check_hash_lengths",
 ]
 
 BLOCK_HASH_BYTES = 16  # xxh3-128 digest
@@ -29,6 +31,16 @@ ShardId = NewType("ShardId", str)
 GroupName = NewType("GroupName", str)
 LeaseId = NewType("LeaseId", int)
 CaptureId = NewType("CaptureId", int)
+
+
+def check_hash_lengths(hashes: Sequence[bytes], start: int = 0) -> None:
+    """Raise BadHash unless every hash from ``start`` on is 16 bytes."""
+    if isinstance(hashes, PackedHashes):
+        return  # 16 bytes each by construction
+    sizes = set(map(len, itertools.islice(hashes, start, None)))  # C speed
+    if sizes - {BLOCK_HASH_BYTES}:
+        bad = min(sizes - {BLOCK_HASH_BYTES})
+        raise BadHash(f"block hash must be {BLOCK_HASH_BYTES} bytes, got {bad}")
 
 
 @functools.lru_cache(maxsize=32)
@@ -57,9 +69,7 @@ class PackedHashes(Sequence[BlockHash]):
         """Pack separate hashes, refusing any that is not 16 bytes."""
         if isinstance(hashes, PackedHashes):
             return hashes
-        sizes = set(map(len, hashes)) - {BLOCK_HASH_BYTES}
-        if sizes:
-            raise BadHash(f"block hash must be {BLOCK_HASH_BYTES} bytes, got {min(sizes)}")
+        check_hash_lengths(hashes)
         return cls(b"".join(hashes))
 
     def __len__(self) -> int:

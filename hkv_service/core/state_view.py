@@ -609,7 +609,11 @@ class CacheState:
                 result.usable_tokens, result.matched_tokens, result.downgrades, lease_id,
                 dict(columns) if columns else {}, memo if lease_id is None else None,
             )
-            if memo is None and key is not None and result.walk_complete:
+            # Only a walk that found every hash it looked at depends on its entries alone (a
+            # walk that stopped also depends on the entry, or the absence of one, there).
+            complete = result.matched_tokens == limit // self.layout.hash_block * \
+                self.layout.hash_block
+            if memo is None and key is not None and result.walked and complete:
                 self.memo.put(key, req.block_hashes,
                               match if lease_id is None else replace(match, lease_id=None), result,
                               records)

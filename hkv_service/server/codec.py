@@ -23,7 +23,6 @@ from typing import Any, Generic, TypeVar
 from hkv_service.core.errors import BadHash, InvalidInput
 from hkv_service.core.funnel import Downgrade, LookupRequest
 from hkv_service.core.ids import (
-    BLOCK_HASH_BYTES,
     BlockHash,
     GroupName,
     LeaseId,
@@ -149,7 +148,7 @@ def match_bytes(m: Match) -> bytes:
     wire = m.memo.wire if m.memo is not None else None  # None too once the memo is dropped
     if wire is not None:
         return wire
-    return bytes(encode_match(m, pb.Match()).SerializeToString())
+    return encode_match(m, pb.Match()).SerializeToString()  # type: ignore[no-any-return]
 
 
 def install_encoder(state: CacheState) -> None:
@@ -194,13 +193,10 @@ def decode_match(msg: Any) -> Match:
 
 
 def encode_lookup(req: LookupRequest, out: Any) -> Any:
-    hashes = req.block_hashes
-    if isinstance(hashes, PackedHashes):
-        out.packed_hashes = hashes.data
-    elif set(map(len, hashes)) <= {BLOCK_HASH_BYTES}:
-        out.packed_hashes = b"".join(hashes)  # one field, not n
-    else:  # a malformed hash: sent as is, for the server to refuse with a proper status
-        out.block_hashes.extend(hashes)
+    try:
+        out.packed_hashes = PackedHashes.of(req.block_hashes).data  # one field, not n
+    except BadHash:  # a malformed hash: sent as is, for the server to refuse with a status
+        out.block_hashes.extend(req.block_hashes)
     if req.resume_tokens is not None:
         out.resume_tokens = req.resume_tokens
     for name, fp in (req.reader_abi or {}).items():

@@ -164,8 +164,8 @@ class MetadataServicer(pb_grpc.MetadataServiceServicer):
     # Lookup replies are built as bytes: a repeated lookup answered by the view's memo comes
     # with its match already encoded (``Match.memo.wire``), and copying those bytes into the
     # reply beats re-encoding ~5k handles; a request seen before with a memo behind it is
-    # answered from ``replies`` (see replies.py). app._add_servicer registers Lookup with raw
-    # request bytes and a bytes-passing serializer.
+    # answered from ``replies`` (see replies.py). app._add_servicer registers LookupRaw and
+    # LookupStreamRaw for Lookup and LookupStream: raw request bytes, bytes-passing serializer.
 
     def _lookups(self, requests: Any) -> list[Match]:
         decoded = [codec.decode_lookup(r, i) for i, r in enumerate(requests)]
@@ -177,17 +177,10 @@ class MetadataServicer(pb_grpc.MetadataServiceServicer):
         return [self.state.lookup(req) for req in decoded]
 
     @_unary
-    def Lookup(self, request: Any, context: grpc.ServicerContext) -> bytes:
-        """A serialized LookupBatchResponse."""
-        return codec.repeated_field(1, [codec.match_bytes(m) for m in self._lookups(
-            request.requests)])
-
-    @_unary
     def LookupRaw(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
-        """Lookup over the request's bytes: a repeat of a memo-answered request is a replay."""
-        # shorter than the memo's minimum prefix: no memo, so no kept reply either
-        cached = (self.replies.get(raw) if len(raw) > self.state.memo.min_blocks * 16
-                  else None)
+        """Lookup over the request's bytes, answered with a serialized LookupBatchResponse;
+        a repeat of a memo-answered request is a replay."""
+        cached = self.replies.get(raw)
         if cached is not None:
             memo, reply = cached
             if self.state.replay(memo):
@@ -202,11 +195,6 @@ class MetadataServicer(pb_grpc.MetadataServiceServicer):
         if len(matches) == 1 and matches[0].memo is not None:
             self.replies.put(raw, matches[0].memo, reply)
         return reply
-
-    def LookupStream(self, request_iterator: Iterator[Any],
-                     context: grpc.ServicerContext) -> Iterator[bytes]:
-        for request in request_iterator:
-            yield self._stream_batch(request)
 
     def LookupStreamRaw(self, raw_iterator: Iterator[bytes],
                         context: grpc.ServicerContext) -> Iterator[bytes]:
@@ -226,8 +214,8 @@ class MetadataServicer(pb_grpc.MetadataServiceServicer):
             matches = [codec.match_bytes(m) for m in self._lookups(request.requests)]
         except HkvError as err:
             _item_error(err, head.error)
-            return bytes(head.SerializeToString())
-        return bytes(head.SerializeToString()) + codec.repeated_field(2, matches)
+            return head.SerializeToString()
+        return head.SerializeToString() + codec.repeated_field(2, matches)
 
     # ---- leases, reads, captures --------------------------------------------------------
 
