@@ -140,17 +140,11 @@ class _ReadTxn:
         self._env, self._gate = env, gate
 
     def __enter__(self) -> lmdb.Transaction:
-        # enter_shared / exit_shared inlined: this runs on every get, and each Python-level
-        # call costs a measurable share of a 256 KiB load on the dev machine.
-        gate = self._gate
-        with gate._lock:
-            while gate._exclusive:
-                gate._cond.wait()
-            gate._shared += 1
+        self._gate.enter_shared()
         try:
             self._txn = self._env.begin(buffers=True)
         except lmdb.Error as exc:
-            gate.exit_shared()
+            self._gate.exit_shared()
             raise _translated(exc, writing=False) from exc
         return self._txn
 
@@ -158,11 +152,7 @@ class _ReadTxn:
         try:
             self._txn.abort()
         finally:
-            gate = self._gate
-            with gate._lock:
-                gate._shared -= 1
-                if gate._exclusive and gate._shared == 0:
-                    gate._cond.notify_all()
+            self._gate.exit_shared()
         if isinstance(exc, lmdb.Error):
             raise _translated(exc, writing=False) from exc
 

@@ -52,8 +52,6 @@ __all__ = [
     "encode_record",
     "load_bytes",
     "load_into",
-    "read_bytes",
-    "read_into",
     "verified_raw",
     "verify_header",
 ]
@@ -65,7 +63,7 @@ KIND_CODES: dict[str, int] = {"COMPRESSED": 1, "TAIL": 2, "SWA": 3, "INDEXER": 4
 _KIND_NAMES = {code: name for name, code in KIND_CODES.items()}
 _KEY_FIXED = struct.Struct(">16sQB")
 HEADER = struct.Struct("<4sBBBBQQ16sQQQ")
-# Copy+verify granularity of read_into: a chunk and its source fit the 512 KiB L2 of the
+# Copy+verify granularity of load_into: a chunk and its source fit the 512 KiB L2 of the
 # development machine's cores. Measured there (CPU time, vs raw get + copy): 8 MiB objects
 # load at 0.72-0.76 fused (128 KiB-1 MiB chunks alike) against 0.62-0.65 copy-then-hash;
 # at <= 1 MiB every choice is within noise (the copy leaves the object in L3), so objects
@@ -190,6 +188,10 @@ def verify_header(key_bytes: bytes, value: memoryview) -> Header:
     return Header(_CODECS[codec], _KIND_NAMES[kind], raw_len, stored_len, checksum, abi, created)
 
 
+# Positions in check_header's tuple (HEADER order) that the per-get path reads.
+F_CODEC, F_RAW_LEN, F_CHECKSUM = 2, 5, 7
+
+
 def check_header(key_bytes: bytes, value: memoryview) -> tuple[Any, ...]:
     """The header's fields (``HEADER`` order) once every check passed; raises CorruptEntry.
 
@@ -206,7 +208,7 @@ def check_header(key_bytes: bytes, value: memoryview) -> tuple[Any, ...]:
         raise _corrupt(key_bytes, "format", f"unknown magic/version/codec {magic!r}/{version}")
     if abi != key_abi or kind != key_kind:
         raise _corrupt(key_bytes, "key_mismatch", "record ABI or kind differs from its key")
-    if len(value) != HEADER.size + stored_len or (codec == 0 and raw_len != stored_len):
+    if len(value) != HEADER.size + stored_len or (codec == Codec.RAW and raw_len != stored_len):
         raise _corrupt(key_bytes, "length", f"{len(value)} bytes, header says {stored_len}")
     return fields
 
@@ -216,30 +218,35 @@ def load_into(key_bytes: bytes, value: memoryview, fields: tuple[Any, ...],
     """Copy the raw payload of ``value`` (whose header :func:`check_header` passed, giving
     ``fields``) into ``dest[:raw_len]`` and verify the copy there; returns raw_len.
 
-    The tier's per-get path: :func:`read_into`'s work with no :class:`Header` built.
-    ``dest`` is a flat writable byte view; too small raises InvalidInput. On CorruptEntry
-    ``dest`` holds unverified bytes and must not be used.
+    The destination is what gets hashed: what is checked is exactly what is returned. Past
+    one :data:`VERIFY_CHUNK`, copy and hash are fused chunk by chunk (see
+    :func:`_copy_verified`). ``dest`` is a flat writable byte view; too small raises
+    InvalidInput. On CorruptEntry ``dest`` holds unverified bytes and must not be used.
     """
-    n: int = fields[5]
+    n: int = fields[F_RAW_LEN]
     if n > len(dest):
         raise InvalidInput(f"buffer of {len(dest)} bytes is too small for {n}")
-    if fields[2] == 0:  # Codec.RAW
+    if fields[F_CODEC] == Codec.RAW:
         src: memoryview = value[HEADER.size :]
     else:
         src = memoryview(_decoded_frame(key_bytes, value[HEADER.size :], n))
         if len(src) != n:
             raise _corrupt(key_bytes, "payload_checksum", "payload length mismatch")
-    _copy_verified(key_bytes, src, dest if n == len(dest) else dest[:n], fields[7])
+    _copy_verified(key_bytes, src, dest if n == len(dest) else dest[:n], fields[F_CHECKSUM])
     return n
 
 
 def load_bytes(key_bytes: bytes, value: memoryview, fields: tuple[Any, ...]) -> bytes:
-    """:func:`read_bytes` from :func:`check_header`'s ``fields``: a verified private copy."""
-    if fields[2] == 0:  # Codec.RAW
+    """A verified private copy of the raw payload (``fields`` from :func:`check_header`).
+
+    The one copy out of the map is made first and the *copy* is hashed: hashing cache-hot
+    bytes is cheaper than a second pass over the map. Bytes that fail never leave here.
+    """
+    if fields[F_CODEC] == Codec.RAW:
         raw = bytes(value[HEADER.size :])
     else:
-        raw = _decoded_frame(key_bytes, value[HEADER.size :], fields[5])
-    if len(raw) != fields[5] or xxhash.xxh3_128_digest(raw) != fields[7]:
+        raw = _decoded_frame(key_bytes, value[HEADER.size :], fields[F_RAW_LEN])
+    if len(raw) != fields[F_RAW_LEN] or xxhash.xxh3_128_digest(raw) != fields[F_CHECKSUM]:
         raise _corrupt(key_bytes, "payload_checksum", "payload checksum mismatch")
     return raw
 
@@ -247,8 +254,10 @@ def load_bytes(key_bytes: bytes, value: memoryview, fields: tuple[Any, ...]) -> 
 def _copy_verified(key_bytes: bytes, src: memoryview, out: memoryview, checksum: bytes) -> None:
     """``out[:] = src``, then the xxh3-128 of ``out`` must be ``checksum`` (equal lengths).
 
-    Past one :data:`VERIFY_CHUNK`, copy and hash are fused chunk by chunk (see
-    :func:`read_into`)."""
+    Past one :data:`VERIFY_CHUNK`, copy and hash are fused: each chunk is copied and then fed
+    to a streaming xxh3-128 while it is still in the core's L2, so the hash reads cache
+    instead of a second pass over memory (a large payload has left the caches by the time a
+    separate hash pass reaches its start)."""
     n = len(out)
     if n <= VERIFY_CHUNK:
         out[:] = src
@@ -292,40 +301,3 @@ def verified_raw(key_bytes: bytes, header: Header, value: memoryview) -> memoryv
         raw = _decoded(key_bytes, header, value)
     _check(key_bytes, header, raw)
     return raw
-
-
-def read_bytes(key_bytes: bytes, header: Header, value: memoryview) -> bytes:
-    """A verified private copy of the raw payload.
-
-    The one copy out of the map is made first and the *copy* is hashed: what is checked is
-    exactly what is returned, and hashing cache-hot bytes is cheaper than a second pass over
-    the map. Bytes that fail never leave this function.
-    """
-    if header.codec == Codec.RAW:
-        raw = bytes(_stored(header, value))
-    else:
-        raw = _decoded(key_bytes, header, value)
-    _check(key_bytes, header, raw)
-    return raw
-
-
-def read_into(key_bytes: bytes, header: Header, value: memoryview, out: memoryview) -> None:
-    """Copy the raw payload into ``out`` (``len(out) == raw_len``) and verify ``out``.
-
-    As in :func:`read_bytes`, the destination is what gets hashed. Past one
-    :data:`VERIFY_CHUNK`, copy and hash are fused: each chunk is copied and then fed to a
-    streaming xxh3-128 while it is still in the core's L2, so the hash reads cache instead
-    of a second pass over memory (a large payload has left the caches by the time a
-    separate hash pass reaches its start). On CorruptEntry ``out`` holds unverified bytes
-    and must not be used; the exception is the caller's signal.
-    """
-    if header.codec == Codec.RAW:
-        src: memoryview = value[HEADER.size :]
-    else:
-        src = memoryview(_decoded(key_bytes, header, value))
-    n = header.raw_len
-    if len(out) != n:
-        raise InvalidInput(f"destination holds {len(out)} bytes, the payload {n}")
-    if len(src) != n:
-        raise _corrupt(key_bytes, "payload_checksum", "payload length mismatch")
-    _copy_verified(key_bytes, src, out, header.checksum)

@@ -15,8 +15,9 @@ from storage.codec import SKIP_AFTER, SKIP_FOR, Codec, ProbeStreak, as_byte_view
 from storage.record import (
     HEADER,
     VERIFY_CHUNK,
+    check_header,
     encode_record,
-    read_into,
+    load_into,
     verified_raw,
     verify_header,
 )
@@ -147,9 +148,10 @@ def test_every_single_bit_flip_of_a_small_zstd_record_is_detected() -> None:
             _roundtrip_value(KEY, bytes(flipped))
 
 
-def _read_into(value: bytes, out: memoryview) -> None:
+def _read_into(value: bytes, out: memoryview) -> int:
+    """The tier's per-get path: header check, then copy + verify into ``out``."""
     kb, view = KEY.to_bytes(), memoryview(value)
-    read_into(kb, verify_header(kb, view), view, out)
+    return load_into(kb, view, check_header(kb, view), out)
 
 
 @pytest.mark.parametrize("compressible", [False, True])
@@ -162,10 +164,12 @@ def test_read_into_copies_and_verifies_across_chunk_boundaries(size: int,
                else np.random.default_rng(size).bytes(size))
     value = _value(KEY, payload, 5)
     out = bytearray(size)
-    _read_into(value, memoryview(out))
+    assert _read_into(value, memoryview(out)) == size
     assert out == payload
     with pytest.raises(InvalidInput):  # a caller's wrong-sized buffer is not corruption
-        _read_into(value, memoryview(bytearray(size + 1)))
+        _read_into(value, memoryview(bytearray(size - 1)))
+    roomy = bytearray(size + 1)  # a larger buffer gets the payload in its first n bytes
+    assert _read_into(value, memoryview(roomy)) == size and roomy[:size] == payload
 
 
 @pytest.mark.parametrize("where", [0, VERIFY_CHUNK - 1, VERIFY_CHUNK, 2 * VERIFY_CHUNK + 7, -1])
