@@ -11,13 +11,15 @@ workers run apart from the service in production. Measured in the same run:
   and downgrades, what a router asks), and through the typed client (plus decoding into core
   types). ``service`` repeats a lookup of an unchanged prefix, so from the third call on the
   lookup memo answers it (core/memo.py); ``service_walk`` is the same lookup on the twin,
-  where every call walks (a prefix that changed since it was last looked up), and
-  ``core_walk`` that walk in process. Beside them: the echo of the very same request bytes,
+  where every call walks (a prefix that changed since it was last looked up), ``core_walk``
+  that walk in process, and ``servicer_walk_in_process`` the server's whole handler (request
+  bytes to reply bytes) on it in process. Beside them: the echo of the very same request bytes,
   and an echo that answers the same request with as many bytes as the Lookup reply (the
   transport floor of the exchange);
 * throughput of 1-block lookups with 1 and 4 client threads, batched 16 per call, and
   ping-pong over the ``LookupStream`` bidi stream, against echo (unary and bidi) the same way;
-  each pair is the best of three alternating runs.
+  each pair is the best of three alternating runs; ``lookup1_extra_per_call_us`` is what a
+  1-block lookup costs beyond an echo call, from those two rates.
 
 The servers share one process (and GIL), the clients another: 4 client threads show the
 server's GIL plus state-lock contention together.
@@ -44,6 +46,7 @@ from ..core.state_view import CacheState, StateConfig
 from ..proto_gen.hkv.v1 import hkv_pb2 as pb
 from ..server.app import ServerConfig, Service, build_service
 from ..server.codec import encode_lookup
+from ..server.servicer import MetadataServicer
 from ..specs import default_spec
 from ..testing import commit_prefix, pools_for, prompt_hashes
 from .timing import percentile, samples
@@ -217,6 +220,7 @@ def _latencies(endpoint: str, walker: str, echo: str, state: CacheState,
     payload = _batch_bytes([req])
     svc, ech = _unary(endpoint, _LOOKUP, payload)(), _unary(echo, _ECHO, payload)()
     walk = _unary(walker, _LOOKUP, payload)()
+    servicer = MetadataServicer(state)
     only = _unary(endpoint, _LOOKUP, _batch_bytes([LookupRequest(hashes[:n], handles=False)]))()
     reply = svc()
     sized = _unary(echo, _REPLY, payload)()
@@ -225,6 +229,8 @@ def _latencies(endpoint: str, walker: str, echo: str, state: CacheState,
         fns: dict[str, Callable[[], object]] = {
             "service": svc, "service_walk": walk, "match_only": only, "echo": ech,
             "echo_reply_sized": sized, "core_walk": lambda: state.lookup(req),
+            # the server's handler on the in-process twin, request bytes to reply bytes
+            "servicer_walk_in_process": lambda: servicer.LookupRaw(payload, None),
             "client": lambda: client.lookup(req)}
         out = {f"lookup{n}_{k}": v for k, v in _interleaved(fns, count).items()}
     out[f"lookup{n}_request_bytes"] = float(len(payload))
@@ -284,6 +290,9 @@ def run(quick: bool = False) -> dict[str, Any]:
         if proc.is_alive():  # stop only what we started, by handle
             proc.kill()
             proc.join(5)
+    # what one 1-block lookup costs beyond an echo call, end to end
+    thr["lookup1_extra_per_call_us"] = 1e6 * (1 / thr["lookups_per_s_1thread"]
+                                              - 1 / thr["echo_rps_1thread"])
     baseline_keys = [k for k in {**lat, **thr} if "echo" in k or "core" in k]
     merged = {**lat, **thr}
     figures = {k: v for k, v in merged.items() if k not in baseline_keys}
