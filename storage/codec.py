@@ -111,7 +111,7 @@ class ProbeStreak:
     One per stream of like payloads (a disk tier keeps one per group and kind): fp16/bf16 KV
     of one group is as incompressible in the next block as in the last. After
     :data:`SKIP_AFTER` failed samples in a row, the next :data:`SKIP_FOR` payloads are stored
-    raw without a sample (~30-40 us saved on each, ~10% of a 256 KiB synced put); then one
+    raw without a sample (the sample's cost is saved on each); then one
     sample decides: another failure skips the next SKIP_FOR again, a promising one starts
     over. So a stream that starts to compress is noticed within SKIP_FOR + 1 payloads, and an
     incompressible one pays for one sample in SKIP_FOR + 1. Storing raw is always correct;
