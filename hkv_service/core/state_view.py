@@ -24,6 +24,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -199,7 +200,10 @@ class CacheState:
         spec: CacheSpec,
         config: StateConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
+        lock: AbstractContextManager[Any] | None = None,
     ) -> None:
+        """``lock``: what serialises the view's methods (re-entrant; default
+        ``threading.RLock``); the service bench passes one that times its waits and holds."""
         self.spec = spec
         self.layout = Layout(spec)
         self.config = config or StateConfig()
@@ -220,7 +224,7 @@ class CacheState:
         self._shard_names: tuple[ShardId, ...] = ()
         self._mono_slot = {c: j for j, c in enumerate(self.layout.mono_columns)}
         self._row_struct = struct.Struct("<" + "QQiH" * len(self.layout.mono_columns))
-        self._lock = threading.RLock()
+        self._lock: AbstractContextManager[Any] = lock if lock is not None else threading.RLock()
         # KV versions: unique for this view's lifetime *and* above every version an owner
         # re-confirmed or a client passed, or a KV rewritten after a restart could get the
         # version a stale indexer was synced to and that indexer would pass as synced.
