@@ -845,23 +845,70 @@ class CacheState:
     def confirm(self, owner: ShardId, reports: Sequence[ObjectReport]) -> int:
         """Re-create objects an owner vouches for after a service restart: complete objects and
         disk copies at rest. Returns how many were re-created (duplicates and half-written
-        objects are skipped); malformed reports reject the whole call, changing nothing."""
+        objects are skipped). Malformed reports (a state of another kind, an SWA range outside
+        its block, hashes that contradict the index or each other) and an owner that is not
+        registered, or was declared lost since, reject the whole call, changing nothing."""
         with self._lock:
             o = self._owner(owner)
+            if not o.alive:  # its memory is gone by the view's own verdict
+                raise UnknownOwner(f"owner {owner!r} was declared lost; re-register first")
             for r in reports:  # validate all before applying any: all or nothing
                 self._column(r.column)
                 self._check_hashes([r.block_hash] + ([r.parent_hash] if r.parent_hash else []))
                 if r.depth < 0 or (r.depth == 0) != (r.parent_hash is None):
                     raise InvalidInput(f"report at depth {r.depth}: depth and parent disagree")
-            n = 0
             # Half-written objects (ALLOCATED, WRITING, TAIL_PARTIAL, ...) are not re-created:
             # their writer's ids died with the old view, so they could never complete.
-            vouched = [r for r in reports if r.state in _CONFIRMABLE]
-            for r in sorted(vouched, key=lambda rep: rep.depth):
+            vouched = sorted((r for r in reports if r.state in _CONFIRMABLE),
+                             key=lambda rep: rep.depth)
+            self._check_vouched(vouched)
+            n = 0
+            for r in vouched:
                 col = self._column(r.column)
                 entry = self._ensure_entry(r.block_hash, r.parent_hash, r.depth)
                 n += self._confirm_one(o, owner, entry, col, r)
             return n
+
+    def _check_vouched(self, vouched: Sequence[ObjectReport]) -> None:
+        """Raise for what applying ``vouched`` (in this order) would refuse half way, or store
+        unchecked: checked first, so a refused call changes nothing."""
+        depth_of: dict[BlockHash, int] = {}  # hashes named here that the index lacks
+        parent_of: dict[BlockHash, BlockHash] = {}  # links this call makes
+        made: set[BlockHash] = set()  # entries this call creates, in order
+        for r in vouched:
+            self._check_report(r)
+            for h, d in ((r.block_hash, r.depth), (r.parent_hash, r.depth - 1)):
+                if h is None:
+                    continue
+                e = self.index.get(h)
+                known = e.depth if e is not None else depth_of.setdefault(h, d)
+                if known != d:
+                    raise BadHash(f"block hash at depth {d} is already known at depth {known}; "
+                                  "hashes must be chained")
+            made.add(r.block_hash)
+            p = r.parent_hash
+            if p is None or (p not in self.index and p not in made):
+                continue  # a root, or an orphan: linked when its parent arrives
+            e = self.index.get(r.block_hash)
+            linked = (e.parent.block_hash if e is not None and e.parent is not None
+                      else parent_of.setdefault(r.block_hash, p))
+            if linked != p:
+                raise BadHash(f"block hash at depth {r.depth} is already known with another "
+                              "parent; hashes must be chained")
+
+    def _check_report(self, r: ObjectReport) -> None:
+        """A vouched state must be one its column's kind can be read in (else no transition,
+        not even LOSE, applies to the record), and an SWA range must lie inside its block."""
+        col = self._column(r.column)
+        column = self.layout.columns[col]
+        if r.state is not State.ON_DISK and r.state not in _READABLE[column.kind]:
+            raise InvalidInput(f"report for {column.name!r} at depth {r.depth}: "
+                               f"{r.state.value} is not a state of a {column.kind.value} object")
+        if column.kind is Kind.SWA:
+            start, end = self.layout.block_range(col, r.depth)
+            if not start <= r.lo <= r.hi <= end:
+                raise InvalidInput(f"SWA report at depth {r.depth}: range [{r.lo}, {r.hi}) "
+                                   f"must lie inside its block [{start}, {end})")
 
     def _confirm_one(
         self, o: _Owner, owner: ShardId, entry: PrefixEntry, col: int, r: ObjectReport
