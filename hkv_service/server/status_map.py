@@ -13,6 +13,10 @@
     HkvError (anything else of ours)           INTERNAL
 
 Every error also carries ``hkv-error: <class name>`` so the client re-raises the same class.
+Errors grafted onto the tree elsewhere map by their core ancestor: the disk tier's
+(``storage/errors.py``) NotOnDisk and CorruptEntry -> NOT_FOUND, DiskFull ->
+RESOURCE_EXHAUSTED, StorageFailure -> UNAVAILABLE; the client, which does not import
+``storage``, raises the core class of that code (an ancestor of the server's class).
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from hkv_service.proto_gen.hkv.v1 import hkv_pb2 as pb
 from hkv_service.proto_gen.hkv.v1 import hkv_pb2_grpc as pb_grpc
 from hkv_service.server import status_map
 from hkv_service.specs import default_spec
+from storage import errors as S
 
 C = grpc.StatusCode
 H16 = b"\x01" * 16
@@ -214,9 +215,84 @@ def test_oversize_message_is_resource_exhausted(stub: pb_grpc.MetadataServiceStu
     expect(lambda: stub.Lookup(big, timeout=30), C.RESOURCE_EXHAUSTED, "")
 
 
+# The code each branch of the error tree must get, written out apart from STATUS_TABLE.
+BRANCH_CODES: dict[type[E.HkvError], grpc.StatusCode] = {
+    E.InvalidInput: C.INVALID_ARGUMENT,
+    E.NotFound: C.NOT_FOUND,
+    E.FailedPrecondition: C.FAILED_PRECONDITION,
+    E.ResourceExhausted: C.RESOURCE_EXHAUSTED,
+    E.Unavailable: C.UNAVAILABLE,
+}
+# The disk tier's errors (storage/errors.py), each with the code it must get on the wire.
+STORAGE_CODES: dict[type[E.HkvError], grpc.StatusCode] = {
+    S.NotOnDisk: C.NOT_FOUND,  # never written, evicted, deleted: a miss
+    S.CorruptEntry: C.NOT_FOUND,  # quarantined on read: a miss (recompute), never data
+    S.DiskFull: C.RESOURCE_EXHAUSTED,
+    S.StorageFailure: C.UNAVAILABLE,  # retryable
+}
+
+
+def _instance(cls: type[E.HkvError]) -> E.HkvError:
+    return S.CorruptEntry("x", "checksum") if cls is S.CorruptEntry else cls("x")
+
+
+def _branch_code(cls: type[E.HkvError]) -> grpc.StatusCode:
+    codes = {code for base, code in BRANCH_CODES.items() if issubclass(cls, base)}
+    assert len(codes) <= 1, (cls, codes)
+    return codes.pop() if codes else C.INTERNAL
+
+
 def test_status_table_covers_the_tree() -> None:
     for name in E.__all__:
         cls = getattr(E, name)
         mapped = status_map.map_error(cls("x"))
+        assert mapped.code is _branch_code(cls), (name, mapped.code)
         assert mapped.code is not C.INTERNAL or cls is E.HkvError
         assert status_map.error_class(mapped.error_class, mapped.code) is cls
+
+
+def test_status_table_covers_the_storage_errors() -> None:
+    assert {c.__name__ for c in STORAGE_CODES} == set(S.__all__)  # a new one needs a row here
+    for cls, code in STORAGE_CODES.items():
+        mapped = status_map.map_error(_instance(cls))
+        assert (mapped.code, mapped.error_class) == (code, cls.__name__)
+        assert mapped.code is _branch_code(cls)
+        # The client does not import storage: it raises the core class of the same code,
+        # an ancestor of the server's, so ``except NotFound`` etc. works on both sides.
+        client_cls = status_map.error_class(mapped.error_class, mapped.code)
+        assert client_cls is not None and issubclass(cls, client_cls), (cls, client_cls)
+
+
+class _FailingEvict(CacheState):
+    """A real CacheState whose Evict raises the error the test injects (as a disk-backed
+    state would raise it from below)."""
+
+    inject: E.HkvError | None = None
+
+    def evict(self, object_id: Any) -> None:
+        if self.inject is not None:
+            raise self.inject
+        super().evict(object_id)
+
+
+def test_storage_errors_reach_the_client_with_their_code() -> None:
+    from svc_util import start_live
+
+    st = _FailingEvict(default_spec())
+    lv = start_live(state=st)
+    try:
+        with MetadataClient(lv.endpoint) as c, grpc.insecure_channel(lv.endpoint) as ch:
+            stub = pb_grpc.MetadataServiceStub(ch)  # type: ignore[no-untyped-call]
+            for cls, code in STORAGE_CODES.items():
+                st.inject = _instance(cls)
+                expect(lambda: stub.Evict(pb.EvictRequest(object_id=1), timeout=5),
+                       code, "x", cls.__name__)
+                with pytest.raises(E.HkvError) as info:
+                    c.evict(1)
+                assert isinstance(st.inject, type(info.value)), (cls, type(info.value))
+                assert type(info.value) is not E.HkvError and str(info.value) == "x"
+            st.inject = None
+            expect(lambda: stub.Evict(pb.EvictRequest(object_id=1), timeout=5),
+                   C.NOT_FOUND, "", "UnknownObject")  # the real path still answers
+    finally:
+        lv.service.stop(0).wait()

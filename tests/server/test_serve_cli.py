@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import datetime
+import ipaddress
+import os
 import signal
 import socket
+import struct
 import subprocess
 import threading
 import time
@@ -15,7 +19,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from svc_util import ROOT, Proc, commit_remote, hashes, register, serve_cmd, start_serve
 
-from hkv_service.client import MetadataClient, RetryPolicy
+from hkv_service.cli import build_parser
+from hkv_service.client import MetadataClient, RetryPolicy, RpcFailed, TlsConfig
 from hkv_service.core.errors import Unavailable
 from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.state_view import ObjectReport
@@ -41,6 +46,135 @@ def test_bad_flags_exit_2_with_one_sentence(args: tuple[str, ...], phrase: str) 
     assert out.returncode == 2, out.stderr
     assert phrase in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
+
+
+# The flags `hkv serve` must offer (config_from_args reads each of them).
+SERVE_FLAGS = (
+    "--host", "--port", "--metrics-port", "--data-dir", "--spec", "--auth-token-file",
+    "--tls-cert", "--tls-key", "--tls-ca", "--tls-allowed-cn", "--insecure",
+    "--heartbeat-timeout-s", "--grace-s", "--max-inflight-objects", "--max-inflight-bytes",
+    "--lookup-memo-mib",
+)
+
+
+def _serve_parser_flags() -> set[str]:
+    sub = next(a for a in build_parser()._actions if a.choices and "serve" in a.choices)
+    serve = sub.choices["serve"]  # type: ignore[index]
+    return {o for a in serve._actions for o in a.option_strings}
+
+
+def test_help_exits_0_and_mentions_every_flag() -> None:
+    out = _run("--help")
+    assert out.returncode == 0, out.stderr
+    assert out.stderr == ""
+    flags = _serve_parser_flags()
+    assert set(SERVE_FLAGS) <= flags
+    for flag in flags:  # every flag the parser has, including any added later
+        assert flag in out.stdout.split() or f"{flag}," in out.stdout or f"{flag} " in \
+            out.stdout, flag
+    assert "default 127.0.0.1" in out.stdout
+
+
+def _listening(pid: int) -> set[tuple[str, int]]:
+    """The (address, port) pairs process ``pid`` listens on, from /proc (Linux)."""
+    fd_dir = f"/proc/{pid}/fd"
+    inodes = set()
+    for fd in os.listdir(fd_dir):
+        try:
+            target = os.readlink(f"{fd_dir}/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = set()
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            rows = [line.split() for line in f.readlines()[1:]]
+        for row in rows:
+            local, state, inode = row[1], row[3], row[9]
+            if state != "0A" or inode not in inodes:  # 0A: LISTEN
+                continue
+            addr_hex, port_hex = local.split(":")
+            words = [int(addr_hex[i:i + 8], 16) for i in range(0, len(addr_hex), 8)]
+            packed = struct.pack(f"<{len(words)}I", *words)  # /proc prints host-order words
+            found.add((_plain(socket.inet_ntop(family, packed)), int(port_hex, 16)))
+    return found
+
+
+def _plain(addr: str) -> str:
+    """An IPv4-mapped IPv6 address as IPv4 (grpcio binds 127.0.0.1 as ::ffff:127.0.0.1), and
+    the IPv6 wildcard as the IPv4 one (grpcio binds 0.0.0.0 dual-stack, as ::)."""
+    ip = ipaddress.ip_address(addr)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    return "0.0.0.0" if addr == "::" else addr
+
+
+def test_default_host_binds_loopback_only(procs: list[Proc]) -> None:
+    metrics_port = _free_port()
+    p = start_serve("--port", "0", "--metrics-port", str(metrics_port))  # no --host
+    procs.append(p)
+    bound = _listening(p.popen.pid)
+    assert {port for _, port in bound} >= {p.port, metrics_port}, bound
+    assert {addr for addr, _ in bound} == {"127.0.0.1"}, bound  # gRPC and metrics alike
+    with MetadataClient(f"127.0.0.1:{p.port}") as c:
+        assert "gauges" in c.stats()
+    assert p.stop() == 0
+
+
+def _self_signed(d: Path) -> tuple[Path, Path]:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes as h
+    from cryptography.hazmat.primitives import serialization as ser
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "hkv-serve-test")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([
+                x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                critical=False)
+            .sign(key, h.SHA256()))
+    cert_path, key_path = d / "cert.pem", d / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(ser.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(ser.Encoding.PEM, ser.PrivateFormat.PKCS8,
+                                           ser.NoEncryption()))
+    return cert_path, key_path
+
+
+@pytest.mark.parametrize("guard", ["token", "tls"])
+def test_any_host_is_allowed_with_a_token_or_tls(procs: list[Proc], tmp_path: Path,
+                                                 guard: str) -> None:
+    if guard == "token":
+        (tmp_path / "token").write_text("t0ken-for-any-host\n")
+        flags: tuple[str, ...] = ("--auth-token-file", str(tmp_path / "token"))
+    else:
+        cert, key = _self_signed(tmp_path)
+        flags = ("--tls-cert", str(cert), "--tls-key", str(key))
+    p = start_serve("--host", "0.0.0.0", "--port", "0", "--metrics-port", "0", *flags)
+    procs.append(p)
+    assert ("0.0.0.0", p.port) in _listening(p.popen.pid)
+    if guard == "token":
+        with MetadataClient(f"127.0.0.1:{p.port}", token="t0ken-for-any-host") as c:
+            assert "gauges" in c.stats()
+        with MetadataClient(f"127.0.0.1:{p.port}") as c, pytest.raises(RpcFailed) as err:
+            c.stats()
+        assert err.value.code == "UNAUTHENTICATED"
+    else:
+        tls = TlsConfig(ca=cert.read_bytes())
+        with MetadataClient(f"localhost:{p.port}", tls=tls) as c:
+            assert "gauges" in c.stats()
+        with MetadataClient(f"127.0.0.1:{p.port}", timeout_s=1.0) as c, \
+                pytest.raises(Unavailable):
+            c.stats()  # plaintext is refused
+    assert p.stop() == 0
+    assert p.popen.stderr is not None
+    assert "--insecure" not in p.popen.stderr.read()  # guarded: no insecure-bind warning
 
 
 def test_bad_spec_exits_2(tmp_path: Path) -> None:
