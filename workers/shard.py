@@ -7,7 +7,8 @@ Lifecycle::
     __init__  spec <- metadata.get_spec(); pools built; disk tier opened (inside the actor);
               register_owner(pools) -> incarnation  (a known owner coming back is marked
               lost first: a restarted shard comes back empty); confirm(ON_DISK reports from
-              the disk tier's tags); heartbeat thread started.
+              the disk tier's tags, for records of this spec's ABI only); heartbeat thread
+              started.
     heartbeat UnknownOwner (metadata restarted or declared us lost) -> reset pools to empty,
               re-register, re-confirm the disk tier.
 
@@ -151,12 +152,19 @@ class ShardActor:
         return total
 
     def _report_of(self, key: DiskKey) -> ObjectReport | None:
+        col = self.layout.by_name.get(key.group)
+        if col is None:
+            return None
+        column = self.layout.columns[col]
+        # Hashes do not cover the ABI: a record written under another dtype, layout or kernel
+        # has this spec's block hash and group name. Its bytes are not this column's, and a
+        # load would look under this column's key (NOT_HERE), so it is never vouched for.
+        if key.abi_fingerprint != column.abi_fingerprint or key.kind != column.kind.value:
+            return None
         try:
             tag, _ = decode_tagged(BlockHash(key.block_hash), self.disk.get(key, wait_s=5.0))
         except (HkvError, ValueError) as exc:  # corrupt (quarantined) or not ours: skip
             log.warning("disk record %s not confirmed: %s", key, exc)
-            return None
-        if key.group not in self.layout.by_name:
             return None
         return ObjectReport(BlockHash(key.block_hash), tag.parent_hash, tag.depth, key.group,
                             State.ON_DISK, version=tag.version, lo=tag.lo, hi=tag.hi)
@@ -462,9 +470,14 @@ class ShardActor:
         return out
 
     def _report_disk_evictions(self, keys: Sequence[DiskKey]) -> None:
+        """The tier evicted these records: their DISK objects must end, not only their loaded
+        copies. ``evict`` of a loaded one (ON_DISK_READY) drops the memory copy and leaves it
+        ON_DISK, claiming bytes that are gone; the second ``evict`` ends it (refused, and
+        harmless, when the first already did)."""
         for key in keys:
             oid = self._disk_ids.pop(key, None)
             if oid is not None:
+                self._try_evict(oid)
                 self._try_evict(oid)
 
     def _try_evict(self, oid: ObjectId) -> None:

@@ -1,17 +1,23 @@
-"""storage/record.py and storage/codec.py: key format, record encoding, every-bit verification."""
+"""storage/record.py and storage/codec.py: key format, record encoding, every-bit verification;
+the ABI in the key and the header, checked on real LMDB."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import lmdb
 import numpy as np
 import pytest
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hkv_service.core.errors import BadHash, InvalidInput
-from storage import CorruptEntry, DiskKey
+from storage import CorruptEntry, DiskKey, DiskTier, NotOnDisk
 from storage.codec import SKIP_AFTER, SKIP_FOR, Codec, ProbeStreak, as_byte_view, compress
+from storage.lmdb_store import DB_NAMES
 from storage.record import (
     HEADER,
     VERIFY_CHUNK,
@@ -182,3 +188,94 @@ def test_read_into_detects_a_flip_in_any_chunk(where: int) -> None:
     with pytest.raises(CorruptEntry) as err:
         _read_into(bytes(value), memoryview(bytearray(size)))
     assert err.value.reason == "payload_checksum"
+
+
+# -- ABI on disk (reliability row 17): the ABI is in the key and re-checked in the header ------
+
+
+def _resealed_for(key: DiskKey, value: bytes) -> bytes:
+    """``value`` with its header checksum recomputed over ``key``: a record whose fields were
+    written for another key but sealed consistently (a writer bug or a copied record, which
+    the header checksum alone cannot catch)."""
+    out = bytearray(value)
+    sealed = xxhash.xxh3_64_intdigest(key.to_bytes() + bytes(out[: HEADER.size - 8]))
+    out[HEADER.size - 8 : HEADER.size] = sealed.to_bytes(8, "little")
+    return bytes(out)
+
+
+@pytest.mark.parametrize(
+    "written_for",
+    [
+        DiskKey(KEY.block_hash, KEY.group, KEY.kind, KEY.abi_fingerprint + 1),
+        DiskKey(KEY.block_hash, KEY.group, "COMPRESSED", KEY.abi_fingerprint),
+    ],
+    ids=["other_abi", "other_kind"],
+)
+def test_header_abi_or_kind_differing_from_the_key_is_corrupt(written_for: DiskKey) -> None:
+    forged = _resealed_for(KEY, _value(written_for, b"another model's bytes", 7))
+    kb, view = KEY.to_bytes(), memoryview(forged)
+    with pytest.raises(CorruptEntry) as err:
+        check_header(kb, view)
+    assert err.value.reason == "key_mismatch"
+    with pytest.raises(CorruptEntry):
+        _roundtrip_value(KEY, forged)
+    # The same bytes sealed and read under the key they were written for are fine.
+    honest = _value(written_for, b"another model's bytes", 7)
+    assert _roundtrip(written_for, b"another model's bytes") == b"another model's bytes"
+    check_header(written_for.to_bytes(), memoryview(honest))
+
+
+def test_stored_record_with_a_foreign_abi_header_is_quarantined_never_served(
+    tier_factory: Callable[..., DiskTier], h: Any, tmp_path: Path
+) -> None:
+    """On real LMDB: the record under key B (ABI 8) is replaced by one written for key A
+    (ABI 7), same length, header sealed for B. The tier refuses it and quarantines it."""
+    key_a, key_b = h.make_key(1, abi=7), h.make_key(1, abi=8)
+    payload = h.kv_bytes(4096, seed=1)
+    tier = tier_factory()
+    tier.put(key_b, h.kv_bytes(4096, seed=2))
+    tier.put(h.make_key(2, abi=8), b"a neighbour")
+    tier.close()
+    forged = _resealed_for(key_b, _value(key_a, payload, 5))
+    env = lmdb.open(str(tmp_path / "disk"), max_dbs=len(DB_NAMES))
+    with env.begin(write=True) as txn:
+        records = env.open_db(b"records", txn=txn)
+        honest = txn.get(key_b.to_bytes(), db=records)
+        assert honest is not None and len(honest) == len(forged)
+        txn.put(key_b.to_bytes(), forged, db=records)
+    env.close()
+
+    tier = tier_factory()
+    with pytest.raises(CorruptEntry) as err:
+        tier.get(key_b)
+    assert err.value.reason == "key_mismatch"
+    with pytest.raises(NotOnDisk):  # quarantined: a miss from now on, never the bytes
+        tier.get(key_b)
+    with pytest.raises(NotOnDisk):  # and the ABI it was written for was never stored
+        tier.get(key_a)
+    assert tier.stats().corruption == 1 and tier.quarantine_count() == 1
+    assert tier.get(h.make_key(2, abi=8)) == b"a neighbour"
+    assert tier.check_integrity() == []
+
+
+def test_get_under_another_abi_is_not_on_disk(tier: DiskTier, h: Any) -> None:
+    """Same block hash, group and kind; another ABI fingerprint: a different key, so a miss,
+    never the stored ABI's bytes (by any read path)."""
+    stored, other = h.make_key(5, abi=7), h.make_key(5, abi=8)
+    tier.put(stored, b"abi 7 bytes")
+    assert not tier.contains(other)
+    reads: list[Callable[[], object]] = [
+        lambda: tier.get(other),
+        lambda: tier.get(other, wait_s=1.0),
+        lambda: tier.get_into(other, bytearray(64)),
+        lambda: tier.get_many([other]),
+        lambda: tier.get_many([other], wait_s=1.0),
+        lambda: tier.get_many_into([other], [bytearray(64)]),
+    ]
+    for read in reads:
+        with pytest.raises(NotOnDisk):
+            read()
+    tier.put(other, b"abi 8 bytes")  # both ABIs side by side, each reads its own
+    assert tier.get(stored) == b"abi 7 bytes" and tier.get(other) == b"abi 8 bytes"
+    assert {m.key.abi_fingerprint for m in tier.scan(verify=True)} == {7, 8}
+    assert tier.stats().corruption == 0 and tier.gate.stats().in_transit_objects == 0
