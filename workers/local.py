@@ -55,8 +55,8 @@ class LocalMetadata:
     def mark_owner_lost(self, owner: ShardId) -> int:
         return self.state.mark_owner_lost(owner)
 
-    def confirm(self, owner: ShardId, reports: Sequence[ObjectReport]) -> int:
-        return self.state.confirm(owner, reports)
+    def confirm(self, owner: ShardId, reports: Sequence[ObjectReport], incarnation: int) -> int:
+        return self.state.confirm(owner, reports, incarnation)
 
     def allocate(
         self,
@@ -137,8 +137,8 @@ class ActorMetadata:
     def mark_owner_lost(self, owner: ShardId) -> int:
         return int(self._call("mark_owner_lost", owner))
 
-    def confirm(self, owner: ShardId, reports: Sequence[ObjectReport]) -> int:
-        return int(self._call("confirm", owner, list(reports)))
+    def confirm(self, owner: ShardId, reports: Sequence[ObjectReport], incarnation: int) -> int:
+        return int(self._call("confirm", owner, list(reports), incarnation))
 
     def allocate(
         self,

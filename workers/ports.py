@@ -63,7 +63,8 @@ class MetadataPort(Protocol):
 
     def mark_owner_lost(self, owner: ShardId) -> int: ...
 
-    def confirm(self, owner: ShardId, reports: Sequence[ObjectReport]) -> int: ...
+    def confirm(self, owner: ShardId, reports: Sequence[ObjectReport], incarnation: int
+                ) -> int: ...
 
     def allocate(
         self,

@@ -145,10 +145,10 @@ class ShardActor:
             if report is not None:
                 reports.append(report)
             if len(reports) >= 256:
-                total += self.meta.confirm(self.shard_id, reports)
+                total += self.meta.confirm(self.shard_id, reports, self.incarnation)
                 reports = []
         if reports:
-            total += self.meta.confirm(self.shard_id, reports)
+            total += self.meta.confirm(self.shard_id, reports, self.incarnation)
         return total
 
     def _report_of(self, key: DiskKey) -> ObjectReport | None:

@@ -171,8 +171,10 @@ class MetadataClient:
         return int(self._call("MarkOwnerLost", pb.MarkOwnerLostRequest(owner=owner),
                               idempotent=False).lost)
 
-    def confirm(self, owner: str, reports: Sequence[ObjectReport]) -> int:
-        req = pb.ConfirmRequest(owner=owner)
+    def confirm(self, owner: str, reports: Sequence[ObjectReport], incarnation: int) -> int:
+        """Vouch for ``reports`` after a service restart, as the incarnation ``register_owner``
+        returned; not retried (a late duplicate must not land after a new registration)."""
+        req = pb.ConfirmRequest(owner=owner, incarnation=incarnation)
         for r in reports:
             codec.encode_report(r, req.reports.add())
         return int(self._call("Confirm", req, idempotent=False).confirmed)

@@ -256,12 +256,17 @@ class CacheState:
 
     def heartbeat(self, owner: ShardId, incarnation: int) -> None:
         with self._lock:
-            o = self._owner(owner)
-            if o.incarnation != incarnation or not o.alive:
-                raise UnknownOwner(
-                    f"owner {owner!r} incarnation {incarnation} is not current; re-register"
-                )
-            o.last_seen = self.clock()
+            self._current_owner(owner, incarnation).last_seen = self.clock()
+
+    def _current_owner(self, owner: ShardId, incarnation: int) -> _Owner:
+        """The owner, if ``incarnation`` is the one its last registration returned and the view
+        has not declared it lost since; else UnknownOwner (re-register)."""
+        o = self._owner(owner)
+        if o.incarnation != incarnation or not o.alive:
+            raise UnknownOwner(
+                f"owner {owner!r} incarnation {incarnation} is not current; re-register"
+            )
+        return o
 
     def expire_owners(self) -> list[ShardId]:
         """Mark every owner silent for longer than the heartbeat timeout as lost."""
@@ -842,16 +847,18 @@ class CacheState:
 
     # ---- rebuild after a restart ---------------------------------------------------------
 
-    def confirm(self, owner: ShardId, reports: Sequence[ObjectReport]) -> int:
+    def confirm(self, owner: ShardId, reports: Sequence[ObjectReport], incarnation: int) -> int:
         """Re-create objects an owner vouches for after a service restart: complete objects and
         disk copies at rest. Returns how many were re-created (duplicates and half-written
         objects are skipped). Malformed reports (a state of another kind, an SWA range outside
         its block, hashes that contradict the index or each other) and an owner that is not
-        registered, or was declared lost since, reject the whole call, changing nothing."""
+        registered, or was declared lost since, reject the whole call, changing nothing.
+
+        ``incarnation`` is what the owner's registration returned: a confirm sent before the
+        owner registered again (still in flight, or retried) vouches for memory the owner
+        has since dropped, so it is refused like a heartbeat of an old incarnation."""
         with self._lock:
-            o = self._owner(owner)
-            if not o.alive:  # its memory is gone by the view's own verdict
-                raise UnknownOwner(f"owner {owner!r} was declared lost; re-register first")
+            o = self._current_owner(owner, incarnation)
             for r in reports:  # validate all before applying any: all or nothing
                 self._column(r.column)
                 self._check_hashes([r.block_hash] + ([r.parent_hash] if r.parent_hash else []))
@@ -1093,8 +1100,10 @@ class CacheState:
         with self._lock:
             if not self.log:
                 return []
-            skip = max(0, seq - self.log[0].seq + 1)  # sequence numbers are contiguous
-            return list(itertools.islice(self.log, skip, skip + limit))
+            skip = seq - self.log[0].seq + 1  # sequence numbers are contiguous
+            if skip >= len(self.log):  # nothing after seq yet (islice refuses huge bounds)
+                return []
+            return list(itertools.islice(self.log, max(0, skip), max(0, skip) + limit))
 
     def stats(self) -> dict[str, object]:
         with self._lock:

@@ -412,7 +412,7 @@ class InProcessBackend:
             self.incarnation[self.odd_shard] = state.register_owner(
                 self.odd_shard, self._pools(32, odd=True)
             )
-        state.register_owner(self.disk_owner, {})
+        self.incarnation[self.disk_owner] = state.register_owner(self.disk_owner, {})
         return state
 
     @property
@@ -954,7 +954,7 @@ class InProcessBackend:
                     key[1], State.ON_DISK, version=d.version, lo=d.lo, hi=d.hi,
                 ))
             for owner, reports in by_owner.items():
-                self.state.confirm(ShardId(owner), reports)
+                self.state.confirm(ShardId(owner), reports, self.incarnation[owner])
             # re-key the owners' books by the ids the new view gave out
             self.by_oid.clear()
             self.disk_by_oid.clear()

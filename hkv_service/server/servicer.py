@@ -105,7 +105,10 @@ class MetadataServicer(pb_grpc.MetadataServiceServicer):
             hashes = [r.block_hash] + ([r.parent_hash] if r.parent_hash is not None else [])
             validation.check_hashes(hashes, f"report {i}")
         validation.check_columns(self.state, (r.column for r in reports), "Confirm")
-        return pb.ConfirmResponse(confirmed=self.state.confirm(owner, reports))
+        if request.incarnation == 0:
+            raise InvalidInput("Confirm needs the incarnation RegisterOwner returned (> 0)")
+        return pb.ConfirmResponse(
+            confirmed=self.state.confirm(owner, reports, request.incarnation))
 
     # ---- allocation and transitions -----------------------------------------------------
 

@@ -57,6 +57,11 @@ NOT_AT_REST = [s for s in State if s not in AT_REST]
 # ---- builders -------------------------------------------------------------------------------
 
 
+def _inc(st: CacheState, owner: ShardId = S0) -> int:
+    """The incarnation ``owner``'s last registration returned (what a confirm must carry)."""
+    return st.owners[owner].incarnation
+
+
 def _reports(st: CacheState) -> list[ObjectReport]:
     """What an owner would report of every object of ``st`` (sorted: deterministic)."""
     out = [
@@ -133,20 +138,21 @@ def test_a_report_not_at_rest_is_skipped(spec: CacheSpec, state: State, column: 
     assert transient and others
 
     new = _fresh(spec)
-    assert new.confirm(S0, others) == len(others)
+    assert new.confirm(S0, others, _inc(new)) == len(others)
     before = _view(new)
-    assert new.confirm(S0, transient) == 0
+    assert new.confirm(S0, transient, _inc(new)) == 0
     assert _view(new) == before
     m = new.lookup(LookupRequest(hs))
     assert m.usable_tokens == 0
     assert column in {d.group for d in m.downgrades}  # the skipped column is what is missing
 
     mixed = _fresh(spec)  # in one call with at-rest reports: only those are counted
-    assert mixed.confirm(S0, transient + others) == len(others)
+    assert mixed.confirm(S0, transient + others, _inc(mixed)) == len(others)
     assert all(mixed.layout.columns[r.column].name != column for r in mixed.objects.values())
     assert _hit(mixed, hs) == 0
     # control: the skip left the slots and blocks untouched, the real reports still fit
-    assert mixed.confirm(S0, [r for r in reports if r.column == column]) == len(transient)
+    same_column = [r for r in reports if r.column == column]
+    assert mixed.confirm(S0, same_column, _inc(mixed)) == len(transient)
     assert _hit(mixed, hs) == 256
 
 
@@ -157,7 +163,7 @@ def test_a_transient_report_alone_leaves_an_empty_view_empty(spec: CacheSpec,
     reports = [replace(r, state=state) for r in _reports(_old(spec, [hs]))]
     new = _fresh(spec)
     before = _view(new)
-    assert new.confirm(S0, reports) == 0
+    assert new.confirm(S0, reports, _inc(new)) == 0
     assert _view(new) == before
     assert len(new.objects) == 0 and not new.index
     m = new.lookup(LookupRequest(hs))
@@ -172,16 +178,16 @@ def test_disk_copies_come_back_at_rest_and_need_a_load(spec: CacheSpec) -> None:
     reports = _reports(_old(spec, [hs]))
     new = _fresh(spec)
     for state in (State.ON_DISK_READY, State.ON_DISK_INFLIGHT, State.OFFLOADING):
-        assert new.confirm(S0, [replace(r, state=state, block=-1) for r in reports]) == 0
+        assert new.confirm(S0, [replace(r, state=state, block=-1) for r in reports], _inc(new)) == 0
     assert len(new.objects) == 0
     at_rest = [replace(r, state=State.ON_DISK, block=-1, generation=0) for r in reports]
-    assert new.confirm(S0, at_rest) == len(reports)
+    assert new.confirm(S0, at_rest, _inc(new)) == len(reports)
     assert {(r.kind, r.state) for r in new.objects.values()} == {(Kind.DISK, State.ON_DISK)}
     m = new.lookup(LookupRequest(hs))
     assert m.usable_tokens == 256 and m.needs_load
     assert all(h.block < 0 for hs_ in m.handles.values() for h in hs_)
     before = _view(new)
-    assert new.confirm(S0, [replace(r, state=State.ON_DISK_READY) for r in at_rest]) == 0
+    assert new.confirm(S0, [replace(r, state=State.ON_DISK_READY) for r in at_rest], _inc(new)) == 0
     assert _view(new) == before
 
 
@@ -204,7 +210,7 @@ def test_a_partial_swa_range_comes_back_exactly(spec: CacheSpec) -> None:
 
     new = _fresh(spec)
     reports = _reports(old)
-    assert new.confirm(S0, reports) == len(reports)
+    assert new.confirm(S0, reports, _inc(new)) == len(reports)
     swa = {r.entry.depth: (r.lo, r.hi) for r in new.objects.values() if r.kind is Kind.SWA}
     assert swa[2] == (160, 192)
     assert swa == {d: (d * 64, d * 64 + 64) for d in range(6)} | {2: (160, 192)}
@@ -238,7 +244,7 @@ def test_an_swa_range_beyond_its_block_is_refused(spec: CacheSpec, state: State,
     new = _fresh(spec)
     before = _view(new)
     with pytest.raises(InvalidInput, match=r"SWA .*\[128, 192\)"):
-        new.confirm(S0, reports + bad)
+        new.confirm(S0, reports + bad, _inc(new))
     assert _view(new) == before
     assert _hit(new, hs) == 0
 
@@ -250,7 +256,7 @@ def test_an_empty_or_whole_block_range_is_accepted(spec: CacheSpec) -> None:
     new = _fresh(spec)
     edge = [replace(r, lo=r.hi, hi=r.hi) if r.column == "swa" and r.depth == 0 else r
             for r in reports]
-    assert new.confirm(S0, edge) == len(edge)
+    assert new.confirm(S0, edge, _inc(new)) == len(edge)
     assert _hit(new, hs, 128) == 0  # [64, 64) at depth 0 covers nothing a reader at 128 needs
     assert _hit(new, hs, 256) == 256  # the window at 256 starts at 128
     rec = next(r for r in new.objects.values() if r.kind is Kind.SWA and r.entry.depth == 0)
@@ -312,13 +318,13 @@ def test_a_malformed_report_refuses_the_whole_call(
     earlier = [r for r in reports if r not in of_c]
     new = _fresh(spec)
     if where == "index":
-        assert new.confirm(S0, earlier) == len(earlier)
+        assert new.confirm(S0, earlier, _inc(new)) == len(earlier)
         call = [*of_c, build(a, b, x)]
     else:
         call = [*reports, build(a, b, x)]
     before = _view(new)
     with pytest.raises(error):
-        new.confirm(S0, call)
+        new.confirm(S0, call, _inc(new))
     assert _view(new) == before
     assert _hit(new, c) == 0
     assert _hit(new, a) == (256 if where == "index" else 0)
@@ -333,9 +339,10 @@ def test_every_ready_state_of_another_kind_is_refused(spec: CacheSpec, column: s
     before = _view(new)
     for state in set(READY_OF.values()) - {READY_OF[KIND_OF[column]]}:
         with pytest.raises(InvalidInput, match=column):
-            new.confirm(S0, [replace(r, state=state) for r in mine])
+            new.confirm(S0, [replace(r, state=state) for r in mine], _inc(new))
         assert _view(new) == before
-    assert new.confirm(S0, reports) == len(reports)  # the right state for the kind is fine
+    # the right state for the kind is fine
+    assert new.confirm(S0, reports, _inc(new)) == len(reports)
 
 
 def test_a_restarted_owner_is_never_a_hit_after_a_report_of_another_kinds_state(
@@ -348,10 +355,11 @@ def test_a_restarted_owner_is_never_a_hit_after_a_report_of_another_kinds_state(
     hs = prompt_hashes(spec, 4)
     reports = _reports(_old(spec, [hs]))
     new = _fresh(spec)
-    assert new.confirm(S0, reports) == len(reports)
+    assert new.confirm(S0, reports, _inc(new)) == len(reports)
     x = prompt_hashes(spec, 1, seed=9)[0]
     with contextlib.suppress(InvalidInput):  # refused today; either way the owner comes back
-        new.confirm(S0, [ObjectReport(x, None, 0, "swa", State.COMPRESSED_READY, block=63)])
+        new.confirm(S0, [ObjectReport(x, None, 0, "swa", State.COMPRESSED_READY, block=63)],
+                    _inc(new))
     new.register_owner(S0, pools_for(new.layout, 64))  # the owner restarted: memory is empty
     assert _hit(new, hs) == 0
     assert len(new.objects) == 0
@@ -363,7 +371,7 @@ def test_an_owner_that_is_not_registered_is_refused(spec: CacheSpec) -> None:
     new = _fresh(spec)
     before = _view(new)
     with pytest.raises(UnknownOwner, match="not registered"):
-        new.confirm(ShardId("s1"), reports)
+        new.confirm(ShardId("s1"), reports, 1)
     assert _view(new) == before
     assert _hit(new, hs) == 0
 
@@ -375,15 +383,33 @@ def test_an_owner_declared_lost_must_register_again_before_confirming(spec: Cach
     hs = prompt_hashes(spec, 4)
     reports = _reports(_old(spec, [hs]))
     new = _fresh(spec)
-    assert new.confirm(S0, reports[:5]) == 5
+    assert new.confirm(S0, reports[:5], _inc(new)) == 5
     assert new.mark_owner_lost(S0) == 5
     before = _view(new)
     with pytest.raises(UnknownOwner, match="re-register"):
-        new.confirm(S0, reports)
+        new.confirm(S0, reports, _inc(new))
     assert _view(new) == before
     assert _hit(new, hs) == 0
     new.register_owner(S0, pools_for(new.layout, 64))  # back (empty): its reports count again
-    assert new.confirm(S0, reports) == len(reports)
+    assert new.confirm(S0, reports, _inc(new)) == len(reports)
+    assert _hit(new, hs) == 256
+
+
+def test_a_confirm_from_an_earlier_incarnation_is_refused(spec: CacheSpec) -> None:
+    """Regression: confirm carried no incarnation, so one sent before its owner registered
+    again (still in flight, or retried) landed afterwards and vouched for memory the owner had
+    dropped on re-registering: hits on blocks nothing had written (a silent error)."""
+    hs = prompt_hashes(spec, 4)
+    reports = _reports(_old(spec, [hs]))
+    new = _fresh(spec)
+    stale = _inc(new)
+    new.register_owner(S0, pools_for(new.layout, 64))  # the owner came back empty meanwhile
+    before = _view(new)
+    with pytest.raises(UnknownOwner, match=f"incarnation {stale} is not current"):
+        new.confirm(S0, reports, stale)
+    assert _view(new) == before
+    assert _hit(new, hs) == 0
+    assert new.confirm(S0, reports, _inc(new)) == len(reports)  # its current self may
     assert _hit(new, hs) == 256
 
 
@@ -393,7 +419,7 @@ def test_a_reader_of_another_abi_never_hits_confirmed_objects(spec: CacheSpec) -
     hs = prompt_hashes(spec, 4)
     reports = _reports(_old(spec, [hs]))
     new = _fresh(spec)
-    assert new.confirm(S0, reports) == len(reports)
+    assert new.confirm(S0, reports, _inc(new)) == len(reports)
     right = {g.name: g.abi.fingerprint() for g in spec.groups}
     for name, fp in right.items():
         m = new.lookup(LookupRequest(hs, reader_abi=right | {name: fp ^ 1}))
@@ -445,7 +471,9 @@ def test_exactly_the_reconfirmed_objects_are_reused(spec: CacheSpec, data: st.Da
     split = data.draw(st.integers(0, len(chosen)), label="split")  # two owner calls
 
     new = _fresh(spec)
-    assert new.confirm(S0, chosen[:split]) + new.confirm(S0, chosen[split:]) == len(chosen)
+    inc = _inc(new)
+    assert new.confirm(S0, chosen[:split], inc) + new.confirm(S0, chosen[split:], inc) \
+        == len(chosen)
     by_key = {(r.depth, r.column): r for r in chosen}
     assert {(r.entry.depth, new.layout.columns[r.column].name) for r in new.objects.values()} \
         == set(by_key)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from hkv_service.core.admission import AdmissionCap
@@ -69,12 +71,12 @@ def test_rebuild_only_from_confirmed_objects(spec, clock) -> None:
         for r in old.objects.values()
     ]
     new = CacheState(spec, clock=clock)
-    new.register_owner(S0, pools_for(new.layout, 64))
+    inc = new.register_owner(S0, pools_for(new.layout, 64))
     assert new.lookup(LookupRequest(hs)).usable_tokens == 0
     first = [r for r in reports if r.depth < 2]
-    assert new.confirm(S0, first) == len(first)
+    assert new.confirm(S0, first, inc) == len(first)
     assert new.lookup(LookupRequest(hs)).usable_tokens == 128
-    assert new.confirm(S0, reports) == len(reports) - len(first)  # idempotent for the rest
+    assert new.confirm(S0, reports, inc) == len(reports) - len(first)  # idempotent for the rest
     assert new.lookup(LookupRequest(hs)).usable_tokens == 256
 
 
@@ -97,9 +99,9 @@ def test_kv_versions_issued_after_a_restart_never_repeat_confirmed_ones(spec, cl
     ids = commit_prefix(old, hs)
     synced = old.objects[ids[(3, "idx")]].version
     new = CacheState(spec, clock=clock)
-    new.register_owner(S0, pools_for(new.layout, 64))
+    inc = new.register_owner(S0, pools_for(new.layout, 64))
     reports = _reports(old)
-    assert new.confirm(S0, reports) == len(reports)
+    assert new.confirm(S0, reports, inc) == len(reports)
     idx = next(r for r in new.objects.values() if r.kind is Kind.INDEXER and r.entry.depth == 3)
     new.holds.pins[idx] = 1  # a reader holds the indexer: each KV goes alone
     kv = next(r for r in new.objects.values() if r.kind is Kind.COMPRESSED
@@ -233,6 +235,11 @@ def test_watch_log_records_transitions(state: CacheState, spec) -> None:
     events = state.events_since(0)
     assert events and [e.seq for e in events] == sorted(e.seq for e in events)
     assert state.events_since(events[-1].seq) == []
+    # Regression: a from_seq near 2**63 gave islice() a stop beyond sys.maxsize (ValueError:
+    # a Watch RPC ended UNKNOWN); sequence numbers come off the wire as uint64.
+    for far in (sys.maxsize - 1000, sys.maxsize, 2**64 - 1):
+        assert state.events_since(far) == []
+    assert state.events_since(events[0].seq, limit=1) == events[1:2]
 
 
 def test_owner_lost_mid_load_releases_the_admission_ticket(spec, clock) -> None:

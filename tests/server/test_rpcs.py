@@ -142,12 +142,26 @@ def test_captures(client: MetadataClient) -> None:
 
 
 def test_confirm_rebuilds_only_what_is_reported(client: MetadataClient) -> None:
-    register(client)
+    inc = register(client)
     hs = hashes(2)
     reports = [ObjectReport(hs[0], None, 0, "c4", State.COMPRESSED_READY, block=3, version=1)]
-    assert client.confirm("s0", reports) == 1
-    assert client.confirm("s0", reports) == 0  # already present
+    assert client.confirm("s0", reports, inc) == 1
+    assert client.confirm("s0", reports, inc) == 0  # already present
     assert client.lookup(LookupRequest(hs)).usable_tokens == 0  # other groups missing
+
+
+def test_confirm_needs_the_current_incarnation(client: MetadataClient) -> None:
+    """A confirm sent before its owner registered again vouches for dropped memory: refused
+    (NOT_FOUND), as is one without an incarnation (INVALID_ARGUMENT); neither changes a thing."""
+    stale = register(client)
+    current = register(client)  # the owner came back (empty) meanwhile
+    hs = hashes(2)
+    reports = [ObjectReport(hs[0], None, 0, "c4", State.COMPRESSED_READY, block=3, version=1)]
+    with pytest.raises(E.UnknownOwner, match=f"incarnation {stale} is not current"):
+        client.confirm("s0", reports, stale)
+    with pytest.raises(E.InvalidInput, match="needs the incarnation"):
+        client.confirm("s0", reports, 0)
+    assert client.confirm("s0", reports, current) == 1
 
 
 def test_lookup_stream_and_batch(client: MetadataClient) -> None:

@@ -262,7 +262,7 @@ def test_restart_rebuilds_only_from_confirmed_objects(procs: list[Proc]) -> None
         except Unavailable:
             assert time.monotonic() < deadline
     assert client.lookup(LookupRequest(hs_a)).usable_tokens == 0
-    register(client, "s0")
+    inc = register(client, "s0")
     assert client.lookup(LookupRequest(hs_a)).usable_tokens == 0  # registered, not confirmed
     by_id = {h.object_id: h for hs in m_a.handles.values() for h in hs}
     reports = []
@@ -278,7 +278,7 @@ def test_restart_rebuilds_only_from_confirmed_objects(procs: list[Proc]) -> None
             hi = 4 if column == "c4.tail" else 0
         reports.append(ObjectReport(hs_a[depth], hs_a[depth - 1] if depth else None, depth,
                                     column, state, h.block, h.generation, depth + 1, lo, hi))
-    assert client.confirm("s0", reports) == len(reports)
+    assert client.confirm("s0", reports, inc) == len(reports)
     assert client.lookup(LookupRequest(hs_a)).usable_tokens == 256  # confirmed: hits again
     assert client.lookup(LookupRequest(hs_b)).usable_tokens == 0  # never confirmed: miss
     client.close()

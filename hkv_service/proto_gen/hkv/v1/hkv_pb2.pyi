@@ -279,12 +279,14 @@ class ObjectReport(_message.Message):
     def __init__(self, block_hash: _Optional[bytes] = ..., parent_hash: _Optional[bytes] = ..., depth: _Optional[int] = ..., column: _Optional[str] = ..., state: _Optional[_Union[State, str]] = ..., block: _Optional[int] = ..., generation: _Optional[int] = ..., version: _Optional[int] = ..., lo: _Optional[int] = ..., hi: _Optional[int] = ...) -> None: ...
 
 class ConfirmRequest(_message.Message):
-    __slots__ = ("owner", "reports")
+    __slots__ = ("owner", "reports", "incarnation")
     OWNER_FIELD_NUMBER: _ClassVar[int]
     REPORTS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     owner: str
     reports: _containers.RepeatedCompositeFieldContainer[ObjectReport]
-    def __init__(self, owner: _Optional[str] = ..., reports: _Optional[_Iterable[_Union[ObjectReport, _Mapping]]] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, owner: _Optional[str] = ..., reports: _Optional[_Iterable[_Union[ObjectReport, _Mapping]]] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class ConfirmResponse(_message.Message):
     __slots__ = ("confirmed",)
