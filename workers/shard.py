@@ -500,6 +500,11 @@ class ShardActor:
     def _load_one(self, dh: Handle, block_hash: BlockHash) -> ItemResult:
         key = DiskKey(bytes(block_hash), dh.group, dh.kind.value, dh.abi_fingerprint)
         if not self.disk.contains(key):
+            if dh.shard == self.shard_id:
+                # Ours, at rest, and the tier no longer has it (evicted while a reader held the
+                # loaded copy, so the eviction report was refused): end the claim, or every
+                # lookup would keep offering a load that cannot succeed.
+                self._commit(dh.object_id, Event.LOSE)
             return ItemResult(Outcome.NOT_HERE, "this shard's disk tier has no such record")
         try:
             mh = self.meta.begin_load(dh.object_id, self.shard_id)

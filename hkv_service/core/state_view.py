@@ -293,11 +293,9 @@ class CacheState:
             return lost
 
     def _force_gone(self, rec: ObjRecord, owner: ShardId) -> None:
-        if rec in self.holds.captures:
-            self._invalidate_captures(rec)
         if rec.kind is Kind.DISK and rec.disk_owner != owner:
             if rec.state is State.ON_DISK_READY:
-                self._apply(rec, Event.DROP_COPY, Params())
+                self._apply(rec, Event.COPY_LOST, Params())
             elif rec.state is State.ON_DISK_INFLIGHT:
                 self._disk_event(rec, Params(), Event.LOAD_FAILED)  # releases its ticket too
             return
@@ -442,11 +440,15 @@ class CacheState:
     def _apply(self, rec: ObjRecord, event: Event, params: Params) -> None:
         before = rec.state
         apply(rec, event, params, self)
+        if rec in self.holds.captures and (rec.state in TERMINAL_STATES or event in _COPY_ENDS):
+            # Policy events (EVICT, DROP_COPY) are refused while a capture holds the object, so
+            # this is a fact (lost, corrupt, a failed load): a graph over it must not replay.
+            self._invalidate_captures(rec)
         if rec.kind is Kind.TAIL:
             self._track_resume_point(rec, before)
         if rec.state in TERMINAL_STATES:
             self._detach(rec)
-        elif event is Event.DROP_COPY or event is Event.LOAD_FAILED:
+        elif event in _COPY_ENDS:
             self._release_copy(rec)
         self._after_change(rec)
 
@@ -1157,6 +1159,8 @@ def _handle_shard(rec: ObjRecord) -> ShardId:
     """Where to ask for the bytes: the memory owner, or the disk owner of a copy at rest."""
     return rec.shard if rec.block >= 0 or rec.disk_owner is None else rec.disk_owner
 
+
+_COPY_ENDS = frozenset({Event.DROP_COPY, Event.COPY_LOST, Event.LOAD_FAILED})
 
 _PARTNER_EVICTABLE = {
     (Kind.INDEXER, State.INDEXER_SYNCED),

@@ -53,6 +53,7 @@ class Event(enum.StrEnum):
     LOAD_VERIFIED = "LOAD_VERIFIED"  # bytes in a block, checksum matched
     LOAD_FAILED = "LOAD_FAILED"  # I/O or admission failure: back to at rest
     DROP_COPY = "DROP_COPY"  # the loaded memory copy was freed; disk copy stays at rest
+    COPY_LOST = "COPY_LOST"  # the loaded copy's memory owner was lost; disk copy stays at rest
     EVICT = "EVICT"
     LOSE = "LOSE"
     MARK_CORRUPT = "MARK_CORRUPT"

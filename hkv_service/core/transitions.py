@@ -80,7 +80,8 @@ _DISK = {
     (S.ON_DISK_INFLIGHT, E.LOAD_FAILED): S.ON_DISK,
     (S.ON_DISK_INFLIGHT, E.MARK_CORRUPT): S.CORRUPT,
     (S.ON_DISK_INFLIGHT, E.LOSE): S.LOST,
-    (S.ON_DISK_READY, E.DROP_COPY): S.ON_DISK,
+    (S.ON_DISK_READY, E.DROP_COPY): S.ON_DISK,  # policy: refused while a reader holds it
+    (S.ON_DISK_READY, E.COPY_LOST): S.ON_DISK,  # a fact: gone whatever holds it
     (S.ON_DISK_READY, E.EVICT): S.EVICTED,
     (S.ON_DISK_READY, E.MARK_CORRUPT): S.CORRUPT,
     (S.ON_DISK_READY, E.LOSE): S.LOST,
@@ -164,6 +165,7 @@ def _tail_done(rec: ObjRecord, p: Params, ctx: TransitionContext) -> str | None:
 
 PRECONDITIONS: dict[tuple[Kind, Event], Check] = {
     **{(k, Event.EVICT): _no_pins for k in Kind},
+    (Kind.DISK, Event.DROP_COPY): _no_pins,  # freeing a loaded copy is an eviction too
     (Kind.INDEXER, Event.INDEXER_SYNC): _indexer_sync,
     (Kind.INDEXER, Event.WRITE_DONE): _no_pins,  # never rewrite bytes under a reader
     (Kind.SWA, Event.WRITE_DONE): _swa_range,

@@ -179,6 +179,38 @@ def test_a_loaded_copy_the_full_tier_evicts_leaves_no_ghost_on_disk(
         assert ld.ok and ld.handle is not None, ld
         assert np.array_equal(read_back(shard, ld.handle), data[d])
 
+def test_a_record_the_tier_lost_under_a_reader_ends_its_disk_object_at_the_next_load(
+    shard: ShardActor, meta: LocalMetadata, w: Any
+) -> None:
+    """Regression: when the full tier evicted a loaded copy's record while a reader held that
+    copy, both ``evict`` reports were refused (held), the object stayed ON_DISK_READY with its
+    disk bytes gone, and once the copy was dropped it sat ON_DISK for good: offered for loading
+    by every lookup, every load answering NOT_HERE. The disk owner's own load now ends it."""
+    hashes = w.prompt(4, seed=29)
+    data = {d: payload(2048, 60 + d) for d in range(4)}
+    [first] = shard.offload([write(shard, meta, hashes, 0, "c4", data[0])], evict_memory=True)
+    assert first.ok and first.handle is not None, first
+    oid = first.handle.object_id
+    [loaded] = shard.load([(first.handle, hashes[0])])
+    assert loaded.ok and loaded.handle is not None
+    rec = meta.state.objects[oid]
+    meta.state.holds.pins[rec] = 1  # a reader holds the loaded copy
+    later = [shard.offload([write(shard, meta, hashes, d, "c4", data[d])], evict_memory=True)[0]
+             for d in (1, 2, 3)]  # the third needs room: the first record goes
+    assert all(r.ok for r in later), later
+    key = DiskKey(bytes(hashes[0]), "c4", "COMPRESSED", first.handle.abi_fingerprint)
+    assert not shard.disk.contains(key)
+    assert rec.state is State.ON_DISK_READY  # the reader's copy was left alone ...
+    assert np.array_equal(read_back(shard, loaded.handle), data[0])  # ... and reads right
+    del meta.state.holds.pins[rec]
+    meta.evict(oid)  # memory pressure later drops the copy: at rest, bytes long gone
+    assert rec.state is State.ON_DISK
+    [ld] = shard.load([(first.handle, hashes[0])])
+    assert ld.outcome is Outcome.NOT_HERE and not ld.ok
+    assert rec.state is State.LOST  # never offered for loading again
+    assert_no_transfer_in_flight(shard, meta)
+
+
 FSIZE_CHILD = """
 import json, os, resource, signal, sys
 import numpy as np

@@ -53,6 +53,7 @@ class Event(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EVENT_EVICT: _ClassVar[Event]
     EVENT_LOSE: _ClassVar[Event]
     EVENT_MARK_CORRUPT: _ClassVar[Event]
+    EVENT_COPY_LOST: _ClassVar[Event]
 
 class Reason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -109,6 +110,7 @@ EVENT_DROP_COPY: Event
 EVENT_EVICT: Event
 EVENT_LOSE: Event
 EVENT_MARK_CORRUPT: Event
+EVENT_COPY_LOST: Event
 REASON_UNSPECIFIED: Reason
 REASON_PARTIAL_BLOCK: Reason
 REASON_ABI_MISMATCH: Reason
