@@ -31,6 +31,7 @@ __all__ = [
     "column_verdict",
     "record_verdict",
     "summarise",
+    "swa_cover",
 ]
 
 READY = "READY"
@@ -123,13 +124,32 @@ def column_verdict(entry: PrefixEntry, column: int, layout: Layout) -> Verdict:
     else:
         verdict = Reason.MISSING_COMPONENT
     disk = entry.disk[column] if entry.disk else None
-    if disk is None:
-        return verdict
-    disk_verdict = _DISK_VERDICT.get(disk.state, Reason.MISSING_COMPONENT)
+    return verdict if disk is None else _disk_verdict(disk, entry, layout)
+
+
+def _disk_verdict(disk: ObjRecord, entry: PrefixEntry, layout: Layout) -> Verdict:
+    verdict = _DISK_VERDICT.get(disk.state, Reason.MISSING_COMPONENT)
     contract = CONTRACTS[disk.inner or Kind.DISK]
-    if disk_verdict in (READY, LOAD) and contract.extra_check is not None:
-        return contract.extra_check(disk, entry, layout) or disk_verdict
-    return disk_verdict
+    if verdict in (READY, LOAD) and contract.extra_check is not None:
+        return contract.extra_check(disk, entry, layout) or verdict
+    return verdict
+
+
+def swa_cover(entry: PrefixEntry, column: int, need_lo: int, need_hi: int,
+              layout: Layout) -> ObjRecord | None:
+    """The record that serves tokens ``[need_lo, need_hi)`` of this SWA block, or None: the
+    memory object when it is valid over them, else the disk copy (loaded, or at rest and
+    loadable) when that is. The funnel accepts the block with it and the handles point at the
+    same record, so a partly rewritten memory object never hides a whole disk copy."""
+    mem = entry.mem[column]
+    if (mem is not None and record_verdict(mem, entry, layout) == READY
+            and mem.lo <= need_lo and mem.hi >= need_hi):
+        return mem
+    disk = entry.disk[column] if entry.disk else None
+    if (disk is not None and _disk_verdict(disk, entry, layout) in (READY, LOAD)
+            and disk.lo <= need_lo and disk.hi >= need_hi):
+        return disk
+    return None
 
 
 def record_verdict(rec: ObjRecord, entry: PrefixEntry, layout: Layout) -> Verdict:

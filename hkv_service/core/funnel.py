@@ -25,12 +25,12 @@ import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from .contracts import F_MONO, F_TAIL, LOAD, READY, column_verdict
+from .contracts import F_MONO, F_TAIL, LOAD, READY, column_verdict, swa_cover
 from .errors import InvalidInput, PositionBeyondHashes, UnknownGroup
 from .ids import BlockHash, GroupName, check_hash_lengths
 from .layout import Layout
 from .records import PrefixEntry
-from .states import Kind, Reason, State
+from .states import Kind, Reason
 
 __all__ = [
     "Downgrade", "FunnelResult", "LookupRequest", "check_hash_lengths", "run_funnel",
@@ -183,16 +183,6 @@ def _swa_reason(
             start, end = layout.block_range(col, depth)
             if end <= lo_needed:
                 continue
-            if not _swa_block_ok(entries[depth], col, max(start, lo_needed), end, layout):
+            if swa_cover(entries[depth], col, max(start, lo_needed), end, layout) is None:
                 return Reason.SWA_WINDOW_INCOMPLETE, column.name
     return None
-
-
-def _swa_block_ok(e: PrefixEntry, col: int, need_lo: int, need_hi: int, layout: Layout) -> bool:
-    verdict = column_verdict(e, col, layout)
-    if verdict not in (READY, LOAD):
-        return False
-    rec = e.mem[col]
-    if rec is None or verdict == LOAD or rec.state is not State.SWA_VALID:
-        rec = e.disk[col] if e.disk else None
-    return rec is not None and rec.lo <= need_lo and rec.hi >= need_hi

@@ -681,7 +681,7 @@ class CacheState:
             c = column.index
             depths = self.layout.needed_depths(c, usable)
             if self._disk_records:
-                found = [self._readable_record(entries[d], c) for d in depths]
+                found = [self._readable_record(entries[d], c, usable) for d in depths]
                 recs = tuple(r for r in found if r is not None)
             else:  # the funnel accepted these entries: each has a READY memory record here
                 at = entries[depths.start : depths.stop : depths.step]  # needed depths: a range
@@ -780,7 +780,15 @@ class CacheState:
             out.append(pool.config.stride if pool is not None else 0)
         return tuple(out)
 
-    def _readable_record(self, e: PrefixEntry, col: int) -> ObjRecord | None:
+    def _readable_record(self, e: PrefixEntry, col: int, usable: int) -> ObjRecord | None:
+        """The record a reader resuming at ``usable`` reads for ``col`` at ``e``: the memory
+        object when it is ready, else the disk copy; for SWA, the one whose range covers what
+        the window needs (the funnel accepted the block with that one)."""
+        column = self.layout.columns[col]
+        if column.kind is Kind.SWA:
+            start, end = self.layout.block_range(col, e.depth)
+            need_lo = max(start, usable - column.group.window)
+            return contracts.swa_cover(e, col, need_lo, end, self.layout)
         rec = e.mem[col]
         if rec is not None and contracts.record_verdict(rec, e, self.layout) == contracts.READY:
             return rec

@@ -1,5 +1,6 @@
 """Stateful property test: random interleavings of allocate / write / commit / evict / offload /
-load / owner loss / lease / lookup / read, checked against an independent oracle written here.
+load / drop or evict disk copies / owner loss / reported loss and corruption / lease / capture /
+lookup / read, checked against an independent oracle written here.
 
 Safety: the funnel never reports a usable token the oracle says is unsafe.
 No needless misses: it never reports less than the longest prefix the oracle says is safe.
@@ -14,7 +15,13 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
 from hkv_service.core.errors import IllegalTransition, StaleHandle
 from hkv_service.core.funnel import LookupRequest
@@ -56,8 +63,31 @@ class Slot:
     disk: str | None = None  # offloading / rest / inflight / ready
     disk_version: int = 0
     disk_copy_shard: ShardId | None = None
+    disk_copy: tuple[int, int] | None = None  # (block, generation) of the last load's copy
     disk_partial: bool = False  # SWA copy of a short [lo, hi) range
-    pins: int = 0
+    pins: int = 0  # leases and captures on the memory object
+    disk_pins: int = 0  # ... and on the disk object (at rest or loaded)
+
+    def live(self, oid: int, disk: bool) -> bool:
+        """``oid`` is still this slot's memory object (or its disk object)."""
+        return self.disk_oid == oid if disk else self.oid == oid
+
+    def readable(self, oid: int, disk: bool, where: tuple[int, int]) -> bool:
+        """A handle on ``oid`` at ``where`` (block, generation) still points at its bytes: a
+        disk object's copy can be dropped and loaded again into another block."""
+        return self.live(oid, disk) and (not disk or (self.disk == "ready"
+                                                      and self.disk_copy == where))
+
+    def pin(self, oid: int, disk: bool, n: int) -> None:
+        if self.live(oid, disk):
+            if disk:
+                self.disk_pins = max(0, self.disk_pins + n)
+            else:
+                self.pins = max(0, self.pins + n)
+
+
+# the slot, the object id held, whether it is the disk object, the handle's (block, generation)
+Hold = tuple[Slot, int, bool, tuple[int, int]]
 
 
 @dataclass
@@ -106,8 +136,8 @@ class FunnelMachine(RuleBasedStateMachine):
         for s in SHARDS:
             self.state.register_owner(s, pools_for(self.state.layout, 64))
         self.oracle = Oracle()
-        self.leases: list[tuple[int, list[Slot]]] = []
-        self.captures: list[tuple[int, list[Slot], list[int]]] = []
+        self.leases: list[tuple[int, list[Hold]]] = []
+        self.captures: list[tuple[int, list[Hold]]] = []
         self.handles: list = []
 
     # ---- writers -----------------------------------------------------------------------
@@ -149,6 +179,14 @@ class FunnelMachine(RuleBasedStateMachine):
         else:
             slot.version = self.state.transition(oid, Event.WRITE_DONE).version
             slot.status = "ready"
+
+    @initialize(a=st.integers(0, DEPTHS), b=st.integers(0, DEPTHS))
+    def start_with_prefixes(self, a: int, b: int) -> None:
+        """Often start from written prefixes (0 = none): lookups then hit, and the rules that
+        act on what a hit hands out (leases and captures on loaded copies) get their turn."""
+        for chain, upto in enumerate((a, b)):
+            if upto:
+                self.write_prefix(chain, upto)
 
     @rule(chain=st.integers(0, 1), upto=st.integers(1, DEPTHS))
     def write_prefix(self, chain: int, upto: int) -> None:
@@ -254,6 +292,7 @@ class FunnelMachine(RuleBasedStateMachine):
             return
         target = self.state.begin_load(slot.disk_oid)  # type: ignore[arg-type]
         slot.disk, slot.disk_copy_shard = "inflight", target.shard
+        slot.disk_copy = (target.block, target.generation)
         if outcome == "verified":
             self.state.transition(target.object_id, Event.LOAD_VERIFIED)
             slot.disk = "ready"
@@ -262,7 +301,7 @@ class FunnelMachine(RuleBasedStateMachine):
             slot.disk = "rest"
         elif outcome == "corrupt":
             self.state.transition(target.object_id, Event.MARK_CORRUPT)
-            slot.disk_oid, slot.disk = None, None
+            self._disk_gone(slot)
 
     @rule(chain=st.integers(0, 1), depth=st.integers(0, DEPTHS - 1), col=st.sampled_from(COLUMNS))
     def finish_inflight(self, chain: int, depth: int, col: str) -> None:
@@ -270,6 +309,49 @@ class FunnelMachine(RuleBasedStateMachine):
         if slot.disk == "inflight":
             self.state.transition(slot.disk_oid, Event.LOAD_VERIFIED)  # type: ignore[arg-type]
             slot.disk = "ready"
+
+    def _swappable(self) -> list[tuple[int, int, str]]:
+        return [(c, d, col) for c in (0, 1) for d in range(DEPTHS) for col in COLUMNS
+                if (s := self.oracle.slots.get((CHAINS[c][d], col))) is not None
+                and s.status in ("ready", "synced") and s.disk is None and not s.pins]
+
+    @precondition(lambda self: bool(self._swappable()))
+    @rule(i=st.integers(0, 10_000))
+    def swap_out_and_back(self, i: int) -> None:
+        """Offload a ready object, evict it from memory, load the disk copy back: the path
+        that makes lookups hand out loaded copies (rare from the separate rules alone)."""
+        chain, depth, col = (options := self._swappable())[i % len(options)]
+        self.offload(chain, depth, col, True)
+        self.evict(chain, depth, col)
+        self.load(chain, depth, col, "verified")
+
+    def _on_disk(self) -> list[Slot]:
+        return [s for s in self.oracle.slots.values() if s.disk in ("rest", "ready")]
+
+    @precondition(lambda self: bool(self._on_disk()))
+    @rule(i=st.integers(0, 10_000), held=st.booleans())
+    def evict_disk(self, i: int, held: bool) -> None:
+        """Policy on a disk object: a loaded copy is dropped (back at rest), one at rest is
+        evicted; either is refused while a lease or a capture holds the disk object. Half
+        the draws aim at a held one when there is any (rare otherwise)."""
+        on_disk = self._on_disk()
+        on_disk = [s for s in on_disk if s.disk_pins] if held else on_disk
+        if not on_disk:
+            return
+        slot = on_disk[i % len(on_disk)]
+        try:
+            self.state.evict(slot.disk_oid)  # type: ignore[arg-type]
+        except IllegalTransition:
+            assert slot.disk_pins, f"disk {slot.disk}: evict refused without a hold"
+            return
+        assert not slot.disk_pins, f"disk {slot.disk} evicted under {slot.disk_pins} holds"
+        if slot.disk == "ready":
+            slot.disk = "rest"
+        else:
+            self._disk_gone(slot)
+
+    def _disk_gone(self, slot: Slot) -> None:
+        slot.disk_oid, slot.disk, slot.disk_pins = None, None, 0
 
     # ---- faults ------------------------------------------------------------------------
     @rule(i=st.integers(0, 1))
@@ -280,10 +362,34 @@ class FunnelMachine(RuleBasedStateMachine):
             if slot.shard == shard:
                 self._gone(slot)
             if slot.disk is not None and shard == SHARDS[0]:  # s0 also owns the disk copies
-                slot.disk_oid, slot.disk = None, None
+                self._disk_gone(slot)
             elif slot.disk in ("ready", "inflight") and slot.disk_copy_shard == shard:
-                slot.disk = "rest"
-        self.leases = [(lid, [s for s in slots if s.oid]) for lid, slots in self.leases]
+                slot.disk = "rest"  # the copy is gone whatever holds it; the holds stay
+
+    @rule(
+        chain=st.integers(0, 1),
+        depth=st.integers(0, DEPTHS - 1),
+        col=st.sampled_from(COLUMNS),
+        event=st.sampled_from([Event.LOSE, Event.MARK_CORRUPT]),
+        disk=st.booleans(),
+    )
+    def report_fact(self, chain: int, depth: int, col: str, event: Event, disk: bool) -> None:
+        """An owner reports an object lost or corrupt: applied whatever holds it (a fact)."""
+        slot = self.oracle.slot(CHAINS[chain][depth], col)
+        oid = slot.disk_oid if disk else slot.oid
+        if oid is None or (disk and slot.disk == "offloading"):
+            return
+        try:
+            self.state.transition(oid, event)  # type: ignore[arg-type]
+        except IllegalTransition:
+            # only a half-written object cannot be corrupt: nothing readable was there
+            assert event is Event.MARK_CORRUPT and not disk and slot.status in ("alloc",
+                                                                                "partial")
+            return
+        if disk:
+            self._disk_gone(slot)
+        else:
+            self._gone(slot)
 
     # ---- readers -----------------------------------------------------------------------
     @rule(chain=st.integers(0, 1), resume=st.integers(0, DEPTHS * H), lease=st.booleans())
@@ -295,20 +401,12 @@ class FunnelMachine(RuleBasedStateMachine):
         safe = self.oracle.safe_prefix(hs, resume)
         assert m.usable_tokens <= safe, f"unsafe hit: {m.usable_tokens} > safe {safe}"
         assert m.usable_tokens >= safe, f"needless miss: {m.usable_tokens} < safe {safe}"
-        by_oid = {s.oid: s for s in self.oracle.slots.values() if s.oid is not None}
-        by_oid.update({s.disk_oid: s for s in self.oracle.slots.values() if s.disk_oid})
-        used = [by_oid[h.object_id] for hs_ in m.handles.values() for h in hs_]
-        if m.lease_id is not None:
-            mem_used = [
-                s
-                for hs_ in m.handles.values()
-                for h in hs_
-                if (s := by_oid[h.object_id]).oid == h.object_id
-            ]
-            for s in mem_used:
-                s.pins += 1
-            self.leases.append((m.lease_id, mem_used))
-        assert len(used) == sum(len(v) for v in m.handles.values())
+        holds = self._holds([h for hs_ in m.handles.values() for h in hs_])
+        assert len(holds) == sum(len(v) for v in m.handles.values())
+        if m.lease_id is not None:  # the lease holds every object whose handle it returned
+            for s, oid, disk, _ in holds:
+                s.pin(oid, disk, +1)
+            self.leases.append((m.lease_id, holds))
         for name, column in m.handles.items():  # packed rows/snapshots never go stale
             for h in column:
                 rec = self.state.objects.get(h.object_id)
@@ -341,66 +439,76 @@ class FunnelMachine(RuleBasedStateMachine):
         assert {k: (c.records, c.strides, c.shard_names) for k, c in m.columns.items()} == {
             k: (c.records, c.strides, c.shard_names) for k, c in fresh.columns.items()}
 
+    def _holds(self, handles: list) -> list[Hold]:  # type: ignore[type-arg]
+        """The oracle's slot for each handle's object (memory or disk), where it still lives."""
+        out: list[Hold] = []
+        for h in handles:
+            for s in self.oracle.slots.values():
+                if s.live(h.object_id, False) or s.live(h.object_id, True):
+                    out.append((s, h.object_id, s.disk_oid == h.object_id,
+                                (h.block, h.generation)))
+                    break
+        return out
+
     @precondition(lambda self: bool(self.handles))
     @rule(n=st.integers(1, 6))
     def capture(self, n: int) -> None:
-        """A worker captures a CUDA graph over some matched blocks: they are pinned."""
-        by_oid = {s.oid: s for s in self.oracle.slots.values() if s.oid is not None}
-        mem = [h for h in self.handles if h.block >= 0 and h.object_id in by_oid][:n]
-        gone = [
-            h
-            for h in self.handles
-            if h.block >= 0
-            and not any(h.object_id in (s.oid, s.disk_oid) for s in self.oracle.slots.values())
-        ]
-        if gone:  # a block freed since the lookup: capturing it must be refused
+        """A worker captures a CUDA graph over some matched blocks (memory objects and loaded
+        disk copies): they are pinned."""
+        holds = self._holds(self.handles)
+        readable = {(oid, where) for s, oid, disk, where in holds
+                    if s.readable(oid, disk, where)}
+        live = [h for h in self.handles
+                if h.block >= 0 and (h.object_id, (h.block, h.generation)) in readable][:n]
+        gone = [h for h in self.handles
+                if h.block >= 0 and (h.object_id, (h.block, h.generation)) not in readable]
+        if gone:  # a block freed (or a copy dropped) since the lookup: capturing is refused
             with pytest.raises(StaleHandle):
                 self.state.register_capture(gone[:1])
-        if not mem:
+        if not live:
             return
-        slots = [by_oid[h.object_id] for h in mem]
-        handles = mem
-        cap_id, _ = self.state.register_capture(handles)
-        for s in slots:
-            s.pins += 1
-        self.captures.append((cap_id, slots, [h.object_id for h in handles]))
+        cap_id, _ = self.state.register_capture(live)
+        held = self._holds(live)
+        for s, oid, disk, _ in held:
+            s.pin(oid, disk, +1)
+        self.captures.append((cap_id, held))
 
     @precondition(lambda self: bool(self.captures))
     @rule()
     def release_capture(self) -> None:
-        cap_id, slots, _ = self.captures.pop(0)
+        cap_id, held = self.captures.pop(0)
         self.state.release_capture(cap_id)
-        for s in slots:
-            s.pins = max(0, s.pins - 1)
+        for s, oid, disk, _ in held:
+            s.pin(oid, disk, -1)
 
     @invariant()
-    def captures_invalid_only_after_owner_loss(self) -> None:
-        for cap_id, slots, oids in self.captures:
+    def captures_invalid_only_when_their_bytes_went(self) -> None:
+        for cap_id, held in self.captures:
             valid, _ = self.state.capture_status(cap_id)
-            # valid while every captured object lives: a slot rewritten since holds another
-            assert valid == all(s.oid == oid for s, oid in zip(slots, oids, strict=True))
+            # valid while every captured block still holds its object's bytes
+            assert valid == all(s.readable(oid, disk, where) for s, oid, disk, where in held)
 
     @precondition(lambda self: bool(self.leases))
     @rule()
     def release(self) -> None:
-        lease_id, slots = self.leases.pop(0)
+        lease_id, holds = self.leases.pop(0)
         self.state.release_lease(lease_id)
-        for s in slots:
-            s.pins = max(0, s.pins - 1)
+        for s, oid, disk, _ in holds:
+            s.pin(oid, disk, -1)
 
     @precondition(lambda self: bool(self.handles))
     @rule(i=st.integers(0, 10_000))
     def read(self, i: int) -> None:
         h = self.handles[i % len(self.handles)]
-        live = any(
-            s.oid == h.object_id or (s.disk_oid == h.object_id and s.disk == "ready")
-            for s in self.oracle.slots.values()
-        )
         try:
             self.state.check_read(h)
         except StaleHandle:
             return
-        assert live or h.block < 0 or self.state.objects[h.object_id].generation == h.generation
+        # a read let through must be of bytes the oracle says are still there, at that block
+        held = self._holds([h])
+        assert h.block < 0 or (
+            bool(held) and held[0][0].readable(h.object_id, held[0][2], (h.block, h.generation))
+        ), f"read of {h} let through, but its bytes are gone"
 
     @invariant()
     def admission_balanced(self) -> None:
@@ -409,7 +517,7 @@ class FunnelMachine(RuleBasedStateMachine):
 
 
 FunnelMachine.TestCase.settings = settings(
-    max_examples=120,
+    max_examples=300,
     stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
