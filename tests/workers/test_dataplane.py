@@ -196,6 +196,8 @@ def test_killed_shard_objects_lost_and_lookup_downgrades(service: Any, endpoint:
         info = _await_restart(actor, first["incarnation"])
         assert ray.get(actor.stats.remote())["counts"].get("writes", 0) == 0
         assert info["pid"] != first["pid"]
+    else:  # ray.kill returns before the process is gone: a read racing it still got bytes
+        _await_death(actor)
     out = dp.read(match, hashes)  # fails cleanly as recompute, never old bytes
     assert isinstance(out, Recompute)
     # no restart: the dead shard is marked lost; restart: the shard came back empty, so the
@@ -203,6 +205,19 @@ def test_killed_shard_objects_lost_and_lookup_downgrades(service: Any, endpoint:
     assert out.reason.value == ("STALE_HANDLE" if restart else "OWNER_LOST")
     assert meta.lookup(LookupRequest(hashes)).usable_tokens == 0
     ray.kill(actor, no_restart=True)
+
+
+def _await_death(actor: Any) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.ping.remote(), timeout=10)
+        except ray.exceptions.RayActorError:
+            return
+        except ray.exceptions.GetTimeoutError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError("killed shard still answers after 60 s")
 
 
 def _await_restart(actor: Any, incarnation: int) -> dict[str, Any]:
