@@ -152,29 +152,29 @@ def test_cap_holds_and_no_ack_is_lost_under_many_slow_transfers(
             observed["bytes"] = max(observed["bytes"], now.in_transit_bytes)
             time.sleep(0.0005)
 
+    def attempt(call: Any, refused: list[Any], key: Any, *args: Any, wait_s: float
+                ) -> tuple[bool, Any]:
+        """(done, ``call(key, *args, wait_s=wait_s)``): a refusal is recorded in ``refused``,
+        anything else in errors."""
+        try:
+            return True, call(key, *args, wait_s=wait_s)
+        except AdmissionRefused:
+            refused.append(key)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+        return False, None
+
     def worker(t: int) -> None:
         rng = np.random.default_rng(t)
         for j in range(5):
             key, payload = h.make_key(100 * t + j), h.kv_bytes(size, seed=100 * t + j)
             wait_s = float(rng.choice([0.0, 0.02, 5.0]))  # impatient and patient callers
-            try:
-                tier.put(key, payload, wait_s=wait_s)
-            except AdmissionRefused:
-                refused_puts.append(key)
-                continue
-            except BaseException as exc:  # pragma: no cover - reported below
-                errors.append(exc)
+            done, _ = attempt(tier.put, refused_puts, key, payload, wait_s=wait_s)
+            if not done:
                 continue
             acked[key] = payload
-            try:
-                got = tier.get(key, wait_s=wait_s)
-            except AdmissionRefused:
-                refused_gets.append(key)
-                continue
-            except BaseException as exc:  # pragma: no cover - reported below
-                errors.append(exc)
-                continue
-            if got != payload:  # pragma: no cover - reported below
+            done, got = attempt(tier.get, refused_gets, key, wait_s=wait_s)
+            if done and got != payload:  # pragma: no cover - reported below
                 errors.append(AssertionError(f"wrong bytes for {key}"))
 
     watcher = threading.Thread(target=watch)
