@@ -915,7 +915,9 @@ class CacheState:
 
     def _check_report(self, r: ObjectReport) -> None:
         """A vouched state must be one its column's kind can be read in (else no transition,
-        not even LOSE, applies to the record), and an SWA range must lie inside its block."""
+        not even LOSE, applies to the record), an SWA range must lie inside its block, and a
+        complete tail must hold exactly the raw tokens its boundary needs (as TAIL_DONE
+        demands: a tail vouched for with another length would be read as whole)."""
         col = self._column(r.column)
         column = self.layout.columns[col]
         if r.state is not State.ON_DISK and r.state not in _READABLE[column.kind]:
@@ -926,6 +928,11 @@ class CacheState:
             if not start <= r.lo <= r.hi <= end:
                 raise InvalidInput(f"SWA report at depth {r.depth}: range [{r.lo}, {r.hi}) "
                                    f"must lie inside its block [{start}, {end})")
+        if column.kind is Kind.TAIL:
+            need = column.tail_tokens_at((r.depth + 1) * self.layout.hash_block)
+            if r.hi != need:
+                raise InvalidInput(f"tail report for {column.name!r} at depth {r.depth}: "
+                                   f"{r.hi} raw tokens, its boundary needs exactly {need}")
 
     def _confirm_one(
         self, o: _Owner, owner: ShardId, entry: PrefixEntry, col: int, r: ObjectReport

@@ -249,6 +249,26 @@ def test_an_swa_range_beyond_its_block_is_refused(spec: CacheSpec, state: State,
     assert _hit(new, hs) == 0
 
 
+@pytest.mark.parametrize("state", [State.TAIL_COMPLETE, State.ON_DISK], ids=str)
+@pytest.mark.parametrize("delta", [-1, 1])
+def test_a_complete_tail_of_another_length_is_refused(spec: CacheSpec, state: State,
+                                                      delta: int) -> None:
+    """Regression: confirm took a complete tail's length as reported, while TAIL_DONE demands
+    exactly the raw tokens the boundary needs; a tail vouched for one token short would be
+    read as whole."""
+    hs = prompt_hashes(spec, 4)
+    reports = _reports(_old(spec, [hs]))
+    tail = next(r for r in reports if r.column == "c4.tail" and r.depth == 1)
+    bad = replace(tail, state=state, hi=tail.hi + delta)
+    new = _fresh(spec)
+    before = _view(new)
+    with pytest.raises(InvalidInput, match=rf"needs exactly {tail.hi}\b"):
+        new.confirm(S0, [r for r in reports if r is not tail] + [bad], _inc(new))
+    assert _view(new) == before
+    assert _hit(new, hs) == 0
+    assert new.confirm(S0, reports, _inc(new)) == len(reports)  # the right length is fine
+
+
 def test_an_empty_or_whole_block_range_is_accepted(spec: CacheSpec) -> None:
     """The bounds are inclusive: [start, end) and an empty range inside the block are fine."""
     hs = prompt_hashes(spec, 4)
