@@ -49,9 +49,9 @@ def commit_prefix(
     for r, a in zip(reqs, allocs, strict=True):
         if a.existing:
             continue
-        kind, col = a.handle.kind, lay.columns[a.handle.column]
+        kind = a.handle.kind
         if kind is Kind.TAIL:
-            need = col.tail_tokens_at((r.depth + 1) * lay.hash_block)
+            need = lay.tail_tokens(a.handle.column, r.depth)
             state.transition(a.handle.object_id, Event.TAIL_DONE, Params(tail_len=need))
         elif kind is not Kind.INDEXER:
             res = state.transition(a.handle.object_id, Event.WRITE_DONE)

@@ -50,10 +50,9 @@ __all__ = [
     "RecordMeta",
     "check_header",
     "encode_record",
+    "header_of",
     "load_bytes",
     "load_into",
-    "verified_raw",
-    "verify_header",
 ]
 
 MAGIC = b"HKVR"
@@ -181,10 +180,9 @@ def _corrupt(key_bytes: bytes, reason: str, detail: str) -> CorruptEntry:
     )
 
 
-def verify_header(key_bytes: bytes, value: memoryview) -> Header:
-    """Check the header against its checksum, the key and the value length."""
-    _, _, codec, kind, _, raw_len, stored_len, checksum, abi, created, _ = check_header(
-        key_bytes, value)
+def header_of(fields: tuple[Any, ...]) -> Header:
+    """The :class:`Header` of fields :func:`check_header` passed."""
+    _, _, codec, kind, _, raw_len, stored_len, checksum, abi, created, _ = fields
     return Header(_CODECS[codec], _KIND_NAMES[kind], raw_len, stored_len, checksum, abi, created)
 
 
@@ -273,31 +271,9 @@ def _copy_verified(key_bytes: bytes, src: memoryview, out: memoryview, checksum:
         raise _corrupt(key_bytes, "payload_checksum", "payload checksum mismatch")
 
 
-def _stored(header: Header, value: memoryview) -> memoryview:
-    return value[HEADER.size :]
-
-
-def _decoded(key_bytes: bytes, header: Header, value: memoryview) -> bytes:
-    return _decoded_frame(key_bytes, _stored(header, value), header.raw_len)
-
-
 def _decoded_frame(key_bytes: bytes, frame: memoryview, raw_len: int) -> bytes:
     try:
         return decompress(frame, raw_len)
     except zstandard.ZstdError as exc:
         raise _corrupt(key_bytes, "zstd", f"zstd frame does not decode: {exc}") from exc
 
-
-def _check(key_bytes: bytes, header: Header, raw: memoryview | bytes) -> None:
-    if len(raw) != header.raw_len or xxhash.xxh3_128_digest(raw) != header.checksum:
-        raise _corrupt(key_bytes, "payload_checksum", "payload checksum mismatch")
-
-
-def verified_raw(key_bytes: bytes, header: Header, value: memoryview) -> memoryview | bytes:
-    """The raw payload, hashed in place (no copy for a raw record); raises CorruptEntry."""
-    if header.codec == Codec.RAW:
-        raw: memoryview | bytes = _stored(header, value)
-    else:
-        raw = _decoded(key_bytes, header, value)
-    _check(key_bytes, header, raw)
-    return raw

@@ -46,15 +46,15 @@ from .codec import ProbeStreak, as_byte_view
 from .errors import CorruptEntry, DiskFull, NotOnDisk
 from .lmdb_store import DiskStore, StoreConfig
 from .record import (
+    F_RAW_LEN,
     DiskKey,
     Encoded,
     RecordMeta,
     check_header,
     encode_record,
+    header_of,
     load_bytes,
     load_into,
-    verified_raw,
-    verify_header,
 )
 
 __all__ = ["DiskTier", "TierStats"]
@@ -284,7 +284,7 @@ class DiskTier:
 
     def contains(self, key: DiskKey) -> bool:
         with self._store.read() as txn:
-            return self._catalog.lookup(txn, key.to_bytes()) is not None
+            return self._catalog.raw_len(txn, key.to_bytes()) is not None
 
     def get(self, key: DiskKey, wait_s: float = 0.0) -> bytes:
         """The verified raw bytes of ``key``. Raises NotOnDisk, CorruptEntry, AdmissionRefused."""
@@ -318,7 +318,7 @@ class DiskTier:
                 if ticket is not None:
                     result = _load(kb, value, fields, dest)
                 else:
-                    own = self.gate.acquire(fields[5], 0.0)
+                    own = self.gate.acquire(fields[F_RAW_LEN], 0.0)
                     try:
                         result = _load(kb, value, fields, dest)
                     finally:
@@ -425,7 +425,7 @@ class DiskTier:
                         raise _missing(kb)
                     fields = check_header(kb, value)
                     if tickets is not None:
-                        size = fields[5]
+                        size = fields[F_RAW_LEN]
                         if tickets and nbytes + size > cap.max_bytes:
                             return
                         try:
@@ -484,12 +484,13 @@ class DiskTier:
                 if len(metas) + len(bad) == SCAN_CHUNK:
                     return metas, bad, kb
                 try:
-                    header = verify_header(kb, value)
+                    fields = check_header(kb, value)
                     if verify:
-                        verified_raw(kb, header, value)
+                        load_bytes(kb, value, fields)
                 except CorruptEntry as exc:
                     bad.append((kb, exc.reason))
                     continue
+                header = header_of(fields)
                 entry = self._catalog.lookup(txn, kb)
                 last_used = entry.last_used_ns if entry else header.created_ns
                 metas.append(RecordMeta(DiskKey.from_bytes(kb), header.codec, header.raw_len,
@@ -575,7 +576,7 @@ def _missing(kb: bytes) -> NotOnDisk:
 
 def _verifies(kb: bytes, value: memoryview) -> bool:
     try:
-        verified_raw(kb, verify_header(kb, value), value)
+        load_bytes(kb, value, check_header(kb, value))
     except CorruptEntry:
         return False
     return True

@@ -470,15 +470,20 @@ class ShardActor:
         return out
 
     def _report_disk_evictions(self, keys: Sequence[DiskKey]) -> None:
-        """The tier evicted these records: their DISK objects must end, not only their loaded
-        copies. ``evict`` of a loaded one (ON_DISK_READY) drops the memory copy and leaves it
-        ON_DISK, claiming bytes that are gone; the second ``evict`` ends it (refused, and
-        harmless, when the first already did)."""
+        """The tier evicted these records: end their DISK objects."""
         for key in keys:
             oid = self._disk_ids.pop(key, None)
             if oid is not None:
-                self._try_evict(oid)
-                self._try_evict(oid)
+                self._record_gone(oid)
+
+    def _record_gone(self, oid: ObjectId) -> None:
+        """The tier no longer holds the record of DISK object ``oid``: end the object, not only
+        its loaded copy. ``evict`` of a loaded one (ON_DISK_READY) drops the memory copy and
+        leaves it ON_DISK, claiming bytes that are gone; the second ``evict`` ends it. Both are
+        policy, refused while a reader holds the copy; this owner's next load of the object
+        then ends it (``_load_one``)."""
+        self._try_evict(oid)
+        self._try_evict(oid)
 
     def _try_evict(self, oid: ObjectId) -> None:
         try:
@@ -521,8 +526,8 @@ class ShardActor:
             return ItemResult(Outcome.CORRUPT, str(exc))
         except Exception as exc:
             self._commit(mh.object_id, Event.LOAD_FAILED)
-            if isinstance(exc, NotOnDisk):
-                self._try_evict(mh.object_id)
+            if isinstance(exc, NotOnDisk):  # evicted since contains(): gone, like above
+                self._record_gone(mh.object_id)
             return _failure(exc)
         return self._finish_load(mh, key, tag, payload)
 

@@ -111,6 +111,10 @@ class Layout:
             first += max(0, -(-(lo - first) // every)) * every
         return range(first, n, every)
 
+    def tail_tokens(self, column: int, depth: int) -> int:
+        """Raw tokens the TAIL ``column`` at ``depth`` holds when complete (its boundary's)."""
+        return self.columns[column].tail_tokens_at((depth + 1) * self.hash_block)
+
     def block_range(self, column: int, depth: int) -> tuple[int, int]:
         """Token range [start, end) covered by the block of ``column`` ending at ``depth``."""
         end = (depth + 1) * self.hash_block

