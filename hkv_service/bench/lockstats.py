@@ -4,7 +4,7 @@ The service bench swaps it in for the state view's lock (``CacheState(lock=...)`
 whether that one lock bounds concurrent throughput: a lock held for a small fraction of the
 wall time, with little wait per acquisition, is not the bottleneck. Only the outermost
 acquisition of a thread is timed (the view's methods nest); every counter is updated while
-the lock is held, so a snapshot taken under it is consistent. Costs ~1 us per acquisition.
+the lock is held, so a snapshot taken under it is consistent.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ class LockStats:
     at_s: float  # perf_counter when the snapshot was taken
     acquisitions: int  # outermost acquisitions
     contended: int  # of those, how many found the lock taken and had to wait
-    wait_s: float  # total time spent waiting to acquire
+    wait_s: float  # total time contended acquisitions spent waiting
     held_s: float  # total time held (outermost acquire to release)
 
     def since(self, earlier: LockStats) -> dict[str, float]:
@@ -33,6 +33,7 @@ class LockStats:
             "held_fraction": (self.held_s - earlier.held_s) / wall if wall > 0 else 0.0,
             "held_us_per_acquisition": 1e6 * (self.held_s - earlier.held_s) / acquired,
             "wait_us_per_acquisition": 1e6 * (self.wait_s - earlier.wait_s) / acquired,
+            # hold times include any thread switch while held: upper bounds
             "contended_fraction": (self.contended - earlier.contended) / acquired,
         }
 
@@ -60,8 +61,9 @@ class TimedLock:
         now = time.perf_counter()
         self._owner, self._depth, self._since = me, 1, now
         self._acquisitions += 1
-        self._contended += contended
-        self._wait_s += now - start
+        if contended:  # an uncontended acquire waits for nothing: only the timer would count
+            self._contended += 1
+            self._wait_s += now - start
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -73,7 +75,7 @@ class TimedLock:
         self._lock.release()
 
     def stats(self) -> LockStats:
-        with self:
-            # the snapshot's own acquisition is counted; its hold is not yet (it is running)
+        """A consistent snapshot; call it from a thread that does not hold this lock."""
+        with self._lock:  # the bare lock: a snapshot is not an acquisition of the view's
             return LockStats(time.perf_counter(), self._acquisitions, self._contended,
                              self._wait_s, self._held_s)
