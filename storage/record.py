@@ -49,6 +49,7 @@ __all__ = [
     "Header",
     "RecordMeta",
     "check_header",
+    "copy_digest",
     "encode_record",
     "header_of",
     "load_bytes",
@@ -249,8 +250,9 @@ def load_bytes(key_bytes: bytes, value: memoryview, fields: tuple[Any, ...]) -> 
     return raw
 
 
-def _copy_verified(key_bytes: bytes, src: memoryview, out: memoryview, checksum: bytes) -> None:
-    """``out[:] = src``, then the xxh3-128 of ``out`` must be ``checksum`` (equal lengths).
+def copy_digest(src: memoryview, out: memoryview) -> bytes:
+    """``out[:] = src`` (equal lengths), returning the xxh3-128 of ``out``: of the copy, so
+    what is checked is exactly what is returned.
 
     Past one :data:`VERIFY_CHUNK`, copy and hash are fused: each chunk is copied and then fed
     to a streaming xxh3-128 while it is still in the core's L2, so the hash reads cache
@@ -259,15 +261,18 @@ def _copy_verified(key_bytes: bytes, src: memoryview, out: memoryview, checksum:
     n = len(out)
     if n <= VERIFY_CHUNK:
         out[:] = src
-        digest = xxhash.xxh3_128_digest(out)
-    else:
-        hasher = xxhash.xxh3_128()
-        for start in range(0, n, VERIFY_CHUNK):
-            chunk = out[start : start + VERIFY_CHUNK]
-            chunk[:] = src[start : start + VERIFY_CHUNK]
-            hasher.update(chunk)
-        digest = hasher.digest()
-    if digest != checksum:
+        return xxhash.xxh3_128_digest(out)
+    hasher = xxhash.xxh3_128()
+    for start in range(0, n, VERIFY_CHUNK):
+        chunk = out[start : start + VERIFY_CHUNK]
+        chunk[:] = src[start : start + VERIFY_CHUNK]
+        hasher.update(chunk)
+    return hasher.digest()
+
+
+def _copy_verified(key_bytes: bytes, src: memoryview, out: memoryview, checksum: bytes) -> None:
+    """:func:`copy_digest`, and the digest must be ``checksum``."""
+    if copy_digest(src, out) != checksum:
         raise _corrupt(key_bytes, "payload_checksum", "payload checksum mismatch")
 
 

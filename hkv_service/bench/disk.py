@@ -40,7 +40,7 @@ import zstandard
 from hkv_service.core.admission import AdmissionCap
 from storage import DiskKey, DiskTier
 from storage.codec import Codec
-from storage.record import VERIFY_CHUNK
+from storage.record import VERIFY_CHUNK, copy_digest
 
 __all__ = ["run"]
 
@@ -164,21 +164,10 @@ class _RawLmdb:
         return self._gets(copy)
 
     def read_verify(self) -> float:
-        """``read`` plus the xxh3-128 of each copy, chunked as the tier does (fused past
-        ``VERIFY_CHUNK``): the bare cost of a verify-every-byte load, no header or ticket."""
-        def copy_and_hash(view: memoryview, dest: memoryview) -> None:
-            if len(view) <= VERIFY_CHUNK:
-                dest[:] = view
-                xxhash.xxh3_128_digest(dest)
-                return
-            hasher = xxhash.xxh3_128()
-            for start in range(0, len(view), VERIFY_CHUNK):
-                chunk = dest[start : start + VERIFY_CHUNK]
-                chunk[:] = view[start : start + VERIFY_CHUNK]
-                hasher.update(chunk)
-            hasher.digest()
-
-        return self._gets(copy_and_hash)
+        """``read`` plus the xxh3-128 of each copy, with the tier's own copy-and-hash
+        (:func:`storage.record.copy_digest`): the bare cost of a verify-every-byte load, no
+        header or ticket."""
+        return self._gets(copy_digest)
 
     def close(self) -> None:
         if self.env is not None:
