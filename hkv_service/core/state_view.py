@@ -985,12 +985,28 @@ class CacheState:
         return rec
 
     def _ensure_path(self, hashes: Sequence[BlockHash], last: int) -> list[PrefixEntry]:
+        self._check_path(hashes, last)
         out: list[PrefixEntry] = []
         parent: PrefixEntry | None = None
         for depth in range(last + 1):
             parent = self._entry_under(hashes[depth], parent, depth)
             out.append(parent)
         return out
+
+    def _check_path(self, hashes: Sequence[BlockHash], last: int) -> None:
+        """Raise what :meth:`_entry_under` would raise part way down ``hashes[:last + 1]``:
+        checked first, so a refused call leaves no entry behind."""
+        seen: set[BlockHash] = set()
+        parent: PrefixEntry | None = None  # the known entry one depth up; None if made here
+        for depth in range(last + 1):
+            h = hashes[depth]
+            e = self.index.get(h)
+            clash = e is not None and (e.depth != depth or (
+                depth > 0 and e.parent is not None and e.parent is not parent))
+            if h in seen or clash:
+                raise _unchained(depth, depth if e is None else e.depth)
+            seen.add(h)
+            parent = e
 
     def _ensure_entry(
         self, block_hash: BlockHash, parent_hash: BlockHash | None, depth: int
@@ -1015,10 +1031,7 @@ class CacheState:
                 parent.children += 1
             return e
         if e.depth != depth or (None not in (e.parent, parent) and e.parent is not parent):
-            raise BadHash(
-                f"block hash at depth {depth} is already known at depth {e.depth} "
-                "with another parent; hashes must be chained"
-            )
+            raise _unchained(depth, e.depth)
         if e.parent is None and parent is not None:  # adopt an orphan from a restart rebuild
             e.parent = parent
             parent.children += 1
@@ -1194,3 +1207,8 @@ _DISK_EVENTS: dict[Event, Callable[[CacheState, ObjRecord, Params], None]] = {
         Event.LOSE,
     )
 }
+
+
+def _unchained(depth: int, known: int) -> BadHash:
+    return BadHash(f"block hash at depth {depth} is already known at depth {known} "
+                   "with another parent; hashes must be chained")
