@@ -5,6 +5,7 @@ Layers, each its own module::
     tier.DiskTier         put/get/scan/evict; admission tickets; quarantine; counters
       catalog.Catalog     records/index/lru/quarantine bookkeeping inside one transaction
       record              key and record format, header checksum, payload verification
+      verify, helper      copy beside hash; the one helper thread (encode beside commit)
       codec               raw or zstd (only when it saves >= 10%)
       lmdb_store          one LMDB env per owner: sync mode, map growth, error translation
 """

@@ -29,9 +29,10 @@ class NotOnDisk(UnknownObject):
 
 
 class CorruptEntry(UnknownObject):
-    def __init__(self, message: str, reason: str) -> None:
+    def __init__(self, message: str, reason: str, key: bytes = b"") -> None:
         super().__init__(message)
         self.reason = reason
+        self.key = key  # the record's key bytes, to quarantine it
 
 
 class DiskFull(ResourceExhausted):

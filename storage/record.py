@@ -27,6 +27,7 @@ read would cost a write per get, so it lives in the tier's small ``index`` sub-d
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -38,6 +39,7 @@ from hkv_service.core.ids import BLOCK_HASH_BYTES
 
 from .codec import Codec, ProbeStreak, compress, decompress
 from .errors import CorruptEntry
+from .verify import copy_all
 
 __all__ = [
     "HEADER",
@@ -52,6 +54,7 @@ __all__ = [
     "copy_digest",
     "encode_record",
     "header_of",
+    "load_batch",
     "load_bytes",
     "load_into",
 ]
@@ -178,6 +181,7 @@ def _corrupt(key_bytes: bytes, reason: str, detail: str) -> CorruptEntry:
         f"disk record {key_bytes.hex()[:32]}... failed verification ({detail}); "
         "it was quarantined: treat as a miss and recompute",
         reason,
+        key_bytes,
     )
 
 
@@ -215,12 +219,13 @@ def check_header(key_bytes: bytes, value: memoryview) -> tuple[Any, ...]:
 def load_into(key_bytes: bytes, value: memoryview, fields: tuple[Any, ...],
               dest: memoryview) -> int:
     """Copy the raw payload of ``value`` (whose header :func:`check_header` passed, giving
-    ``fields``) into ``dest[:raw_len]`` and verify the copy there; returns raw_len.
+    ``fields``) into ``dest[:raw_len]`` and verify it; returns raw_len.
 
-    The destination is what gets hashed: what is checked is exactly what is returned. Past
-    one :data:`VERIFY_CHUNK`, copy and hash are fused chunk by chunk (see
-    :func:`_copy_verified`). ``dest`` is a flat writable byte view; too small raises
-    InvalidInput. On CorruptEntry ``dest`` holds unverified bytes and must not be used.
+    From :data:`storage.verify.PARALLEL_MIN_BYTES` the source is hashed on a helper thread
+    while it is copied (sound inside the read snapshot, see :mod:`storage.verify`); below,
+    the copy is hashed after it (:func:`copy_digest`). ``dest`` is a flat writable byte
+    view; too small raises InvalidInput. On CorruptEntry ``dest`` holds unverified bytes and
+    must not be used.
     """
     n: int = fields[F_RAW_LEN]
     if n > len(dest):
@@ -231,7 +236,7 @@ def load_into(key_bytes: bytes, value: memoryview, fields: tuple[Any, ...],
         src = memoryview(_decoded_frame(key_bytes, value[HEADER.size :], n))
         if len(src) != n:
             raise _corrupt(key_bytes, "payload_checksum", "payload length mismatch")
-    _copy_verified(key_bytes, src, dest if n == len(dest) else dest[:n], fields[F_CHECKSUM])
+    _copy_verified(key_bytes, src, _head(dest, n), fields[F_CHECKSUM])
     return n
 
 
@@ -271,9 +276,40 @@ def copy_digest(src: memoryview, out: memoryview) -> bytes:
 
 
 def _copy_verified(key_bytes: bytes, src: memoryview, out: memoryview, checksum: bytes) -> None:
-    """:func:`copy_digest`, and the digest must be ``checksum``."""
-    if copy_digest(src, out) != checksum:
+    """``out[:] = src``, and the digest (:func:`storage.verify.copy_all`) must be ``checksum``."""
+    if copy_all(((src, out),), copy_digest)[0] != checksum:
         raise _corrupt(key_bytes, "payload_checksum", "payload checksum mismatch")
+
+
+Load = tuple[bytes, memoryview, tuple[Any, ...], memoryview | None]
+
+
+def load_batch(loads: Sequence[Load], results: list[Any]) -> None:
+    """Append, in order, each ``(key_bytes, value, fields, dest)``'s verified load to
+    ``results``: :func:`load_into` ``dest``, or :func:`load_bytes` when ``dest`` is None.
+
+    The raw payloads bound for a destination are copied and hashed together
+    (:func:`storage.verify.copy_all`: one handoff to the hash helper for the whole batch),
+    so call this inside the snapshot the values come from. Raises CorruptEntry (its ``key``
+    set) for the first load that fails; ``results`` then holds the loads before it.
+    """
+    pairs: dict[int, tuple[memoryview, memoryview]] = {}
+    for i, (_, value, fields, dest) in enumerate(loads):
+        if dest is not None and fields[F_CODEC] == Codec.RAW and fields[F_RAW_LEN] <= len(dest):
+            pairs[i] = (value[HEADER.size :], _head(dest, fields[F_RAW_LEN]))
+    digests = dict(zip(pairs, copy_all(list(pairs.values()), copy_digest), strict=True))
+    for i, (key_bytes, value, fields, dest) in enumerate(loads):
+        if i not in digests:  # decoded, or bytes wanted, or a too-small dest (which raises)
+            results.append(load_bytes(key_bytes, value, fields) if dest is None
+                           else load_into(key_bytes, value, fields, dest))
+        elif digests[i] != fields[F_CHECKSUM]:
+            raise _corrupt(key_bytes, "payload_checksum", "payload checksum mismatch")
+        else:
+            results.append(fields[F_RAW_LEN])
+
+
+def _head(dest: memoryview, n: int) -> memoryview:
+    return dest if n == len(dest) else dest[:n]
 
 
 def _decoded_frame(key_bytes: bytes, frame: memoryview, raw_len: int) -> bytes:

@@ -2,20 +2,22 @@
 
 Theory of operation.
 
-* Put: take an admission ticket (waits up to ``wait_s`` or raises AdmissionRefused), encode
-  the record outside any lock (xxh3-128 of the raw bytes, zstd when it pays), then one write
-  transaction removes a replaced record, evicts least-recently-used records until the new
-  one fits the byte budget, inserts it and commits (fsync). Only when :meth:`DiskTier.put`
-  returns is the object on disk; the caller may then free its memory copy. Evicted keys are
-  handed to ``on_evict`` inside that transaction, before the commit (so the state view drops
-  its claim no later than the bytes vanish), and returned in ``RecordMeta.evicted``.
+* Put: objects go in write batches of at most half the admission cap (one ticket each,
+  which may wait up to ``wait_s`` or raise AdmissionRefused). A batch is encoded outside any
+  lock (xxh3-128 of the raw bytes, zstd when it pays), then one write transaction removes
+  replaced records, evicts least-recently-used records until the new ones fit the byte
+  budget, inserts them and commits (fsync). While one batch commits, the helper thread
+  (:mod:`storage.helper`) encodes the next. Only when :meth:`DiskTier.put_many` returns are
+  the objects on disk; the caller may then free its memory copies. Evicted keys are handed
+  to ``on_evict`` inside the transaction, before the commit (so the state view drops its
+  claim no later than the bytes vanish), and returned in ``RecordMeta.evicted``.
 * Get: in one read snapshot, verify the header on the zero-copy view of the map, take a
   ticket sized from it (with ``wait_s > 0`` the size comes from the index first, so the wait
-  holds no snapshot), copy the payload out once and verify the xxh3-128 of that copy
-  (the ``*_into`` reads fuse the two per 256 KiB chunk, so the hash reads cache, not DRAM). Any
-  mismatch moves the record to quarantine, bumps ``corruption`` and raises CorruptEntry:
-  data that failed verification is never returned. ``get_many`` shares one snapshot and
-  one admission per batch.
+  holds no snapshot), copy the payload out once and verify its xxh3-128; for a
+  ``get_many_into`` batch or an object from 512 KiB the hash runs on the helper thread
+  beside the copy (:mod:`storage.verify`). Any mismatch moves the record to quarantine,
+  bumps ``corruption`` and raises CorruptEntry: data that failed verification is never
+  returned. ``get_many`` shares one snapshot and one admission per batch.
 * Last use: a get does not write (a sync write per read would cost an fsync). Reads note the
   key in memory; the next write transaction folds those notes into the ``lru`` sub-database
   before it evicts, so eviction order is exact; a crash loses only recency hints.
@@ -32,6 +34,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import wait as wait_for
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -39,20 +42,23 @@ from typing import Any
 import lmdb
 
 from hkv_service.core.admission import AdmissionCap, AdmissionGate, AdmissionStats, Ticket
-from hkv_service.core.errors import AdmissionRefused, HkvError, InvalidInput
+from hkv_service.core.errors import HkvError, InvalidInput
 
 from .catalog import Catalog, IndexEntry
 from .codec import ProbeStreak, as_byte_view
 from .errors import CorruptEntry, DiskFull, NotOnDisk
+from .helper import run_beside
 from .lmdb_store import DiskStore, StoreConfig
 from .record import (
     F_RAW_LEN,
     DiskKey,
     Encoded,
+    Load,
     RecordMeta,
     check_header,
     encode_record,
     header_of,
+    load_batch,
     load_bytes,
     load_into,
 )
@@ -61,8 +67,18 @@ __all__ = ["DiskTier", "TierStats"]
 
 MiB = 1 << 20
 READ_BATCH = 64
+WRITE_BATCH_BYTES = 32 * MiB  # per transaction: bounds what one commit holds in LMDB's dirty pages
+
 SCAN_CHUNK = 256
 EvictCallback = Callable[[tuple[DiskKey, ...]], None]
+
+
+@dataclass(frozen=True, slots=True)
+class _Batch:
+    """An admitted, encoded write batch, waiting for its commit."""
+
+    ticket: Ticket
+    encoded: list[Encoded]
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,73 +156,104 @@ class DiskTier:
     def put_many(
         self, items: Sequence[tuple[DiskKey, Any]], wait_s: float = 0.0
     ) -> list[RecordMeta]:
-        """Store many objects, as few transactions as the admission cap and budget allow.
+        """Store many objects in write batches, each one transaction; durable on return.
 
-        Each object holds a ticket from encoding to commit; a batch is as many objects as the
-        cap admits at once (the first may wait ``wait_s``) and the budget holds. A batch
-        commits whole or not at all; the keys it evicted ride on its last ``RecordMeta``. An
-        error in a later batch leaves earlier batches committed, which is safe: they are on
-        disk, and a retried put of the same key replaces its record (idempotent).
+        A batch holds one admission ticket from encoding to commit and is at most half the
+        cap's objects and bytes and :data:`WRITE_BATCH_BYTES` (the first object always goes),
+        so that two fit the cap: while one batch commits (its fsync releases the GIL) the
+        helper thread checksums, probes and lays out the next (:mod:`storage.helper`). A
+        batch commits whole or not at all; the keys it evicted ride on its last
+        ``RecordMeta``. An error in a later batch leaves earlier batches committed, which is
+        safe: they are on disk, and a retried put of the same key replaces its record.
         """
         views = [(key, as_byte_view(payload)) for key, payload in items]
         metas: list[RecordMeta] = []
+        held: _Batch | None = None  # admitted and encoded, not yet committed
         start = 0
-        while start < len(views):
-            sizes = [len(view) for _, view in views[start:]]
-            tickets = self._admit(sizes, wait_s, self.budget_bytes)
-            try:
-                metas.extend(self._put_batch(views[start : start + len(tickets)]))
-            finally:
-                self._release(tickets)
-            start += len(tickets)
+        try:
+            while start < len(views):
+                ticket = self._admit_batch(views, start, wait_s, beside=held is not None)
+                if ticket is None:  # the cap has no room beside the held batch: commit it first
+                    assert held is not None
+                    done, held = held, None
+                    metas += self._commit(done)
+                    continue
+                chunk = views[start : start + ticket.objects]
+                start += ticket.objects
+                if held is None:  # nothing to overlap with: encode here
+                    held = self._encoded(ticket, chunk)
+                else:
+                    done, held = held, None
+                    committed, held = self._commit_beside(done, ticket, chunk)
+                    metas += committed
+            if held is not None:
+                done, held = held, None
+                metas += self._commit(done)
+        finally:
+            if held is not None:
+                self._drop(held)
         return metas
 
-    def _admit(self, sizes: Sequence[int], wait_s: float, limit: int) -> list[Ticket]:
-        """Tickets for a prefix of ``sizes`` (at least one): the first may wait ``wait_s``.
+    def _admit_batch(self, views: list[tuple[DiskKey, memoryview]], start: int, wait_s: float,
+                     beside: bool) -> Ticket | None:
+        """The next write batch's ticket. ``beside`` a held batch it must not wait (the room
+        it waits for may be the held batch's own): None when the cap has none left."""
+        cap = self.gate.cap
+        sizes = [len(view) for _, view in views[start : start + max(1, cap.max_objects // 2)]]
+        limit = min(self.budget_bytes, max(1, cap.max_bytes // 2), WRITE_BATCH_BYTES)
+        if beside:
+            return self.gate.try_acquire_many(sizes, limit)
+        return self.gate.acquire_many(sizes, wait_s, limit)
 
-        The rest are taken only while the cap visibly has room and their sum stays within
-        ``limit`` bytes, so a long list is cut into batches without counting refusals.
-        """
-        tickets = [self.gate.acquire(sizes[0], wait_s)]
-        total, cap = sizes[0], self.gate.cap
-        for size in sizes[1:]:
-            total += size
-            now = self.gate.stats()
-            if (total > limit or now.in_transit_objects >= cap.max_objects
-                    or now.in_transit_bytes + size > cap.max_bytes):
-                break
-            try:
-                tickets.append(self.gate.acquire(size, 0.0))
-            except AdmissionRefused:
-                break  # another thread took the room meanwhile: commit what we hold
-        return tickets
-
-    def _release(self, tickets: list[Ticket]) -> None:
-        for ticket in tickets:
+    def _encoded(self, ticket: Ticket, chunk: list[tuple[DiskKey, memoryview]]) -> _Batch:
+        """Checksum, probe and seal ``chunk``; on failure its ticket is returned."""
+        try:
+            encoded = [encode_record(key, view, self._clock.now(), self._streak(key))
+                       for key, view in chunk]
+            for record in encoded:
+                if record.size > self.budget_bytes:
+                    raise DiskFull(
+                        f"object of {record.size} bytes exceeds the disk tier budget of "
+                        f"{self.budget_bytes} bytes; it cannot be stored"
+                    )
+        except BaseException:
             self.gate.release(ticket)
+            raise
+        return _Batch(ticket, encoded)
 
-    def _put_batch(self, views: list[tuple[DiskKey, memoryview]]) -> list[RecordMeta]:
-        encoded = [encode_record(key, view, self._clock.now(), self._streak(key))
-                   for key, view in views]
-        for record in encoded:
-            if record.size > self.budget_bytes:
-                raise DiskFull(
-                    f"object of {record.size} bytes exceeds the disk tier budget of "
-                    f"{self.budget_bytes} bytes; it cannot be stored"
-                )
+    def _commit_beside(self, done: _Batch, ticket: Ticket,
+                       chunk: list[tuple[DiskKey, memoryview]]) -> tuple[list[RecordMeta], _Batch]:
+        """Commit ``done`` here while the helper encodes ``chunk`` (admitted by ``ticket``)."""
+        encoding = run_beside(self._encoded, ticket, chunk)
+        try:
+            metas = self._commit(done)
+        except BaseException:
+            wait_for([encoding])  # the helper reads the caller's payloads: never leave first
+            if encoding.exception() is None:
+                self._drop(encoding.result())
+            raise
+        return metas, encoding.result()  # an encoding error releases its own ticket
+
+    def _commit(self, batch: _Batch) -> list[RecordMeta]:
+        """One write transaction for ``batch``; its ticket is returned either way."""
         touched = self._take_touched()
         try:
             evicted = self._store.write(
-                lambda txn: self._commit_batch(txn, encoded, touched),
-                need_bytes=sum(record.size for record in encoded),
+                lambda txn: self._commit_batch(txn, batch, touched),
+                need_bytes=sum(record.size for record in batch.encoded),
             )
         except BaseException:
             self._restore_touched(touched)
             raise
-        self._bump(puts=len(encoded), evicted=len(evicted))
-        metas = [record.meta for record in encoded]
+        finally:
+            self._drop(batch)
+        self._bump(puts=len(batch.encoded), evicted=len(evicted))
+        metas = [record.meta for record in batch.encoded]
         metas[-1] = replace(metas[-1], evicted=evicted)
         return metas
+
+    def _drop(self, batch: _Batch) -> None:
+        self.gate.release(batch.ticket)
 
     def _streak(self, key: DiskKey) -> ProbeStreak:
         stream = (key.group, key.kind)
@@ -215,15 +262,15 @@ class DiskTier:
             streak = self._streaks.setdefault(stream, ProbeStreak())
         return streak
 
-    def _commit_batch(self, txn: lmdb.Transaction, encoded: list[Encoded],
+    def _commit_batch(self, txn: lmdb.Transaction, batch: _Batch,
                       touched: dict[bytes, int]) -> tuple[DiskKey, ...]:
         self._apply_touched(txn, touched)
-        batch = {record.meta.key.to_bytes() for record in encoded}
+        keep = {record.meta.key.to_bytes() for record in batch.encoded}
         evicted: list[DiskKey] = []
-        for record in encoded:
+        for record in batch.encoded:
             kb, meta = record.meta.key.to_bytes(), record.meta
             self._catalog.remove(txn, kb)
-            evicted.extend(self._make_room(txn, record.size, batch))
+            evicted.extend(self._make_room(txn, record.size, keep))
             entry = IndexEntry(meta.last_used_ns, record.size, meta.raw_len)
             # LMDB copies the value during put, so one warm scratch buffer serves every
             # record (writers are serialised); a fresh buffer per record would cost a page
@@ -359,14 +406,12 @@ class DiskTier:
         verified headers, while the cap (read once per batch) has room; with a wait, sizes
         come from the index first and the first ticket may wait, outside any snapshot.
 
-        Why no threads: measured on 2 cores, a pool of 4 running whole gets ran at 0.9x of
-        one thread, and a two-stage pipeline gained nothing either (re-measured with
-        python-xxhash 4.1, whose ``xxh3_128_digest`` and ``update`` of > 64 KiB do release
-        the GIL, as ``np.copyto`` does: copying object i+1 here while a helper hashed object
-        i ran at 0.59x of raw LMDB against 0.63x serial for 1 MiB, far worse for 256 KiB).
-        The copy out of the page cache and the hash share the memory system and, on a shared
-        2-core host, the cores. Sharing one snapshot and one admission per batch is what
-        removes per-object overhead.
+        Threads: the payloads of a batch are hashed on one helper thread while this one
+        copies them (:func:`storage.record.load_batch`, :mod:`storage.verify`): one handoff
+        per batch, so the load costs about its copy. Whole gets on a pool of 4 ran at 0.9x
+        of one thread, and a two-stage pipeline (copy object i+1 while a helper hashes the
+        copy of object i) at 0.59x of raw LMDB against 0.63x serial for 1 MiB: a handoff
+        per object, and the hash of a copy already out of cache.
         """
         kbs = [key.to_bytes() for key in keys]
         results: list[Any] = []
@@ -377,12 +422,12 @@ class DiskTier:
                 self._batch_read_admitting(kbs[start:end], dests[start:end], results)
                 continue
             sizes = self._raw_sizes(kbs[start:end])
-            tickets = self._admit(sizes, wait_s, limit=1 << 62)
+            ticket = self.gate.acquire_many(sizes, wait_s)
             try:
-                end = start + len(tickets)
+                end = start + ticket.objects
                 self._batch_read(kbs[start:end], dests[start:end], results, None)
             finally:
-                self._release(tickets)
+                self.gate.release(ticket)
         self._note_uses(kbs)
         return results
 
@@ -396,48 +441,41 @@ class DiskTier:
 
     def _batch_read_admitting(self, kbs: list[bytes], dests: list[memoryview | None],
                               results: list[Any]) -> None:
-        """Read a prefix of ``kbs`` (at least one) in one snapshot, taking each object's
-        ticket there: the first as a plain no-wait acquire (which may refuse), the rest only
-        while the cap, as read once for the batch plus what this batch took, has room."""
+        """Read a prefix of ``kbs`` (at least one) in one snapshot, admitting it there."""
         tickets: list[Ticket] = []
         try:
             self._batch_read(kbs, dests, results, tickets)
         finally:
-            self._release(tickets)
+            for ticket in tickets:
+                self.gate.release(ticket)
 
     def _batch_read(self, kbs: list[bytes], dests: list[memoryview | None], results: list[Any],
                     tickets: list[Ticket] | None) -> None:
-        """Append verified loads of ``kbs`` to ``results`` inside one snapshot. With
-        ``tickets`` (a list to fill), admit each object here and stop early when the cap
-        is full; without, the caller holds the tickets for all of ``kbs``."""
-        gate, record = self.gate, self._catalog.record
+        """Append verified loads of ``kbs`` to ``results`` inside one snapshot.
+
+        With ``tickets`` (a list to fill), the objects are admitted here, sized from their
+        verified headers, by one :meth:`AdmissionGate.acquire_many` (no wait): the first may
+        be refused, the batch is cut where the cap is full, and only as many headers are
+        checked as the cap has room for. Without, the caller holds a ticket for all of ``kbs``.
+        """
         if tickets is not None:
-            cap, now = gate.cap, gate.stats()
-            objects, nbytes = now.in_transit_objects, now.in_transit_bytes
-        kb = b""
+            room = self.gate.cap.max_objects - self.gate.stats().in_transit_objects
+            kbs = kbs[: max(1, room)]
+        record = self._catalog.record
         try:
             with self._store.read() as txn:
-                for kb, dest in zip(kbs, dests, strict=True):
-                    if tickets and objects >= cap.max_objects:
-                        return
+                loads: list[Load] = []
+                for kb, dest in zip(kbs, dests[: len(kbs)], strict=True):
                     value = record(txn, kb)
                     if value is None:
                         raise _missing(kb)
-                    fields = check_header(kb, value)
-                    if tickets is not None:
-                        size = fields[F_RAW_LEN]
-                        if tickets and nbytes + size > cap.max_bytes:
-                            return
-                        try:
-                            tickets.append(gate.acquire(size, 0.0))
-                        except AdmissionRefused:
-                            if not tickets:
-                                raise
-                            return  # another thread took the room meanwhile
-                        objects, nbytes = objects + 1, nbytes + size
-                    results.append(_load(kb, value, fields, dest))
+                    loads.append((kb, value, check_header(kb, value), dest))
+                if tickets is not None:
+                    tickets.append(self.gate.acquire_many([ld[2][F_RAW_LEN] for ld in loads]))
+                    loads = loads[: tickets[0].objects]
+                load_batch(loads, results)  # inside the snapshot: the values are its pages
         except CorruptEntry as exc:
-            self._quarantine(kb, exc.reason)
+            self._quarantine(exc.key, exc.reason)
             raise
 
     # -- corruption ---------------------------------------------------------------------

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -28,11 +29,12 @@ class AdmissionCap:
 
 
 class Ticket(NamedTuple):
-    """One admitted transfer (a tuple: taken and returned once per object moved, so its
-    construction is on every load's path and a frozen dataclass costs ~3x more)."""
+    """An admitted transfer of ``objects`` objects, ``nbytes`` in all (a tuple: taken and
+    returned on every load's path, where a frozen dataclass costs ~3x more)."""
 
     ticket_id: int
     nbytes: int
+    objects: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +80,49 @@ class AdmissionGate:
                 self._wait_for_room(nbytes, time.monotonic() + max(0.0, wait_s))
             return self._admit(nbytes)
 
+    def acquire_many(self, sizes: Sequence[int], wait_s: float = 0.0,
+                     limit_bytes: int | None = None) -> Ticket:
+        """One ticket for a prefix of ``sizes``: ``ticket.objects`` of them, at least the
+        first, which may wait ``wait_s`` like :meth:`acquire`. One lock round trip.
+
+        The rest join only while they fit the cap as it stands and their running total stays
+        within ``limit_bytes``: a batch is cut, never refused, past its first object, and a
+        cut is not counted as a refusal.
+        """
+        limit = self._check_batch(sizes, limit_bytes)
+        with self._cond:
+            if not self._fits(sizes[0]):
+                self._wait_for_room(sizes[0], time.monotonic() + max(0.0, wait_s))
+            return self._admit_prefix(sizes, limit)
+
+    def try_acquire_many(self, sizes: Sequence[int],
+                         limit_bytes: int | None = None) -> Ticket | None:
+        """:meth:`acquire_many` without waiting, and None (not a refusal: nothing is
+        counted) when the first object does not fit now. For a caller that has other work
+        to do first, such as committing the batch whose ticket holds the room."""
+        limit = self._check_batch(sizes, limit_bytes)
+        with self._cond:
+            return self._admit_prefix(sizes, limit) if self._fits(sizes[0]) else None
+
+    @staticmethod
+    def _check_batch(sizes: Sequence[int], limit_bytes: int | None) -> int:
+        if not sizes:
+            raise InvalidInput("a batch transfer needs at least one object")
+        if min(sizes) < 0:
+            raise InvalidInput(f"a transfer cannot have negative size ({min(sizes)} bytes)")
+        return sum(sizes) if limit_bytes is None else limit_bytes
+
+    def _admit_prefix(self, sizes: Sequence[int], limit: int) -> Ticket:
+        """Admit ``sizes[0]`` (which fits) and as many of the rest as fit, within ``limit``."""
+        room_objects = self.cap.max_objects - self._objects
+        room_bytes = self.cap.max_bytes - self._bytes
+        count, total = 1, sizes[0]
+        for nbytes in sizes[1 : min(len(sizes), room_objects)]:
+            if total + nbytes > min(limit, room_bytes):
+                break
+            count, total = count + 1, total + nbytes
+        return self._admit(total, count)
+
     def _wait_for_room(self, nbytes: int, deadline: float) -> None:
         self._waiters += 1  # release() notifies only while someone waits
         try:
@@ -94,25 +139,28 @@ class AdmissionGate:
         finally:
             self._waiters -= 1
 
-    def _admit(self, nbytes: int) -> Ticket:
-        self._objects += 1
+    def _admit(self, nbytes: int, objects: int = 1) -> Ticket:
+        self._objects += objects
         self._bytes += nbytes
         self._peak_objects = max(self._peak_objects, self._objects)
         self._peak_bytes = max(self._peak_bytes, self._bytes)
-        self._admitted += 1
+        self._admitted += objects
         self._next_id += 1
         self._open.add(self._next_id)
-        return Ticket(self._next_id, nbytes)
+        return Ticket(self._next_id, nbytes, objects)
 
     def release(self, ticket: Ticket) -> None:
         """Return a ticket. Releasing twice is a bug in the caller, so it asserts."""
         with self._cond:
-            assert ticket.ticket_id in self._open, "admission ticket released twice"
-            self._open.remove(ticket.ticket_id)
-            self._objects -= 1
-            self._bytes -= ticket.nbytes
+            self._release(ticket)
             if self._waiters:
                 self._cond.notify_all()
+
+    def _release(self, ticket: Ticket) -> None:
+        assert ticket.ticket_id in self._open, "admission ticket released twice"
+        self._open.remove(ticket.ticket_id)
+        self._objects -= ticket.objects
+        self._bytes -= ticket.nbytes
 
     def stats(self) -> AdmissionStats:
         with self._cond:

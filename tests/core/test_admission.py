@@ -6,7 +6,7 @@ import time
 import pytest
 
 from hkv_service.core.admission import AdmissionCap, AdmissionGate
-from hkv_service.core.errors import AdmissionRefused
+from hkv_service.core.errors import AdmissionRefused, InvalidInput
 
 
 def test_cap_holds_under_threads() -> None:
@@ -68,3 +68,66 @@ def test_oversized_object_moves_alone() -> None:
     with pytest.raises(AdmissionRefused):
         gate.acquire(1)
     gate.release(big)
+
+
+# -- acquire_many: one ticket for a prefix of a batch ----------------------------------------
+
+
+def test_acquire_many_cuts_where_the_cap_is_full() -> None:
+    gate = AdmissionGate(AdmissionCap(max_objects=4, max_bytes=1000))
+    held = gate.acquire(100)
+    by_objects = gate.acquire_many([10] * 9)
+    assert (by_objects.objects, by_objects.nbytes) == (3, 30)  # 4 objects in all
+    gate.release(by_objects)
+    by_bytes = gate.acquire_many([400, 400, 400])
+    assert (by_bytes.objects, by_bytes.nbytes) == (2, 800)  # 100 + 800 <= 1000 < 1300
+    gate.release(by_bytes)
+    by_limit = gate.acquire_many([100, 100, 100], limit_bytes=250)
+    assert by_limit.objects == 2
+    gate.release(by_limit)
+    gate.release(held)
+    stats = gate.stats()
+    assert (stats.in_transit_objects, stats.in_transit_bytes) == (0, 0)
+    assert stats.admitted == 1 + 3 + 2 + 2 and stats.refused == 0  # cuts are not refusals
+    assert stats.peak_objects == 4 and stats.peak_bytes == 900
+
+
+def test_acquire_many_refuses_or_waits_only_for_its_first_object() -> None:
+    gate = AdmissionGate(AdmissionCap(max_objects=1, max_bytes=1000))
+    held = gate.acquire(10)
+    with pytest.raises(AdmissionRefused):
+        gate.acquire_many([10, 10])
+    assert gate.stats().refused == 1
+
+    threading.Timer(0.05, gate.release, args=(held,)).start()
+    ticket = gate.acquire_many([10, 10], wait_s=5.0)  # waits for the release
+    assert ticket.objects == 1
+    gate.release(ticket)
+    with pytest.raises(AssertionError):
+        gate.release(ticket)  # one ticket, released once, whatever it covers
+
+
+def test_acquire_many_admits_an_oversized_first_object_alone() -> None:
+    gate = AdmissionGate(AdmissionCap(max_objects=8, max_bytes=100))
+    ticket = gate.acquire_many([500, 1])
+    assert (ticket.objects, ticket.nbytes) == (1, 500)
+    gate.release(ticket)
+
+
+@pytest.mark.parametrize("sizes", [[], [5, -1]])
+def test_acquire_many_rejects_bad_batches(sizes: list[int]) -> None:
+    gate = AdmissionGate(AdmissionCap())
+    with pytest.raises(InvalidInput):
+        gate.acquire_many(sizes)
+    assert gate.stats().admitted == 0
+
+
+def test_try_acquire_many_is_a_probe_not_a_refusal() -> None:
+    gate = AdmissionGate(AdmissionCap(max_objects=2, max_bytes=1000))
+    held = gate.acquire(10)
+    ticket = gate.try_acquire_many([10, 10, 10])
+    assert ticket is not None and ticket.objects == 1
+    assert gate.try_acquire_many([10]) is None
+    assert gate.stats().refused == 0
+    gate.release(ticket)
+    gate.release(held)

@@ -1,0 +1,98 @@
+"""The copy-beside-hash of loads (storage/verify.py): same digests and bytes as the serial path,
+on both sides of the threshold, through a batch that mixes codecs, and after fork."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import xxhash
+
+from storage import CorruptEntry, DiskTier, NotOnDisk
+from storage.codec import Codec
+from storage.record import copy_digest
+from storage.verify import PARALLEL_MIN_BYTES, copy_all
+
+
+@pytest.mark.parametrize("sizes", [[1000, 70_000], [PARALLEL_MIN_BYTES],
+                                   [300_000, 5, 300_000], [2 * PARALLEL_MIN_BYTES + 3]])
+def test_copy_all_copies_and_hashes_the_sources(sizes: list[int]) -> None:
+    rng = np.random.default_rng(sum(sizes))
+    sources = [memoryview(rng.bytes(n)) for n in sizes]
+    outs = [memoryview(bytearray(n)) for n in sizes]
+    digests = copy_all(list(zip(sources, outs, strict=True)), copy_digest)
+    assert digests == [xxhash.xxh3_128_digest(src) for src in sources]
+    assert [bytes(out) for out in outs] == [bytes(src) for src in sources]
+
+
+def test_copy_all_waits_for_the_hash_before_raising() -> None:
+    """A copy that fails (here: unequal lengths) must not return while the helper still reads
+    the sources: in the tier they are pages of a snapshot that closes on return."""
+    big = memoryview(bytes(PARALLEL_MIN_BYTES))
+    with pytest.raises(ValueError):
+        copy_all([(big, memoryview(bytearray(PARALLEL_MIN_BYTES - 1)))], copy_digest)
+    # the helper is idle again: the next call is served, not queued behind a stuck job
+    out = memoryview(bytearray(PARALLEL_MIN_BYTES))
+    assert copy_all([(big, out)], copy_digest) == [xxhash.xxh3_128_digest(big)]
+
+
+def test_a_mixed_batch_loads_in_order(tier_factory: Callable[..., DiskTier], h: Any) -> None:
+    """Raw records over the threshold go to the helper, a zstd record and an undersized
+    destination do not; results keep the keys' order."""
+    tier = tier_factory()
+    raw = [h.kv_bytes(300_000, seed=i) for i in range(3)]
+    zeros = bytes(200_000)  # compresses: stored as zstd
+    keys = [h.make_key(i) for i in range(4)]
+    for key, payload in zip(keys, [raw[0], zeros, raw[1], raw[2]], strict=True):
+        tier.put(key, payload)
+    assert [m.codec for m in tier.scan()].count(Codec.ZSTD) == 1
+    outs = [np.zeros(len(p) + 7, np.uint8) for p in (raw[0], zeros, raw[1], raw[2])]
+    assert tier.get_many_into(keys, outs) == [300_000, 200_000, 300_000, 300_000]
+    for out, payload in zip(outs, [raw[0], zeros, raw[1], raw[2]], strict=True):
+        assert bytes(out[: len(payload)]) == payload and not out[len(payload):].any()
+    with pytest.raises(Exception, match="too small"):
+        tier.get_many_into(keys, [*outs[:3], np.zeros(10, np.uint8)])
+    assert tier.stats().admission.in_transit_objects == 0
+
+
+def test_a_flip_in_the_middle_of_a_parallel_batch(tier_factory: Callable[..., DiskTier], h: Any,
+                                                  tmp_path: Path) -> None:
+    """The corrupt record is named and quarantined; its neighbours in the batch stay good."""
+    tier = tier_factory()
+    payloads = [h.kv_bytes(300_000, seed=10 + i) for i in range(3)]
+    keys = [h.make_key(i) for i in range(3)]
+    for key, payload in zip(keys, payloads, strict=True):
+        tier.put(key, payload)
+    tier.close()
+    data = tmp_path / "disk" / "data.mdb"
+    h.flip_bit(data, h.find_once(data, payloads[1][:64]) + 299_000, bit=2)
+
+    tier = tier_factory()
+    outs = [np.zeros(300_000, np.uint8) for _ in keys]
+    with pytest.raises(CorruptEntry) as err:
+        tier.get_many_into(keys, outs)
+    assert err.value.key == keys[1].to_bytes() and err.value.reason == "payload_checksum"
+    assert tier.quarantine_count() == 1
+    with pytest.raises(NotOnDisk):
+        tier.get(keys[1])
+    assert tier.get_many_into([keys[0], keys[2]], [outs[0], outs[2]]) == [300_000] * 2
+    assert bytes(outs[0]) == payloads[0] and bytes(outs[2]) == payloads[2]
+
+
+def test_a_forked_child_gets_its_own_helper(tmp_path: Path) -> None:
+    """The helper thread does not survive fork; a child that loads must not wait on it."""
+    big = memoryview(np.random.default_rng(3).bytes(PARALLEL_MIN_BYTES))
+    copy_all([(big, memoryview(bytearray(len(big))))], copy_digest)  # the parent's helper runs
+    pid = os.fork()
+    if pid == 0:  # child: exit 0 only if the parallel copy completes and is right
+        signal.alarm(20)
+        out = memoryview(bytearray(len(big)))
+        ok = copy_all([(big, out)], copy_digest) == [xxhash.xxh3_128_digest(big)]
+        os._exit(0 if ok and out == big else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
