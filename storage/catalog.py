@@ -2,15 +2,18 @@
 
 Sub-databases (names from :data:`storage.lmdb_store.DB_NAMES`)::
 
-    records     key -> record (header + payload)              the data
+    records     key -> stored payload                         the data
+    headers     key -> 64-byte record header (storage.record) written with its payload
     index       key -> (last_used_ns, record_bytes, raw_len)  small, read before a get
     lru         last_used_ns (big-endian) + key -> b""        ordered oldest use first
-    quarantine  key + detected_ns -> reason + NUL + record[0, QUARANTINE_KEEP)
+    quarantine  key + detected_ns -> reason + NUL + (header + payload)[0, QUARANTINE_KEEP)
     meta        b"used_bytes" -> u64                          sum of record_bytes
+                b"format" -> u8                               record format (FORMAT_VERSION)
 
 Every method takes the caller's transaction, so a put, its evictions and the byte counter
-change together or not at all. Invariants (checked by ``DiskTier.check_integrity``): the three
-key sets of records/index/lru are equal and ``used_bytes`` is the sum of ``record_bytes``.
+change together or not at all. Invariants (checked by ``DiskTier.check_integrity``): the key
+sets of records/headers/index/lru are equal and ``used_bytes`` is the sum of ``record_bytes``
+(header and payload bytes).
 
 A quarantined record keeps only its first :data:`QUARANTINE_KEEP` bytes (header and a slice of
 payload, enough to see what went wrong): its bytes are known bad and the object can always be
@@ -32,6 +35,7 @@ QUARANTINE_KEEP = 4096
 _INDEX = struct.Struct("<QQQ")
 _TICK = struct.Struct(">Q")  # big-endian, so LMDB's byte order is time order
 _USED = b"used_bytes"
+_FORMAT = b"format"
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +50,7 @@ class Catalog:
 
     def __init__(self, dbs: Mapping[str, Any]) -> None:
         self._records = dbs["records"]
+        self._headers = dbs["headers"]
         self._index = dbs["index"]
         self._lru = dbs["lru"]
         self._quarantine = dbs["quarantine"]
@@ -60,35 +65,53 @@ class Catalog:
         raw = txn.get(key, db=self._index)
         return None if raw is None else int(_INDEX.unpack_from(raw)[2])
 
-    def record(self, txn: lmdb.Transaction, key: bytes) -> Any:
-        """The stored record (a memoryview in a ``buffers=True`` read), or None."""
-        return txn.get(key, db=self._records)
+    def record(self, txn: lmdb.Transaction, key: bytes) -> tuple[Any, Any] | None:
+        """``(header, payload)`` (memoryviews in a ``buffers=True`` read), or None when the
+        key has no payload. A payload without its header gives a ``b""`` header, which
+        fails verification like any other damage."""
+        payload = txn.get(key, db=self._records)
+        if payload is None:
+            return None
+        return txn.get(key, b"", db=self._headers), payload
+
+    def format_version(self, txn: lmdb.Transaction, current: int) -> int:
+        """The store's record format; an empty store is stamped ``current`` (write txn)."""
+        raw = txn.get(_FORMAT, db=self._meta)
+        if raw is not None:
+            return int(bytes(raw)[0])
+        if txn.stat(self._records)["entries"] == 0:
+            txn.put(_FORMAT, bytes([current]), db=self._meta)
+            return current
+        return 1  # records written before the format was stamped: the header led the payload
 
     def used_bytes(self, txn: lmdb.Transaction) -> int:
         raw = txn.get(_USED, db=self._meta)
         return 0 if raw is None else int(struct.unpack("<Q", bytes(raw))[0])
 
-    def _add_used(self, txn: lmdb.Transaction, delta: int) -> None:
+    def add_used(self, txn: lmdb.Transaction, delta: int) -> None:
         used = self.used_bytes(txn) + delta
         assert used >= 0, "disk tier byte counter went negative"
         txn.put(_USED, struct.pack("<Q", used), db=self._meta)
 
-    def insert(self, txn: lmdb.Transaction, key: bytes, value: Any, entry: IndexEntry) -> None:
-        """Store a record for a key that is absent (callers ``remove`` a replaced one first)."""
-        txn.put(key, value, db=self._records)
+    def insert(self, txn: lmdb.Transaction, key: bytes, header: bytes, payload: Any,
+               entry: IndexEntry) -> None:
+        """Store a record for a key that is absent (callers ``remove`` a replaced one first)
+        and :meth:`add_used` its ``record_bytes``, once for a whole batch."""
+        txn.put(key, payload, db=self._records)
+        txn.put(key, header, db=self._headers)
         txn.put(key, _INDEX.pack(entry.last_used_ns, entry.record_bytes, entry.raw_len),
                 db=self._index)
         txn.put(_TICK.pack(entry.last_used_ns) + key, b"", db=self._lru)
-        self._add_used(txn, entry.record_bytes)
 
     def remove(self, txn: lmdb.Transaction, key: bytes) -> IndexEntry | None:
         entry = self.lookup(txn, key)
         if entry is None:
             return None
         txn.delete(key, db=self._records)
+        txn.delete(key, db=self._headers)
         txn.delete(key, db=self._index)
         txn.delete(_TICK.pack(entry.last_used_ns) + key, db=self._lru)
-        self._add_used(txn, -entry.record_bytes)
+        self.add_used(txn, -entry.record_bytes)
         return entry
 
     def touch(self, txn: lmdb.Transaction, key: bytes, now_ns: int) -> None:
@@ -112,14 +135,15 @@ class Catalog:
     def quarantine(
         self, txn: lmdb.Transaction, key: bytes, value: bytes, reason: str, now_ns: int
     ) -> None:
-        """Move a record out of ``records`` (and the index) into ``quarantine``."""
+        """Move a record out of ``records`` (and the index) into ``quarantine``; ``value`` is
+        its header and payload as found, joined."""
         self.remove(txn, key)
         kept = reason.encode() + b"\0" + value[:QUARANTINE_KEEP]
         txn.put(key + _TICK.pack(now_ns), kept, db=self._quarantine)
 
     def counts(self, txn: lmdb.Transaction) -> dict[str, int]:
-        dbs = {"records": self._records, "index": self._index, "lru": self._lru,
-               "quarantine": self._quarantine}
+        dbs = {"records": self._records, "headers": self._headers, "index": self._index,
+               "lru": self._lru, "quarantine": self._quarantine}
         return {name: int(txn.stat(db)["entries"]) for name, db in dbs.items()}
 
     def index_items(self, txn: lmdb.Transaction) -> dict[bytes, IndexEntry]:
@@ -130,9 +154,14 @@ class Catalog:
         with txn.cursor(db=self._lru) as cur:
             return [bytes(k)[_TICK.size :] for k in cur.iternext(keys=True, values=False)]
 
-    def iter_records(self, txn: lmdb.Transaction, start: bytes) -> Iterator[tuple[bytes, Any]]:
-        """(key, record) pairs in key order from the first key >= ``start``."""
+    def iter_records(self, txn: lmdb.Transaction, start: bytes
+                     ) -> Iterator[tuple[bytes, Any, Any]]:
+        """(key, header, payload) in key order from the first key >= ``start``."""
         with txn.cursor(db=self._records) as cur:
             if cur.set_range(start):
-                for key, value in cur:
-                    yield bytes(key), value
+                for key, payload in cur:
+                    yield bytes(key), txn.get(key, b"", db=self._headers), payload
+
+    def header_keys(self, txn: lmdb.Transaction) -> set[bytes]:
+        with txn.cursor(db=self._headers) as cur:
+            return {bytes(k) for k in cur.iternext(keys=True, values=False)}

@@ -7,19 +7,23 @@ Key (``DiskKey.to_bytes``), hash first so one prefix's objects sit together::
     [24, 25)  object kind code (KIND_CODES)
     [25, ..)  cache group name, UTF-8 (1..MAX_GROUP_BYTES bytes)
 
-Record value = 64-byte header + stored payload (little-endian)::
+A record is two values under its key, written in one transaction: the 64-byte header
+(little-endian) in the ``headers`` sub-database and the stored payload, alone, in
+``records``. Apart, so the payload goes into LMDB straight from the caller's buffer: one
+copy, as a bare put makes (joined, every offload paid a second copy of the payload to lay
+the header before it, ~10% of a put)::
 
     [0, 4)    magic b"HKVR"         [24, 40)  xxh3-128 of the RAW payload
-    [4, 5)    format version        [40, 48)  ABI fingerprint (must equal the key's)
+    [4, 5)    format version (2)    [40, 48)  ABI fingerprint (must equal the key's)
     [5, 6)    codec (RAW | ZSTD)    [48, 56)  created, ns since the epoch
     [6, 7)    kind code             [56, 64)  xxh3-64 of key bytes + header[0, 56)
-    [7, 8)    reserved, 0           [64, ..)  stored payload, exactly stored_len bytes
+    [7, 8)    reserved, 0
     [8, 16)   raw length
-    [16, 24)  stored length
+    [16, 24)  stored length: the payload value's exact length
 
 Verification, always, on every read: the header checksum (covers every header field and
 binds the record to its key, so a flip in the header *or in the checksum field itself* is
-caught), then magic/version/codec/kind/ABI, then total length, then the xxh3-128 of the raw
+caught), then magic/version/codec/kind/ABI, then the payload's length, then the xxh3-128 of the raw
 bytes after decoding. Last-used time is not in the header: rewriting a 1 MiB record on each
 read would cost a write per get, so it lives in the tier's small ``index`` sub-database.
 """
@@ -42,6 +46,7 @@ from .errors import CorruptEntry
 from .verify import copy_all
 
 __all__ = [
+    "FORMAT_VERSION",
     "HEADER",
     "KIND_CODES",
     "MAGIC",
@@ -60,7 +65,7 @@ __all__ = [
 ]
 
 MAGIC = b"HKVR"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1: the header led the payload in one value
 MAX_GROUP_BYTES = 255
 KIND_CODES: dict[str, int] = {"COMPRESSED": 1, "TAIL": 2, "SWA": 3, "INDEXER": 4}
 _KIND_NAMES = {code: name for name, code in KIND_CODES.items()}
@@ -141,8 +146,8 @@ class RecordMeta:
 
 @dataclass(frozen=True, slots=True)
 class Encoded:
-    """A record ready to store: its header and stored payload, kept apart until the write
-    so the payload is copied once, straight into the writer's scratch buffer."""
+    """A record ready to store: its header and its stored payload (the caller's buffer when
+    raw), put as two values so the payload is copied once, by LMDB."""
 
     header: bytes
     stored: memoryview | bytes
@@ -151,15 +156,6 @@ class Encoded:
     @property
     def size(self) -> int:
         return len(self.header) + len(self.stored)
-
-    def assemble(self, scratch: bytearray) -> memoryview:
-        """Header + payload laid out in ``scratch`` (grown if needed); valid until reuse."""
-        if len(scratch) < self.size:
-            scratch.extend(bytes(self.size - len(scratch)))
-        view = memoryview(scratch)[: self.size]
-        view[: HEADER.size] = self.header
-        view[HEADER.size :] = self.stored
-        return view
 
 
 def encode_record(key: DiskKey, view: memoryview, now_ns: int,
@@ -195,31 +191,33 @@ def header_of(fields: tuple[Any, ...]) -> Header:
 F_CODEC, F_RAW_LEN, F_CHECKSUM = 2, 5, 7
 
 
-def check_header(key_bytes: bytes, value: memoryview) -> tuple[Any, ...]:
-    """The header's fields (``HEADER`` order) once every check passed; raises CorruptEntry.
+def check_header(key_bytes: bytes, header: memoryview, stored_len: int) -> tuple[Any, ...]:
+    """The header's fields (``HEADER`` order) once every check passed, ``stored_len`` being
+    the length of the payload value found beside it; raises CorruptEntry.
 
     On every get, so it is kept lean: one unpack, no intermediate copies, no enum call.
     """
-    if len(value) < HEADER.size:
-        raise _corrupt(key_bytes, "short", f"{len(value)} bytes, shorter than a header")
-    fields = HEADER.unpack_from(value)
-    magic, version, codec, kind, _, raw_len, stored_len, _, abi, _, sealed = fields
-    if sealed != xxhash.xxh3_64_intdigest(key_bytes + value[:_CHECKED]):
+    if len(header) != HEADER.size:
+        raise _corrupt(key_bytes, "short", f"a header of {len(header)} bytes, not {HEADER.size}")
+    fields = HEADER.unpack_from(header)
+    magic, version, codec, kind, _, raw_len, stored, _, abi, _, sealed = fields
+    if sealed != xxhash.xxh3_64_intdigest(key_bytes + header[:_CHECKED]):
         raise _corrupt(key_bytes, "header_checksum", "header checksum mismatch")
     _, key_abi, key_kind = _KEY_FIXED.unpack_from(key_bytes)
     if magic != MAGIC or version != FORMAT_VERSION or codec not in (0, 1):
         raise _corrupt(key_bytes, "format", f"unknown magic/version/codec {magic!r}/{version}")
     if abi != key_abi or kind != key_kind:
         raise _corrupt(key_bytes, "key_mismatch", "record ABI or kind differs from its key")
-    if len(value) != HEADER.size + stored_len or (codec == Codec.RAW and raw_len != stored_len):
-        raise _corrupt(key_bytes, "length", f"{len(value)} bytes, header says {stored_len}")
+    if stored_len != stored or (codec == Codec.RAW and raw_len != stored):
+        raise _corrupt(key_bytes, "length", f"a payload of {stored_len} bytes, header says "
+                       f"{stored}")
     return fields
 
 
-def load_into(key_bytes: bytes, value: memoryview, fields: tuple[Any, ...],
+def load_into(key_bytes: bytes, payload: memoryview, fields: tuple[Any, ...],
               dest: memoryview) -> int:
-    """Copy the raw payload of ``value`` (whose header :func:`check_header` passed, giving
-    ``fields``) into ``dest[:raw_len]`` and verify it; returns raw_len.
+    """Copy the raw bytes of ``payload`` (whose header :func:`check_header` passed, giving
+    ``fields``) into ``dest[:raw_len]`` and verify them; returns raw_len.
 
     From :data:`storage.verify.PARALLEL_MIN_BYTES` the source is hashed on a helper thread
     while it is copied (sound inside the read snapshot, see :mod:`storage.verify`); below,
@@ -231,25 +229,25 @@ def load_into(key_bytes: bytes, value: memoryview, fields: tuple[Any, ...],
     if n > len(dest):
         raise InvalidInput(f"buffer of {len(dest)} bytes is too small for {n}")
     if fields[F_CODEC] == Codec.RAW:
-        src: memoryview = value[HEADER.size :]
+        src: memoryview = payload
     else:
-        src = memoryview(_decoded_frame(key_bytes, value[HEADER.size :], n))
+        src = memoryview(_decoded_frame(key_bytes, payload, n))
         if len(src) != n:
             raise _corrupt(key_bytes, "payload_checksum", "payload length mismatch")
     _copy_verified(key_bytes, src, _head(dest, n), fields[F_CHECKSUM])
     return n
 
 
-def load_bytes(key_bytes: bytes, value: memoryview, fields: tuple[Any, ...]) -> bytes:
+def load_bytes(key_bytes: bytes, payload: memoryview, fields: tuple[Any, ...]) -> bytes:
     """A verified private copy of the raw payload (``fields`` from :func:`check_header`).
 
     The one copy out of the map is made first and the *copy* is hashed: hashing cache-hot
     bytes is cheaper than a second pass over the map. Bytes that fail never leave here.
     """
     if fields[F_CODEC] == Codec.RAW:
-        raw = bytes(value[HEADER.size :])
+        raw = bytes(payload)
     else:
-        raw = _decoded_frame(key_bytes, value[HEADER.size :], fields[F_RAW_LEN])
+        raw = _decoded_frame(key_bytes, payload, fields[F_RAW_LEN])
     if len(raw) != fields[F_RAW_LEN] or xxhash.xxh3_128_digest(raw) != fields[F_CHECKSUM]:
         raise _corrupt(key_bytes, "payload_checksum", "payload checksum mismatch")
     return raw
@@ -285,23 +283,23 @@ Load = tuple[bytes, memoryview, tuple[Any, ...], memoryview | None]
 
 
 def load_batch(loads: Sequence[Load], results: list[Any]) -> None:
-    """Append, in order, each ``(key_bytes, value, fields, dest)``'s verified load to
+    """Append, in order, each ``(key_bytes, payload, fields, dest)``'s verified load to
     ``results``: :func:`load_into` ``dest``, or :func:`load_bytes` when ``dest`` is None.
 
     The raw payloads bound for a destination are copied and hashed together
     (:func:`storage.verify.copy_all`: one handoff to the hash helper for the whole batch),
-    so call this inside the snapshot the values come from. Raises CorruptEntry (its ``key``
+    so call this inside the snapshot the payloads come from. Raises CorruptEntry (its ``key``
     set) for the first load that fails; ``results`` then holds the loads before it.
     """
     pairs: dict[int, tuple[memoryview, memoryview]] = {}
-    for i, (_, value, fields, dest) in enumerate(loads):
+    for i, (_, payload, fields, dest) in enumerate(loads):
         if dest is not None and fields[F_CODEC] == Codec.RAW and fields[F_RAW_LEN] <= len(dest):
-            pairs[i] = (value[HEADER.size :], _head(dest, fields[F_RAW_LEN]))
+            pairs[i] = (payload, _head(dest, fields[F_RAW_LEN]))
     digests = dict(zip(pairs, copy_all(list(pairs.values()), copy_digest), strict=True))
-    for i, (key_bytes, value, fields, dest) in enumerate(loads):
+    for i, (key_bytes, payload, fields, dest) in enumerate(loads):
         if i not in digests:  # decoded, or bytes wanted, or a too-small dest (which raises)
-            results.append(load_bytes(key_bytes, value, fields) if dest is None
-                           else load_into(key_bytes, value, fields, dest))
+            results.append(load_bytes(key_bytes, payload, fields) if dest is None
+                           else load_into(key_bytes, payload, fields, dest))
         elif digests[i] != fields[F_CHECKSUM]:
             raise _corrupt(key_bytes, "payload_checksum", "payload checksum mismatch")
         else:

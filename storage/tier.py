@@ -44,13 +44,14 @@ import lmdb
 from hkv_service.core.admission import AdmissionCap, AdmissionGate, AdmissionStats, Ticket
 from hkv_service.core.errors import HkvError, InvalidInput
 
-from .catalog import Catalog, IndexEntry
+from .catalog import QUARANTINE_KEEP, Catalog, IndexEntry
 from .codec import ProbeStreak, as_byte_view
-from .errors import CorruptEntry, DiskFull, NotOnDisk
+from .errors import CorruptEntry, DiskFull, NotOnDisk, StorageFailure
 from .helper import run_beside
 from .lmdb_store import DiskStore, StoreConfig
 from .record import (
     F_RAW_LEN,
+    FORMAT_VERSION,
     DiskKey,
     Encoded,
     Load,
@@ -136,6 +137,7 @@ class DiskTier:
         map_max = map_size_max or 2 * budget_bytes + 64 * MiB
         self._store = DiskStore(path, StoreConfig(min(map_size_initial, map_max), map_max))
         self._catalog = Catalog(self._store.dbs)
+        self._check_format(path)
         self._on_evict = on_evict
         self._lock = threading.Lock()  # guards _touched, _counts, _closed and the clock
         with self._store.read() as txn:
@@ -143,9 +145,19 @@ class DiskTier:
         self._touched: dict[bytes, int] = {}
         self._counts = dict.fromkeys(("puts", "gets", "corruption", "quarantined", "evicted"), 0)
         self._closed = False
-        self._scratch = bytearray()  # used only under the store's write lock
         # (group, kind) -> when to stop sampling its payloads for compression (codec.py)
         self._streaks: dict[tuple[str, str], ProbeStreak] = {}
+
+    def _check_format(self, path: str | Path) -> None:
+        """Refuse a store written in another record format, before anything reads it."""
+        found = self._store.write(lambda txn: self._catalog.format_version(txn, FORMAT_VERSION))
+        if found != FORMAT_VERSION:
+            self._store.close()
+            raise StorageFailure(
+                f"the disk tier at {path} holds records in format {found}; this version "
+                f"reads format {FORMAT_VERSION} only. Its objects can be recomputed: move "
+                "the directory away (or delete it) and start again"
+            )
 
     # -- writes -------------------------------------------------------------------------
 
@@ -265,17 +277,16 @@ class DiskTier:
     def _commit_batch(self, txn: lmdb.Transaction, batch: _Batch,
                       touched: dict[bytes, int]) -> tuple[DiskKey, ...]:
         self._apply_touched(txn, touched)
-        keep = {record.meta.key.to_bytes() for record in batch.encoded}
-        evicted: list[DiskKey] = []
-        for record in batch.encoded:
-            kb, meta = record.meta.key.to_bytes(), record.meta
+        # A key given twice in one batch: the later record wins, as if put one after the other.
+        latest = {record.meta.key.to_bytes(): record for record in batch.encoded}
+        for kb in latest:  # replaced records go first: their bytes make room too
             self._catalog.remove(txn, kb)
-            evicted.extend(self._make_room(txn, record.size, keep))
-            entry = IndexEntry(meta.last_used_ns, record.size, meta.raw_len)
-            # LMDB copies the value during put, so one warm scratch buffer serves every
-            # record (writers are serialised); a fresh buffer per record would cost a page
-            # fault per 4 KiB, which measured slower than the copy itself.
-            self._catalog.insert(txn, kb, record.assemble(self._scratch), entry)
+        total = sum(record.size for record in latest.values())
+        evicted = self._make_room(txn, total, set(latest))
+        for kb, record in latest.items():
+            entry = IndexEntry(record.meta.last_used_ns, record.size, record.meta.raw_len)
+            self._catalog.insert(txn, kb, record.header, record.stored, entry)
+        self._catalog.add_used(txn, total)
         if evicted and self._on_evict is not None:
             self._on_evict(tuple(evicted))
         return tuple(evicted)
@@ -358,16 +369,17 @@ class DiskTier:
         ticket = None if wait_s <= 0 else self.gate.acquire(self._indexed_raw_len(kb), wait_s)
         try:
             with self._store.read() as txn:
-                value = self._catalog.record(txn, kb)
-                if value is None:
+                found = self._catalog.record(txn, kb)
+                if found is None:
                     raise _missing(kb)
-                fields = check_header(kb, value)
+                header, payload = found
+                fields = check_header(kb, header, len(payload))
                 if ticket is not None:
-                    result = _load(kb, value, fields, dest)
+                    result = _load(kb, payload, fields, dest)
                 else:
                     own = self.gate.acquire(fields[F_RAW_LEN], 0.0)
                     try:
-                        result = _load(kb, value, fields, dest)
+                        result = _load(kb, payload, fields, dest)
                     finally:
                         self.gate.release(own)
         except CorruptEntry as exc:
@@ -466,14 +478,15 @@ class DiskTier:
             with self._store.read() as txn:
                 loads: list[Load] = []
                 for kb, dest in zip(kbs, dests[: len(kbs)], strict=True):
-                    value = record(txn, kb)
-                    if value is None:
+                    found = record(txn, kb)
+                    if found is None:
                         raise _missing(kb)
-                    loads.append((kb, value, check_header(kb, value), dest))
+                    header, payload = found
+                    loads.append((kb, payload, check_header(kb, header, len(payload)), dest))
                 if tickets is not None:
                     tickets.append(self.gate.acquire_many([ld[2][F_RAW_LEN] for ld in loads]))
                     loads = loads[: tickets[0].objects]
-                load_batch(loads, results)  # inside the snapshot: the values are its pages
+                load_batch(loads, results)  # inside the snapshot: the payloads are its pages
         except CorruptEntry as exc:
             self._quarantine(exc.key, exc.reason)
             raise
@@ -485,10 +498,12 @@ class DiskTier:
         self._bump(corruption=1)
 
         def run(txn: lmdb.Transaction) -> bool:
-            value = self._catalog.record(txn, kb)
-            if value is None or _verifies(kb, memoryview(value)):
+            found = self._catalog.record(txn, kb)
+            if found is None or _verifies(kb, *found):
                 return False  # deleted or rewritten by another thread meanwhile
-            self._catalog.quarantine(txn, kb, bytes(value), reason, self._clock.now())
+            header, payload = found
+            kept = bytes(header) + bytes(payload[:QUARANTINE_KEEP])
+            self._catalog.quarantine(txn, kb, kept, reason, self._clock.now())
             return True
 
         if self._store.write(run):
@@ -518,13 +533,13 @@ class DiskTier:
         metas: list[RecordMeta] = []
         bad: list[tuple[bytes, str]] = []
         with self._store.read() as txn:
-            for kb, value in self._catalog.iter_records(txn, start):
+            for kb, header, payload in self._catalog.iter_records(txn, start):
                 if len(metas) + len(bad) == SCAN_CHUNK:
                     return metas, bad, kb
                 try:
-                    fields = check_header(kb, value)
+                    fields = check_header(kb, header, len(payload))
                     if verify:
-                        load_bytes(kb, value, fields)
+                        load_bytes(kb, payload, fields)
                 except CorruptEntry as exc:
                     bad.append((kb, exc.reason))
                     continue
@@ -562,11 +577,12 @@ class DiskTier:
         with self._store.read() as txn:
             index = self._catalog.index_items(txn)
             lru = self._catalog.lru_keys(txn)
-            records = {kb for kb, _ in self._catalog.iter_records(txn, b"")}
+            records = {kb for kb, _, _ in self._catalog.iter_records(txn, b"")}
+            headers = self._catalog.header_keys(txn)
             used = self._catalog.used_bytes(txn)
         problems = []
-        if set(index) != records or sorted(lru) != sorted(index):
-            problems.append("records, index and lru hold different key sets")
+        if set(index) != records or headers != records or sorted(lru) != sorted(index):
+            problems.append("records, headers, index and lru hold different key sets")
         if used != sum(entry.record_bytes for entry in index.values()):
             problems.append(f"used_bytes {used} differs from the sum of record sizes")
         if used > self.budget_bytes:
@@ -602,19 +618,20 @@ def _writable(out: Any) -> memoryview:
     return dest
 
 
-def _load(kb: bytes, value: memoryview, fields: tuple[Any, ...],
+def _load(kb: bytes, payload: memoryview, fields: tuple[Any, ...],
           dest: memoryview | None) -> int | bytes:
     """The verified payload into ``dest`` (its length returned), or as fresh bytes."""
-    return load_bytes(kb, value, fields) if dest is None else load_into(kb, value, fields, dest)
+    return (load_bytes(kb, payload, fields) if dest is None
+            else load_into(kb, payload, fields, dest))
 
 
 def _missing(kb: bytes) -> NotOnDisk:
     return NotOnDisk(f"no disk record for {kb.hex()[:32]}... (never stored, evicted or deleted)")
 
 
-def _verifies(kb: bytes, value: memoryview) -> bool:
+def _verifies(kb: bytes, header: memoryview, payload: memoryview) -> bool:
     try:
-        load_bytes(kb, value, check_header(kb, value))
+        load_bytes(kb, payload, check_header(kb, header, len(payload)))
     except CorruptEntry:
         return False
     return True

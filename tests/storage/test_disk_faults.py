@@ -18,11 +18,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from storage import CorruptEntry, DiskFull, DiskTier, NotOnDisk
-from storage.record import HEADER, VERIFY_CHUNK
+from storage import CorruptEntry, DiskFull, DiskKey, DiskTier, NotOnDisk
+from storage.record import VERIFY_CHUNK
 
 # Offsets inside the 64-byte header (see storage/record.py).
 RAW_LEN_FIELD, RAW_CHECKSUM_FIELD, HEADER_CHECKSUM_FIELD = 9, 30, 60
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"  # every zstd frame starts with it
 
 
 @pytest.mark.parametrize(
@@ -47,14 +48,17 @@ def test_bit_flip_in_data_file_is_detected_and_quarantined(
     assert tier.put(victim, payload).codec == (where == "zstd_payload")
     for i, key in enumerate(others):
         tier.put(key, h.kv_bytes(3000 + i, seed=i))
+    header = _stored_header(tier, victim)
     tier.close()
 
     data = tmp_path / "disk" / "data.mdb"
-    start = _payload_start(h, data, payload, where)
-    offset = {"payload": start + 5000, "zstd_payload": start + 40, "header": start - 64 +
-              RAW_LEN_FIELD, "raw_checksum": start - 64 + RAW_CHECKSUM_FIELD,
-              "header_checksum": start - 64 + HEADER_CHECKSUM_FIELD}[where]
-    h.flip_bit(data, offset, bit=3)
+    if where in ("payload", "zstd_payload"):
+        start = _payload_start(h, data, payload, where)
+        h.flip_bit(data, start + (5000 if where == "payload" else 40), bit=3)
+    else:  # the header lives in a leaf page of its own sub-database
+        field = {"header": RAW_LEN_FIELD, "raw_checksum": RAW_CHECKSUM_FIELD,
+                 "header_checksum": HEADER_CHECKSUM_FIELD}[where]
+        _flip_every_copy(data, header, field, bit=3)
 
     tier = tier_factory()
     with pytest.raises(CorruptEntry) as err:
@@ -102,8 +106,26 @@ def _payload_start(h: Any, data: Path, payload: bytes, where: str) -> int:
     """File offset of the record's stored payload, found by its known bytes."""
     if where != "zstd_payload":
         return int(h.find_once(data, payload[:64]))
-    # magic, format 1, codec ZSTD, kind SWA: the only compressed record in the file
-    return int(h.find_once(data, b"HKVR\x01\x01\x03")) + HEADER.size
+    return int(h.find_once(data, ZSTD_MAGIC))  # the only compressed record in the file
+
+
+def _stored_header(tier: DiskTier, key: DiskKey) -> bytes:
+    with tier._store.read() as txn:
+        found = tier._catalog.record(txn, key.to_bytes())
+        assert found is not None
+        return bytes(found[0])
+
+
+def _flip_every_copy(data: Path, header: bytes, field: int, bit: int) -> None:
+    """Flip one bit of ``header`` wherever it occurs in the file: the live leaf page and any
+    stale copy-on-write copies (flipping those is harmless; missing the live one is not)."""
+    raw = bytearray(data.read_bytes())
+    start = raw.find(header)
+    assert start >= 0, "the header must be in the file"
+    while start >= 0:
+        raw[start + field] ^= 1 << bit
+        start = raw.find(header, start + 1)
+    data.write_bytes(bytes(raw))
 
 
 def test_scan_quarantines_corrupt_records(

@@ -31,14 +31,22 @@ KEY = DiskKey(b"\x11" * 16, "layer0.swa", "SWA", 0xDEADBEEF)
 
 
 def _value(key: DiskKey, payload: bytes, now: int) -> bytes:
-    return bytes(encode_record(key, memoryview(payload), now).assemble(bytearray()))
+    """A record's header and stored payload joined (apart on disk, in two sub-databases):
+    one byte string whose every bit the tests below can flip or cut."""
+    encoded = encode_record(key, memoryview(payload), now)
+    return encoded.header + bytes(encoded.stored)
+
+
+def _check(kb: bytes, value: memoryview) -> tuple[Any, ...]:
+    """check_header on a joined value: its first HEADER.size bytes, the rest's length."""
+    return check_header(kb, value[: HEADER.size], len(value) - HEADER.size)
 
 
 def _roundtrip(key: DiskKey, payload: bytes) -> bytes:
     value = _value(key, payload, 123)
     view = memoryview(value)
     kb = key.to_bytes()
-    return load_bytes(kb, view, check_header(kb, view))
+    return load_bytes(kb, view[HEADER.size :], _check(kb, view))
 
 
 @pytest.mark.parametrize("kind", ["COMPRESSED", "TAIL", "SWA", "INDEXER"])
@@ -114,7 +122,7 @@ def test_record_round_trip(payload: bytes) -> None:
 def test_any_single_bit_flip_is_detected(data: st.DataObject, compressible: bool) -> None:
     payload = bytes(6000) if compressible else np.random.default_rng(1).bytes(6000)
     encoded = encode_record(KEY, memoryview(payload), 99)
-    meta, value = encoded.meta, bytearray(encoded.assemble(bytearray()))
+    meta, value = encoded.meta, bytearray(encoded.header + bytes(encoded.stored))
     assert (meta.codec is Codec.ZSTD) == compressible
     bit = data.draw(st.integers(0, len(value) * 8 - 1))
     value[bit // 8] ^= 1 << (bit % 8)
@@ -124,7 +132,7 @@ def test_any_single_bit_flip_is_detected(data: st.DataObject, compressible: bool
 
 def _roundtrip_value(key: DiskKey, value: bytes) -> None:
     kb, view = key.to_bytes(), memoryview(value)
-    load_bytes(kb, view, check_header(kb, view))
+    load_bytes(kb, view[HEADER.size :], _check(kb, view))
 
 
 def test_record_is_bound_to_its_key() -> None:
@@ -156,7 +164,7 @@ def test_every_single_bit_flip_of_a_small_zstd_record_is_detected() -> None:
 def _read_into(value: bytes, out: memoryview) -> int:
     """The tier's per-get path: header check, then copy + verify into ``out``."""
     kb, view = KEY.to_bytes(), memoryview(value)
-    return load_into(kb, view, check_header(kb, view), out)
+    return load_into(kb, view[HEADER.size :], _check(kb, view), out)
 
 
 @pytest.mark.parametrize("compressible", [False, True])
@@ -214,14 +222,14 @@ def test_header_abi_or_kind_differing_from_the_key_is_corrupt(written_for: DiskK
     forged = _resealed_for(KEY, _value(written_for, b"another model's bytes", 7))
     kb, view = KEY.to_bytes(), memoryview(forged)
     with pytest.raises(CorruptEntry) as err:
-        check_header(kb, view)
+        _check(kb, view)
     assert err.value.reason == "key_mismatch"
     with pytest.raises(CorruptEntry):
         _roundtrip_value(KEY, forged)
     # The same bytes sealed and read under the key they were written for are fine.
     honest = _value(written_for, b"another model's bytes", 7)
     assert _roundtrip(written_for, b"another model's bytes") == b"another model's bytes"
-    check_header(written_for.to_bytes(), memoryview(honest))
+    _check(written_for.to_bytes(), memoryview(honest))
 
 
 def test_stored_record_with_a_foreign_abi_header_is_quarantined_never_served(
@@ -239,9 +247,11 @@ def test_stored_record_with_a_foreign_abi_header_is_quarantined_never_served(
     env = lmdb.open(str(tmp_path / "disk"), max_dbs=len(DB_NAMES))
     with env.begin(write=True) as txn:
         records = env.open_db(b"records", txn=txn)
+        headers = env.open_db(b"headers", txn=txn)
         honest = txn.get(key_b.to_bytes(), db=records)
-        assert honest is not None and len(honest) == len(forged)
-        txn.put(key_b.to_bytes(), forged, db=records)
+        assert honest is not None and len(honest) == len(forged) - HEADER.size
+        txn.put(key_b.to_bytes(), forged[: HEADER.size], db=headers)
+        txn.put(key_b.to_bytes(), forged[HEADER.size :], db=records)
     env.close()
 
     tier = tier_factory()

@@ -8,8 +8,10 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from storage import DiskFull, StorageFailure
+from hkv_service.core.admission import AdmissionCap
+from storage import DiskFull, DiskKey, DiskTier, StorageFailure
 from storage.lmdb_store import DB_NAMES, DiskStore, StoreConfig, translate
+from storage.record import FORMAT_VERSION
 
 
 def test_opens_with_durable_sync_mode_and_sub_databases(tmp_path: Path) -> None:
@@ -76,3 +78,35 @@ def test_forked_child_refuses_the_parents_env(tmp_path: Path) -> None:
     with store.read() as txn:  # the parent's env is unharmed
         assert txn.stat(store.dbs["records"])["entries"] == 0
     store.close()
+
+
+# -- record format: a store written in another format is refused, never misread ------------
+
+
+def test_a_store_from_another_record_format_is_refused(tmp_path: Path) -> None:
+    """Format 1 kept the header inside the record value; read as format 2 its records would
+    all fail verification. Opening says so instead, and touches nothing."""
+    path = tmp_path / "disk"
+    DiskTier(path, 1 << 20, AdmissionCap()).close()  # stamps the current format
+    env = lmdb.open(str(path), max_dbs=len(DB_NAMES))
+    with env.begin(write=True) as txn:
+        meta = env.open_db(b"meta", txn=txn)
+        records = env.open_db(b"records", txn=txn)
+        assert txn.get(b"format", db=meta) == bytes([FORMAT_VERSION])
+        txn.delete(b"format", db=meta)  # as a format-1 store: records, no stamp
+        txn.put(b"k" * 30, b"HKVR\x01" + bytes(100), db=records)
+    env.close()
+    with pytest.raises(StorageFailure, match="format 1; this version reads format 2"):
+        DiskTier(path, 1 << 20, AdmissionCap())
+    env = lmdb.open(str(path), max_dbs=len(DB_NAMES))
+    with env.begin() as txn:  # left as found
+        assert txn.get(b"k" * 30, db=env.open_db(b"records", txn=txn)) is not None
+    env.close()
+
+
+def test_a_new_store_is_stamped_and_reopens(tmp_path: Path) -> None:
+    path = tmp_path / "disk"
+    with DiskTier(path, 1 << 20, AdmissionCap()) as tier:
+        tier.put(DiskKey(b"\x01" * 16, "g", "SWA", 1), b"bytes")
+    with DiskTier(path, 1 << 20, AdmissionCap()) as tier:
+        assert tier.get(DiskKey(b"\x01" * 16, "g", "SWA", 1)) == b"bytes"

@@ -118,3 +118,12 @@ def test_concurrent_writers_share_the_cap_and_the_helper(tier_factory: Callable[
     stats = tier.gate.stats()
     assert stats.in_transit_objects == 0 and stats.peak_objects <= 4
     assert tier.check_integrity() == []
+
+
+def test_a_key_twice_in_one_batch_keeps_the_later_bytes(tier_factory: Callable[..., DiskTier],
+                                                        h: Any) -> None:
+    tier = tier_factory()
+    key = h.make_key(1)
+    metas = tier.put_many([(key, b"first"), (h.make_key(2), b"other"), (key, b"second")])
+    assert len(metas) == 3 and tier.get(key) == b"second"
+    assert tier.stats().entries == 2 and tier.check_integrity() == []
