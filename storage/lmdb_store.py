@@ -183,8 +183,12 @@ class DiskStore:
     def map_size(self) -> int:
         return int(self.env.info()["map_size"])
 
+    def _inherited(self) -> bool:
+        """Opened by a process this one was forked from: never to be used here."""
+        return _forks != self._forks
+
     def _check_process(self) -> None:
-        if _forks != self._forks:
+        if self._inherited():
             raise StorageFailure(
                 "this LMDB environment was opened in another process (inherited across fork); "
                 "open a new DiskTier inside this process"
@@ -192,8 +196,7 @@ class DiskStore:
 
     def read(self) -> _ReadTxn:
         """A read snapshot whose ``get`` returns zero-copy memoryviews valid inside the block."""
-        if _forks != self._forks:
-            self._check_process()  # raises
+        self._check_process()
         return _ReadTxn(self.env, self._gate)
 
     def write(self, fn: Callable[[lmdb.Transaction], T], need_bytes: int = 0) -> T:
@@ -239,7 +242,7 @@ class DiskStore:
         return True
 
     def close(self) -> None:
-        if _forks != self._forks:
+        if self._inherited():
             return  # never touch a parent's environment from a forked child
         with self._write_lock, self._gate.exclusive():
             self.env.close()

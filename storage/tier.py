@@ -61,7 +61,6 @@ from .record import (
     header_of,
     load_batch,
     load_bytes,
-    load_into,
 )
 
 __all__ = ["DiskTier", "TierStats"]
@@ -172,8 +171,8 @@ class DiskTier:
 
         A batch holds one admission ticket from encoding to commit and is at most half the
         cap's objects and bytes and :data:`WRITE_BATCH_BYTES` (the first object always goes),
-        so that two fit the cap: while one batch commits (its fsync releases the GIL) the
-        helper thread checksums, probes and lays out the next (:mod:`storage.helper`). A
+        so that two fit the cap: while one batch commits (LMDB's puts and fsync release the
+        GIL) the helper thread checksums, probes and seals the next (:mod:`storage.helper`). A
         batch commits whole or not at all; the keys it evicted ride on its last
         ``RecordMeta``. An error in a later batch leaves earlier batches committed, which is
         safe: they are on disk, and a retried put of the same key replaces its record.
@@ -346,57 +345,15 @@ class DiskTier:
 
     def get(self, key: DiskKey, wait_s: float = 0.0) -> bytes:
         """The verified raw bytes of ``key``. Raises NotOnDisk, CorruptEntry, AdmissionRefused."""
-        return bytes(self._read(key, wait_s, None))
+        return bytes(self._read_many((key,), [None], wait_s)[0])
 
     def get_into(self, key: DiskKey, out: Any, wait_s: float = 0.0) -> int:
-        """Copy ``key``'s raw bytes into ``out[:n]``, then verify them there; returns n.
+        """Copy ``key``'s raw bytes into ``out[:n]``, verified; returns n.
 
         ``out`` is any writable C-contiguous buffer (e.g. a preallocated numpy array) of at
         least n bytes. After an exception its contents are unspecified and must not be used.
         """
-        return int(self._read(key, wait_s, _writable(out)))
-
-    def _read(self, key: DiskKey, wait_s: float, dest: memoryview | None) -> Any:
-        """Ticket, verified read (into ``dest``, or a fresh ``bytes`` when None), last-use
-        note. The ticket is held for the whole transfer.
-
-        Without a wait the ticket is taken inside the read snapshot, sized from the verified
-        header (one transaction). With a wait, the size comes from the index first, and the
-        wait happens outside any snapshot: a waiting reader must not pin old pages or hold
-        off map growth.
-        """
-        kb = key.to_bytes()
-        ticket = None if wait_s <= 0 else self.gate.acquire(self._indexed_raw_len(kb), wait_s)
-        try:
-            with self._store.read() as txn:
-                found = self._catalog.record(txn, kb)
-                if found is None:
-                    raise _missing(kb)
-                header, payload = found
-                fields = check_header(kb, header, len(payload))
-                if ticket is not None:
-                    result = _load(kb, payload, fields, dest)
-                else:
-                    own = self.gate.acquire(fields[F_RAW_LEN], 0.0)
-                    try:
-                        result = _load(kb, payload, fields, dest)
-                    finally:
-                        self.gate.release(own)
-        except CorruptEntry as exc:
-            self._quarantine(kb, exc.reason)
-            raise
-        finally:
-            if ticket is not None:
-                self.gate.release(ticket)
-        self._note_uses((kb,))
-        return result
-
-    def _indexed_raw_len(self, kb: bytes) -> int:
-        with self._store.read() as txn:
-            raw_len = self._catalog.raw_len(txn, kb)
-        if raw_len is None:
-            raise _missing(kb)
-        return raw_len
+        return int(self._read_many((key,), [_writable(out)], wait_s)[0])
 
     def get_many(self, keys: Sequence[DiskKey], wait_s: float = 0.0) -> list[bytes]:
         """``get`` for many keys, in batches that share one snapshot and one admission."""
@@ -412,15 +369,16 @@ class DiskTier:
 
     def _read_many(self, keys: Sequence[DiskKey], dests: list[memoryview | None],
                    wait_s: float) -> list[Any]:
-        """Batches of up to READ_BATCH objects, each in one snapshot with one admission.
+        """Batches of up to READ_BATCH objects, each in one snapshot with one admission
+        (``get`` and ``get_into`` are batches of one).
 
         Without a wait, each batch's tickets are taken inside its snapshot, sized from the
         verified headers, while the cap (read once per batch) has room; with a wait, sizes
         come from the index first and the first ticket may wait, outside any snapshot.
 
-        Threads: the payloads of a batch are hashed on one helper thread while this one
-        copies them (:func:`storage.record.load_batch`, :mod:`storage.verify`): one handoff
-        per batch, so the load costs about its copy. Whole gets on a pool of 4 ran at 0.9x
+        Threads: the payloads of a batch of 512 KiB or more are hashed on one helper thread
+        while this one copies them (:func:`storage.record.load_batch`, :mod:`storage.verify`):
+        one handoff per batch, so the load costs about its copy. Whole gets on a pool of 4 ran at 0.9x
         of one thread, and a two-stage pipeline (copy object i+1 while a helper hashes the
         copy of object i) at 0.59x of raw LMDB against 0.63x serial for 1 MiB: a handoff
         per object, and the hash of a copy already out of cache.
@@ -616,13 +574,6 @@ def _writable(out: Any) -> memoryview:
     if dest.readonly:
         raise InvalidInput("get_into needs a writable buffer")
     return dest
-
-
-def _load(kb: bytes, payload: memoryview, fields: tuple[Any, ...],
-          dest: memoryview | None) -> int | bytes:
-    """The verified payload into ``dest`` (its length returned), or as fresh bytes."""
-    return (load_bytes(kb, payload, fields) if dest is None
-            else load_into(kb, payload, fields, dest))
 
 
 def _missing(kb: bytes) -> NotOnDisk:
