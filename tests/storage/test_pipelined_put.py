@@ -19,9 +19,9 @@ def _committed_batches(tier: DiskTier) -> list[int]:
     sizes: list[int] = []
     commit = tier._commit
 
-    def spy(batch: Any) -> Any:
+    def spy(batch: Any, *rest: Any) -> Any:
         sizes.append(len(batch.encoded))
-        return commit(batch)
+        return commit(batch, *rest)
 
     tier._commit = spy  # type: ignore[method-assign]
     return sizes
@@ -74,18 +74,22 @@ def test_a_later_batch_that_cannot_encode_leaves_earlier_ones_committed(
     assert tier.gate.stats().in_transit_objects == 0
 
 
-def test_a_commit_that_fails_while_the_next_batch_encodes(tier_factory: Callable[..., DiskTier],
-                                                          h: Any) -> None:
-    """The failing commit's batch and the batch encoded beside it both give their tickets
-    back, and nothing of the failed batch is visible."""
+@pytest.mark.parametrize("after_puts", [True, False])
+def test_a_commit_that_fails_while_the_next_batch_waits(tier_factory: Callable[..., DiskTier],
+                                                        h: Any, after_puts: bool) -> None:
+    """The failing commit's batch and the next batch (encoding beside the sync, or not yet
+    started when the failure came before the puts ended) both give their tickets back, and
+    nothing of the failed batch is visible."""
     tier = tier_factory(cap=AdmissionCap(max_objects=4))
     commit, calls = tier._commit_batch, []
 
-    def failing_second(txn: Any, batch: Any, touched: Any) -> Any:
+    def failing_second(txn: Any, batch: Any, touched: Any, then: Any = None) -> Any:
         calls.append(len(batch.encoded))
         if len(calls) == 2:
+            if then is not None and after_puts:
+                then()  # the next batch is encoding when the commit fails
             raise DiskFull("injected: the file system refused the pages")
-        return commit(txn, batch, touched)
+        return commit(txn, batch, touched, then)
 
     tier._commit_batch = failing_second  # type: ignore[method-assign]
     items = [(h.make_key(i), b"x%d" % i) for i in range(6)]
