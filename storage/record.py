@@ -43,7 +43,7 @@ from hkv_service.core.ids import BLOCK_HASH_BYTES
 
 from .codec import Codec, ProbeStreak, compress, decompress
 from .errors import CorruptEntry
-from .verify import copy_all
+from .verify import VERIFY_CHUNK, copy_all, copy_digest
 
 __all__ = [
     "FORMAT_VERSION",
@@ -71,12 +71,6 @@ KIND_CODES: dict[str, int] = {"COMPRESSED": 1, "TAIL": 2, "SWA": 3, "INDEXER": 4
 _KIND_NAMES = {code: name for name, code in KIND_CODES.items()}
 _KEY_FIXED = struct.Struct(">16sQB")
 HEADER = struct.Struct("<4sBBBBQQ16sQQQ")
-# Copy+verify granularity of load_into: a chunk and its source fit the 512 KiB L2 of the
-# development machine's cores. Measured there (CPU time, vs raw get + copy): 8 MiB objects
-# load at 0.72-0.76 fused (128 KiB-1 MiB chunks alike) against 0.62-0.65 copy-then-hash;
-# at <= 1 MiB every choice is within noise (the copy leaves the object in L3), so objects
-# up to one chunk take the single copy + single hash with the fewest Python calls.
-VERIFY_CHUNK = 256 * 1024
 _CHECKED = HEADER.size - 8  # the header checksum covers header[0, 56)
 assert HEADER.size == 64
 _CODECS = (Codec.RAW, Codec.ZSTD)
@@ -221,9 +215,9 @@ def load_into(key_bytes: bytes, payload: memoryview, fields: tuple[Any, ...],
 
     From :data:`storage.verify.PARALLEL_MIN_BYTES` the source is hashed on a helper thread
     while it is copied (sound inside the read snapshot, see :mod:`storage.verify`); below,
-    the copy is hashed after it (:func:`copy_digest`). ``dest`` is a flat writable byte
-    view; too small raises InvalidInput. On CorruptEntry ``dest`` holds unverified bytes and
-    must not be used.
+    the copy is hashed after it (:func:`storage.verify.copy_digest`). ``dest`` is a flat
+    writable byte view; too small raises InvalidInput. On CorruptEntry ``dest`` holds
+    unverified bytes and must not be used.
     """
     n: int = fields[F_RAW_LEN]
     if n > len(dest):
@@ -253,29 +247,9 @@ def load_bytes(key_bytes: bytes, payload: memoryview, fields: tuple[Any, ...]) -
     return raw
 
 
-def copy_digest(src: memoryview, out: memoryview) -> bytes:
-    """``out[:] = src`` (equal lengths), returning the xxh3-128 of ``out``: of the copy, so
-    what is checked is exactly what is returned.
-
-    Past one :data:`VERIFY_CHUNK`, copy and hash are fused: each chunk is copied and then fed
-    to a streaming xxh3-128 while it is still in the core's L2, so the hash reads cache
-    instead of a second pass over memory (a large payload has left the caches by the time a
-    separate hash pass reaches its start)."""
-    n = len(out)
-    if n <= VERIFY_CHUNK:
-        out[:] = src
-        return xxhash.xxh3_128_digest(out)
-    hasher = xxhash.xxh3_128()
-    for start in range(0, n, VERIFY_CHUNK):
-        chunk = out[start : start + VERIFY_CHUNK]
-        chunk[:] = src[start : start + VERIFY_CHUNK]
-        hasher.update(chunk)
-    return hasher.digest()
-
-
 def _copy_verified(key_bytes: bytes, src: memoryview, out: memoryview, checksum: bytes) -> None:
-    """``out[:] = src``, and the digest (:func:`storage.verify.copy_all`) must be ``checksum``."""
-    if copy_all(((src, out),), copy_digest)[0] != checksum:
+    """``out[:] = src``, and its digest (:func:`storage.verify.copy_all`) must be ``checksum``."""
+    if copy_all(((src, out),))[0] != checksum:
         raise _corrupt(key_bytes, "payload_checksum", "payload checksum mismatch")
 
 
@@ -287,7 +261,7 @@ def load_batch(loads: Sequence[Load], results: list[Any]) -> None:
     ``results``: :func:`load_into` ``dest``, or :func:`load_bytes` when ``dest`` is None.
 
     The raw payloads bound for a destination are copied and hashed together
-    (:func:`storage.verify.copy_all`: one handoff to the hash helper for the whole batch),
+    (:func:`storage.verify.copy_all`: half of them on the helper thread, one handoff),
     so call this inside the snapshot the payloads come from. Raises CorruptEntry (its ``key``
     set) for the first load that fails; ``results`` then holds the loads before it.
     """
@@ -295,7 +269,7 @@ def load_batch(loads: Sequence[Load], results: list[Any]) -> None:
     for i, (_, payload, fields, dest) in enumerate(loads):
         if dest is not None and fields[F_CODEC] == Codec.RAW and fields[F_RAW_LEN] <= len(dest):
             pairs[i] = (payload, _head(dest, fields[F_RAW_LEN]))
-    digests = dict(zip(pairs, copy_all(list(pairs.values()), copy_digest), strict=True))
+    digests = dict(zip(pairs, copy_all(list(pairs.values())), strict=True))
     for i, (key_bytes, payload, fields, dest) in enumerate(loads):
         if i not in digests:  # decoded, or bytes wanted, or a too-small dest (which raises)
             results.append(load_bytes(key_bytes, payload, fields) if dest is None

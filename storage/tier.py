@@ -13,11 +13,12 @@ Theory of operation.
   claim no later than the bytes vanish), and returned in ``RecordMeta.evicted``.
 * Get: in one read snapshot, verify the header on the zero-copy view of the map, take a
   ticket sized from it (with ``wait_s > 0`` the size comes from the index first, so the wait
-  holds no snapshot), copy the payload out once and verify its xxh3-128; for a
-  ``get_many_into`` batch or an object from 512 KiB the hash runs on the helper thread
-  beside the copy (:mod:`storage.verify`). Any mismatch moves the record to quarantine,
-  bumps ``corruption`` and raises CorruptEntry: data that failed verification is never
-  returned. ``get_many`` shares one snapshot and one admission per batch.
+  holds no snapshot), copy the payload out once and verify its xxh3-128; from 512 KiB in
+  all, a batch is split between this thread and the helper thread, and one object is
+  copied while the helper hashes its source (:mod:`storage.verify`). Any mismatch moves
+  the record to quarantine, bumps ``corruption`` and raises CorruptEntry: data that failed
+  verification is never returned. ``get_many`` shares one snapshot and one admission per
+  batch.
 * Last use: a get does not write (a sync write per read would cost an fsync). Reads note the
   key in memory; the next write transaction folds those notes into the ``lru`` sub-database
   before it evicts, so eviction order is exact; a crash loses only recency hints.
@@ -397,12 +398,13 @@ class DiskTier:
         verified headers, while the cap (read once per batch) has room; with a wait, sizes
         come from the index first and the first ticket may wait, outside any snapshot.
 
-        Threads: the payloads of a batch of 512 KiB or more are hashed on one helper thread
-        while this one copies them (:func:`storage.record.load_batch`, :mod:`storage.verify`):
-        one handoff per batch, so the load costs about its copy. Whole gets on a pool of 4
-        ran at 0.9x of one thread, and a two-stage pipeline (copy object i+1 while a helper
-        hashes the copy of object i) at 0.59x of raw LMDB against 0.63x serial for 1 MiB: a
-        handoff per object, and the hash of a copy already out of cache.
+        Threads: from 512 KiB in all, half of a batch's payloads are copied and verified on
+        the helper thread while this one does the other half (``record.load_batch``,
+        :mod:`storage.verify`): one handoff per batch, each copy hashed while it is in its
+        core's cache. Whole gets on a pool of 4 ran at 0.9x of one thread, and a
+        two-stage pipeline (copy object i+1 while a helper hashes the copy of object i) at
+        0.59x of raw LMDB against 0.63x serial for 1 MiB: a handoff per object, and the hash
+        of a copy already out of cache.
         """
         kbs = [key.to_bytes() for key in keys]
         results: list[Any] = []

@@ -6,13 +6,16 @@ by the device's write bandwidth plus one fsync per batch of ``BATCH`` blocks; th
 in RAM but not in the CPU caches, so loads come from the page cache and are bounded by memory
 (the 4 KiB-page mmap reads at ~6 GB/s on the 2-core dev machine, against ~9 GB/s for the same
 copy out of anonymous huge-page memory). Raw LMDB is get + one copy into the same preallocated
-numpy buffer (a memoryview assignment, measured faster than ``np.copyto``). Ours adds, per
-object, the xxh3-128 verify of every byte, the header check, an admission ticket and the
-last-use note. The verify runs on a helper thread beside the copy (``storage.verify``) for a
-``get_many_into`` batch and for an object from 512 KiB; a single smaller object is copied and
-then hashed on the calling thread. ``verify`` reports the hash speed on a cache-resident
-chunk; ``serial_verify`` is bare LMDB get + copy + xxh3-128 of the copy on one thread (no
-header, ticket or note): what verifying would cost without the helper.
+numpy buffer (a memoryview assignment, measured faster than ``np.copyto``), on one thread.
+Ours adds, per object, the xxh3-128 verify of every byte, the header check, an admission
+ticket and the last-use note, and uses two threads where that pays (``storage.verify``): a
+``get_many_into`` batch is split in halves copied and verified by the caller and by the
+tier's helper thread at once, which is why ``load_many`` can pass 1.0x of one-thread raw;
+one object from 512 KiB is copied while the helper hashes its source; a single smaller
+object is copied and then hashed on the calling thread. Offload, too, runs the next batch's
+encoding on the helper while one batch syncs. ``verify`` reports the hash speed on a
+cache-resident chunk; ``serial_verify`` is bare LMDB get + copy + xxh3-128 of the copy on
+one thread (no header, ticket or note): what verifying costs without the helper.
 Blocks are random-normal fp16, which zstd level 1 shrinks by only ~8%, under the 10% the tier
 demands, so they are stored raw: the ratios price the checksum, the header and the
 compression probe (sampled on the first payloads of a stream, then once in 64 while the
@@ -38,7 +41,7 @@ import zstandard
 from hkv_service.core.admission import AdmissionCap
 from storage import DiskKey, DiskTier
 from storage.codec import Codec
-from storage.record import VERIFY_CHUNK, copy_digest
+from storage.verify import VERIFY_CHUNK, copy_digest
 
 __all__ = ["run"]
 
@@ -174,7 +177,7 @@ class _RawLmdb:
 
     def read_verify(self) -> float:
         """``read`` plus the xxh3-128 of each copy, with the tier's own copy-and-hash
-        (:func:`storage.record.copy_digest`): the bare cost of a verify-every-byte load, no
+        (:func:`storage.verify.copy_digest`): the bare cost of a verify-every-byte load, no
         header or ticket."""
         return self._gets(copy_digest)
 

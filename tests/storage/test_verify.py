@@ -1,5 +1,6 @@
-"""The copy-beside-hash of loads (storage/verify.py): same digests and bytes as the serial path,
-on both sides of the threshold, through a batch that mixes codecs, and after fork."""
+"""Verified copies on two threads (storage/verify.py): the same digests and bytes as on one, on
+both sides of the threshold, with a failure on either thread, through a batch that mixes
+codecs, corruption wherever it sits in a batch, and after fork."""
 
 from __future__ import annotations
 
@@ -15,17 +16,18 @@ import xxhash
 
 from storage import CorruptEntry, DiskTier, NotOnDisk
 from storage.codec import Codec
-from storage.record import copy_digest
-from storage.verify import PARALLEL_MIN_BYTES, copy_all
+from storage.verify import PARALLEL_MIN_BYTES, VERIFY_CHUNK, _half, copy_all
 
 
 @pytest.mark.parametrize("sizes", [[1000, 70_000], [PARALLEL_MIN_BYTES],
-                                   [300_000, 5, 300_000], [2 * PARALLEL_MIN_BYTES + 3]])
+                                   [300_000, 5, 300_000], [2 * PARALLEL_MIN_BYTES + 3],
+                                   [PARALLEL_MIN_BYTES // 2] * 2, [40_000] * 40,
+                                   [5, 3 * VERIFY_CHUNK + 1, 70_000]])
 def test_copy_all_copies_and_hashes_the_sources(sizes: list[int]) -> None:
     rng = np.random.default_rng(sum(sizes))
     sources = [memoryview(rng.bytes(n)) for n in sizes]
     outs = [memoryview(bytearray(n)) for n in sizes]
-    digests = copy_all(list(zip(sources, outs, strict=True)), copy_digest)
+    digests = copy_all(list(zip(sources, outs, strict=True)))
     assert digests == [xxhash.xxh3_128_digest(src) for src in sources]
     assert [bytes(out) for out in outs] == [bytes(src) for src in sources]
 
@@ -35,10 +37,31 @@ def test_copy_all_waits_for_the_hash_before_raising() -> None:
     the sources: in the tier they are pages of a snapshot that closes on return."""
     big = memoryview(bytes(PARALLEL_MIN_BYTES))
     with pytest.raises(ValueError):
-        copy_all([(big, memoryview(bytearray(PARALLEL_MIN_BYTES - 1)))], copy_digest)
+        copy_all([(big, memoryview(bytearray(PARALLEL_MIN_BYTES - 1)))])
     # the helper is idle again: the next call is served, not queued behind a stuck job
     out = memoryview(bytearray(PARALLEL_MIN_BYTES))
-    assert copy_all([(big, out)], copy_digest) == [xxhash.xxh3_128_digest(big)]
+    assert copy_all([(big, out)]) == [xxhash.xxh3_128_digest(big)]
+
+
+@pytest.mark.parametrize("sizes", [[1, 1], [10, 1, 1, 1], [1, 1, 1, 10], [3, 3, 3]])
+def test_a_batch_is_cut_in_two_non_empty_halves_by_bytes(sizes: list[int]) -> None:
+    pairs = [(memoryview(bytes(n)), memoryview(bytearray(n))) for n in sizes]
+    cut = _half(pairs)
+    assert 0 < cut < len(pairs)
+    mine, theirs = sum(sizes[:cut]), sum(sizes[cut:])
+    assert abs(mine - theirs) <= max(sizes)
+
+
+@pytest.mark.parametrize("bad", [0, 2])
+def test_a_failing_copy_on_either_thread_raises_after_both_end(bad: int) -> None:
+    """Object 0 is the caller's, object 2 the helper's; either copy failing raises here,
+    only once the other thread is done (its sources are a snapshot's pages)."""
+    n = PARALLEL_MIN_BYTES // 2
+    pairs = [(memoryview(bytes(n)), memoryview(bytearray(n - (i == bad)))) for i in range(3)]
+    with pytest.raises(ValueError):
+        copy_all(pairs)
+    good = [(memoryview(bytes(n)), memoryview(bytearray(n))) for _ in range(3)]
+    assert copy_all(good) == [xxhash.xxh3_128_digest(bytes(n))] * 3  # the helper is free
 
 
 def test_a_mixed_batch_loads_in_order(tier_factory: Callable[..., DiskTier], h: Any) -> None:
@@ -60,9 +83,11 @@ def test_a_mixed_batch_loads_in_order(tier_factory: Callable[..., DiskTier], h: 
     assert tier.stats().admission.in_transit_objects == 0
 
 
-def test_a_flip_in_the_middle_of_a_parallel_batch(tier_factory: Callable[..., DiskTier], h: Any,
-                                                  tmp_path: Path) -> None:
-    """The corrupt record is named and quarantined; its neighbours in the batch stay good."""
+@pytest.mark.parametrize("victim", [0, 1, 2])
+def test_a_flip_in_a_parallel_batch(tier_factory: Callable[..., DiskTier], h: Any,
+                                    tmp_path: Path, victim: int) -> None:
+    """Objects 0-1 are copied and hashed by the caller, 2 by the helper: wherever the corrupt
+    record is, it is named and quarantined, and the others in the batch stay good."""
     tier = tier_factory()
     payloads = [h.kv_bytes(300_000, seed=10 + i) for i in range(3)]
     keys = [h.make_key(i) for i in range(3)]
@@ -70,29 +95,30 @@ def test_a_flip_in_the_middle_of_a_parallel_batch(tier_factory: Callable[..., Di
         tier.put(key, payload)
     tier.close()
     data = tmp_path / "disk" / "data.mdb"
-    h.flip_bit(data, h.find_once(data, payloads[1][:64]) + 299_000, bit=2)
+    h.flip_bit(data, h.find_once(data, payloads[victim][:64]) + 299_000, bit=2)
 
     tier = tier_factory()
     outs = [np.zeros(300_000, np.uint8) for _ in keys]
     with pytest.raises(CorruptEntry) as err:
         tier.get_many_into(keys, outs)
-    assert err.value.key == keys[1].to_bytes() and err.value.reason == "payload_checksum"
+    assert err.value.key == keys[victim].to_bytes() and err.value.reason == "payload_checksum"
     assert tier.quarantine_count() == 1
     with pytest.raises(NotOnDisk):
-        tier.get(keys[1])
-    assert tier.get_many_into([keys[0], keys[2]], [outs[0], outs[2]]) == [300_000] * 2
-    assert bytes(outs[0]) == payloads[0] and bytes(outs[2]) == payloads[2]
+        tier.get(keys[victim])
+    rest = [i for i in range(3) if i != victim]
+    assert tier.get_many_into([keys[i] for i in rest], [outs[i] for i in rest]) == [300_000] * 2
+    assert all(bytes(outs[i]) == payloads[i] for i in rest)
 
 
 def test_a_forked_child_gets_its_own_helper(tmp_path: Path) -> None:
     """The helper thread does not survive fork; a child that loads must not wait on it."""
     big = memoryview(np.random.default_rng(3).bytes(PARALLEL_MIN_BYTES))
-    copy_all([(big, memoryview(bytearray(len(big))))], copy_digest)  # the parent's helper runs
+    copy_all([(big, memoryview(bytearray(len(big))))])  # the parent's helper runs
     pid = os.fork()
     if pid == 0:  # child: exit 0 only if the parallel copy completes and is right
         signal.alarm(20)
         out = memoryview(bytearray(len(big)))
-        ok = copy_all([(big, out)], copy_digest) == [xxhash.xxh3_128_digest(big)]
+        ok = copy_all([(big, out)]) == [xxhash.xxh3_128_digest(big)]
         os._exit(0 if ok and out == big else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
