@@ -10,8 +10,9 @@ for compressing the whole, and the whole frame decides. Measured on the 2-core d
 a 32 KiB one ~80 us and 0.919-0.922, against ~260 us for a whole 256 KiB synced put: the
 32 KiB probe alone was ~30% of that put. A small sample reads a little worse than the whole
 (framing, cold tables), so the sample passes with :data:`PROBE_SLACK` of margin. A stream of
-payloads that keeps failing the sample (a group's fp16 KV) is then sampled only once in
-``SKIP_FOR + 1`` payloads (:class:`ProbeStreak`).
+payloads that keeps failing (a group's fp16 KV: its sample, or its whole frame when the sample
+flattered it, or a small payload compressed whole) is then tried only once in ``SKIP_FOR + 1``
+payloads (:class:`ProbeStreak`).
 
 No zstd frame checksum is written: the record's xxh3-128 of the *raw* bytes (verified after
 every decompression) is what catches a flipped bit, which zstd alone would decode silently.
@@ -89,39 +90,41 @@ def compress(view: memoryview, streak: ProbeStreak | None = None
     """Return (codec, stored bytes): zstd frame if it saves >= MIN_SAVING, else the view.
     ``streak``: the history of the stream ``view`` belongs to (see :class:`ProbeStreak`)."""
     n = len(view)
-    if n < SMALL_BYTES:
+    if n < SMALL_BYTES or (streak is not None and streak.skip()):
         return Codec.RAW, view
-    if n > 2 * PROBE_BYTES:
-        if streak is not None and streak.skip():
-            return Codec.RAW, view
-        mid = (n - PROBE_BYTES) // 2
-        sample = _compressor().compress(view[mid : mid + PROBE_BYTES])
-        promising = _pays(PROBE_BYTES, len(sample), PROBE_SLACK)
+    pays = False
+    try:
+        if n > 2 * PROBE_BYTES:
+            mid = (n - PROBE_BYTES) // 2
+            sample = _compressor().compress(view[mid : mid + PROBE_BYTES])
+            if not _pays(PROBE_BYTES, len(sample), PROBE_SLACK):
+                return Codec.RAW, view
+        frame = _compressor().compress(view)
+        pays = _pays(n, len(frame))
+        return (Codec.ZSTD, frame) if pays else (Codec.RAW, view)
+    finally:
         if streak is not None:
-            streak.record(promising)
-        if not promising:
-            return Codec.RAW, view
-    frame = _compressor().compress(view)
-    return (Codec.ZSTD, frame) if _pays(n, len(frame)) else (Codec.RAW, view)
+            streak.record(pays)  # the verdict on the payload, not on its sample
 
 
 class ProbeStreak:
-    """When to stop sampling a stream of payloads that never compresses.
+    """When to stop trying to compress a stream of payloads that never compresses.
 
     One per stream of like payloads (a disk tier keeps one per group and kind): fp16/bf16 KV
     of one group is as incompressible in the next block as in the last. After
-    :data:`SKIP_AFTER` failed samples in a row, the next :data:`SKIP_FOR` payloads are stored
-    raw without a sample (the sample's cost is saved on each); then one
-    sample decides: another failure skips the next SKIP_FOR again, a promising one starts
-    over. So a stream that starts to compress is noticed within SKIP_FOR + 1 payloads, and an
-    incompressible one pays for one sample in SKIP_FOR + 1. Storing raw is always correct;
-    only the saving can be missed. Races between writer threads only shift a count.
+    :data:`SKIP_AFTER` payloads in a row stored raw for want of saving, the next
+    :data:`SKIP_FOR` are stored raw untried (the sample's or the frame's cost is saved on
+    each); then one try decides: another failure skips the next SKIP_FOR again, a payload
+    that compresses starts over. So a stream that starts to compress is noticed within
+    SKIP_FOR + 1 payloads, and an incompressible one pays for one try in SKIP_FOR + 1.
+    Storing raw is always correct; only the saving can be missed. Races between writer
+    threads only shift a count.
     """
 
     __slots__ = ("_failed", "_skipping")
 
     def __init__(self) -> None:
-        self._failed = 0  # failed samples in a row (SKIP_AFTER or more: known incompressible)
+        self._failed = 0  # failed tries in a row (SKIP_AFTER or more: known incompressible)
         self._skipping = 0
 
     def skip(self) -> bool:
@@ -130,8 +133,8 @@ class ProbeStreak:
             return True
         return False
 
-    def record(self, promising: bool) -> None:
-        if promising:
+    def record(self, paid: bool) -> None:
+        if paid:
             self._failed = 0
             return
         self._failed += 1

@@ -103,6 +103,34 @@ def test_a_compressing_stream_is_always_sampled() -> None:
         assert compress(payload, streak)[0] is (Codec.RAW if i % 2 else Codec.ZSTD)
 
 
+def test_a_stream_whose_sample_flatters_it_learns_from_the_whole_frame() -> None:
+    """A compressible middle in incompressible payloads: every sample passes, every whole
+    frame fails. The streak must count the frames' verdicts, or each payload pays for a full
+    compression forever (regression: it counted the samples)."""
+    payload = bytearray(np.random.default_rng(5).bytes(256 * 1024))  # saves nothing
+    mid = (len(payload) - 8 * 1024) // 2
+    payload[mid : mid + 8 * 1024] = bytes(8 * 1024)  # the sample compresses, the rest not
+    view = as_byte_view(bytes(payload))
+    streak = ProbeStreak()
+    for _ in range(SKIP_AFTER):
+        assert compress(view, streak)[0] is Codec.RAW
+    zeros = as_byte_view(np.zeros(len(view), np.uint8))
+    assert compress(zeros, streak)[0] is Codec.RAW  # skipped: no compression was tried
+
+
+def test_a_stream_of_small_payloads_stops_being_compressed_too() -> None:
+    """Payloads too small for a sample (up to 2 x PROBE_BYTES) are compressed whole; a
+    stream of them that never pays skips like any other (regression: they never skipped)."""
+    noise = as_byte_view(np.random.default_rng(2).standard_normal(4 * 1024).astype(np.float16))
+    assert len(noise) == 8 * 1024
+    streak = ProbeStreak()
+    for _ in range(SKIP_AFTER):
+        assert compress(noise, streak)[0] is Codec.RAW
+    small_zeros = as_byte_view(np.zeros(8 * 1024, np.uint8))
+    assert compress(small_zeros, streak)[0] is Codec.RAW  # skipped
+    assert compress(small_zeros)[0] is Codec.ZSTD  # no streak: compressed
+
+
 def test_payload_views_accept_arrays_and_reject_bad_input() -> None:
     arr = np.arange(12, dtype=np.float32).reshape(3, 4)
     assert bytes(as_byte_view(arr)) == arr.tobytes()
