@@ -3,8 +3,8 @@
 Sub-databases (names from :data:`storage.lmdb_store.DB_NAMES`)::
 
     records     key -> stored payload                         the data
-    headers     key -> 64-byte record header (storage.record) written with its payload
-    index       key -> (last_used_ns, record_bytes, raw_len)  small, read before a get
+    index       key -> (last_used_ns, record_bytes, raw_len) + the 64-byte record header
+                (storage.record), written with the payload; small, read with every get
     lru         last_used_ns (big-endian) + key -> b""        ordered oldest use first
     quarantine  key + detected_ns -> reason + NUL + (header + payload)[0, QUARANTINE_KEEP)
     meta        b"used_bytes" -> u64                          sum of record_bytes
@@ -12,8 +12,9 @@ Sub-databases (names from :data:`storage.lmdb_store.DB_NAMES`)::
 
 Every method takes the caller's transaction, so a put, its evictions and the byte counter
 change together or not at all. Invariants (checked by ``DiskTier.check_integrity``): the key
-sets of records/headers/index/lru are equal and ``used_bytes`` is the sum of ``record_bytes``
-(header and payload bytes).
+sets of records/index/lru are equal and ``used_bytes`` is the sum of ``record_bytes`` (header
+and payload bytes). The header rides in the index entry rather than a sub-database of its
+own: one put and one B-tree fewer per stored object.
 
 A quarantined record keeps only its first :data:`QUARANTINE_KEEP` bytes (header and a slice of
 payload, enough to see what went wrong): its bytes are known bad and the object can always be
@@ -50,7 +51,6 @@ class Catalog:
 
     def __init__(self, dbs: Mapping[str, Any]) -> None:
         self._records = dbs["records"]
-        self._headers = dbs["headers"]
         self._index = dbs["index"]
         self._lru = dbs["lru"]
         self._quarantine = dbs["quarantine"]
@@ -58,7 +58,7 @@ class Catalog:
 
     def lookup(self, txn: lmdb.Transaction, key: bytes) -> IndexEntry | None:
         raw = txn.get(key, db=self._index)
-        return None if raw is None else IndexEntry(*_INDEX.unpack(bytes(raw)))
+        return None if raw is None else IndexEntry(*_INDEX.unpack_from(raw))
 
     def raw_len(self, txn: lmdb.Transaction, key: bytes) -> int | None:
         """``lookup(...).raw_len`` without building an IndexEntry (read before a waiting get)."""
@@ -72,7 +72,8 @@ class Catalog:
         payload = txn.get(key, db=self._records)
         if payload is None:
             return None
-        return txn.get(key, b"", db=self._headers), payload
+        entry = txn.get(key, db=self._index)
+        return (b"" if entry is None else entry[_INDEX.size :]), payload
 
     def format_version(self, txn: lmdb.Transaction, current: int) -> int:
         """The store's record format; an empty store is stamped ``current`` (write txn)."""
@@ -98,8 +99,7 @@ class Catalog:
         """Store a record for a key that is absent (callers ``remove`` a replaced one first)
         and :meth:`add_used` its ``record_bytes``, once for a whole batch."""
         txn.put(key, payload, db=self._records)
-        txn.put(key, header, db=self._headers)
-        txn.put(key, _INDEX.pack(entry.last_used_ns, entry.record_bytes, entry.raw_len),
+        txn.put(key, _INDEX.pack(entry.last_used_ns, entry.record_bytes, entry.raw_len) + header,
                 db=self._index)
         txn.put(_TICK.pack(entry.last_used_ns) + key, b"", db=self._lru)
 
@@ -108,7 +108,6 @@ class Catalog:
         if entry is None:
             return None
         txn.delete(key, db=self._records)
-        txn.delete(key, db=self._headers)
         txn.delete(key, db=self._index)
         txn.delete(_TICK.pack(entry.last_used_ns) + key, db=self._lru)
         self.add_used(txn, -entry.record_bytes)
@@ -116,12 +115,16 @@ class Catalog:
 
     def touch(self, txn: lmdb.Transaction, key: bytes, now_ns: int) -> None:
         """Move ``key`` to the young end of the LRU order (no-op if it is gone)."""
-        entry = self.lookup(txn, key)
-        if entry is None or entry.last_used_ns >= now_ns:
+        raw = txn.get(key, db=self._index)
+        if raw is None:
             return
-        txn.delete(_TICK.pack(entry.last_used_ns) + key, db=self._lru)
+        last_used, record_bytes, raw_len = _INDEX.unpack_from(raw)
+        if last_used >= now_ns:
+            return
+        header = bytes(raw[_INDEX.size :])
+        txn.delete(_TICK.pack(last_used) + key, db=self._lru)
         txn.put(_TICK.pack(now_ns) + key, b"", db=self._lru)
-        txn.put(key, _INDEX.pack(now_ns, entry.record_bytes, entry.raw_len), db=self._index)
+        txn.put(key, _INDEX.pack(now_ns, record_bytes, raw_len) + header, db=self._index)
 
     def oldest(self, txn: lmdb.Transaction) -> bytes | None:
         """Key of the least recently used record, or None when empty."""
@@ -142,13 +145,13 @@ class Catalog:
         txn.put(key + _TICK.pack(now_ns), kept, db=self._quarantine)
 
     def counts(self, txn: lmdb.Transaction) -> dict[str, int]:
-        dbs = {"records": self._records, "headers": self._headers, "index": self._index,
-               "lru": self._lru, "quarantine": self._quarantine}
+        dbs = {"records": self._records, "index": self._index, "lru": self._lru,
+               "quarantine": self._quarantine}
         return {name: int(txn.stat(db)["entries"]) for name, db in dbs.items()}
 
     def index_items(self, txn: lmdb.Transaction) -> dict[bytes, IndexEntry]:
         with txn.cursor(db=self._index) as cur:
-            return {bytes(k): IndexEntry(*_INDEX.unpack(bytes(v))) for k, v in cur}
+            return {bytes(k): IndexEntry(*_INDEX.unpack_from(v)) for k, v in cur}
 
     def lru_keys(self, txn: lmdb.Transaction) -> list[bytes]:
         with txn.cursor(db=self._lru) as cur:
@@ -160,8 +163,5 @@ class Catalog:
         with txn.cursor(db=self._records) as cur:
             if cur.set_range(start):
                 for key, payload in cur:
-                    yield bytes(key), txn.get(key, b"", db=self._headers), payload
-
-    def header_keys(self, txn: lmdb.Transaction) -> set[bytes]:
-        with txn.cursor(db=self._headers) as cur:
-            return {bytes(k) for k in cur.iternext(keys=True, values=False)}
+                    entry = txn.get(key, db=self._index)
+                    yield bytes(key), (b"" if entry is None else entry[_INDEX.size :]), payload

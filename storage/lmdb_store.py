@@ -43,7 +43,7 @@ __all__ = ["DB_NAMES", "DiskStore", "StoreConfig", "translate"]
 
 T = TypeVar("T")
 MiB = 1 << 20
-DB_NAMES = ("records", "headers", "index", "lru", "quarantine", "meta")
+DB_NAMES = ("records", "index", "lru", "quarantine", "meta")
 # Messages LMDB gives when a commit cannot write its pages: ENOSPC, EFBIG, EDQUOT, and EIO
 # (which is what a page flush past RLIMIT_FSIZE reports on Linux).
 _DISK_FULL_HINTS = ("no space", "too large", "quota", "input/output error")

@@ -8,7 +8,7 @@ Key (``DiskKey.to_bytes``), hash first so one prefix's objects sit together::
     [25, ..)  cache group name, UTF-8 (1..MAX_GROUP_BYTES bytes)
 
 A record is two values under its key, written in one transaction: the 64-byte header
-(little-endian) in the ``headers`` sub-database and the stored payload, alone, in
+(little-endian) at the end of the key's ``index`` entry, and the stored payload, alone, in
 ``records``. Apart, so the payload goes into LMDB straight from the caller's buffer: one
 copy, as a bare put makes (joined, every offload paid a second copy of the payload to lay
 the header before it, ~10% of a put)::

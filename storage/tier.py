@@ -559,11 +559,10 @@ class DiskTier:
             index = self._catalog.index_items(txn)
             lru = self._catalog.lru_keys(txn)
             records = {kb for kb, _, _ in self._catalog.iter_records(txn, b"")}
-            headers = self._catalog.header_keys(txn)
             used = self._catalog.used_bytes(txn)
         problems = []
-        if set(index) != records or headers != records or sorted(lru) != sorted(index):
-            problems.append("records, headers, index and lru hold different key sets")
+        if set(index) != records or sorted(lru) != sorted(index):
+            problems.append("records, index and lru hold different key sets")
         if used != sum(entry.record_bytes for entry in index.values()):
             problems.append(f"used_bytes {used} differs from the sum of record sizes")
         if used > self.budget_bytes:

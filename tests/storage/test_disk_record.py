@@ -275,10 +275,12 @@ def test_stored_record_with_a_foreign_abi_header_is_quarantined_never_served(
     env = lmdb.open(str(tmp_path / "disk"), max_dbs=len(DB_NAMES))
     with env.begin(write=True) as txn:
         records = env.open_db(b"records", txn=txn)
-        headers = env.open_db(b"headers", txn=txn)
+        index = env.open_db(b"index", txn=txn)
         honest = txn.get(key_b.to_bytes(), db=records)
         assert honest is not None and len(honest) == len(forged) - HEADER.size
-        txn.put(key_b.to_bytes(), forged[: HEADER.size], db=headers)
+        entry = txn.get(key_b.to_bytes(), db=index)  # the index entry ends with the header
+        assert entry is not None
+        txn.put(key_b.to_bytes(), entry[: -HEADER.size] + forged[: HEADER.size], db=index)
         txn.put(key_b.to_bytes(), forged[HEADER.size :], db=records)
     env.close()
 
