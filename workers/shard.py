@@ -18,8 +18,9 @@ Data plane (all batched, per-item :class:`~workers.ports.ItemResult`, never rais
 * ``read_blocks``: generation and occupant re-checked right before the copy; stale -> STALE.
 * ``offload``: begin_offload -> read -> disk put (tag + payload, checksummed, committed) ->
   OFFLOAD_COMMITTED; failures -> OFFLOAD_FAILED with the reason (admission, disk full ...).
-* ``load``: begin_load -> verified disk get -> write into the reserved block -> LOAD_VERIFIED;
-  checksum mismatch -> MARK_CORRUPT (the tier quarantined it); gone -> LOAD_FAILED + EVICT.
+* ``load``: begin_load -> verified disk get (a batched ``get_many_into`` per chunk of items)
+  -> write into the reserved block -> LOAD_VERIFIED; checksum mismatch -> MARK_CORRUPT (the
+  tier quarantined it); gone -> LOAD_FAILED + EVICT.
 
 Idempotency (``max_task_retries=-1`` may re-run a call): writes of the same generation and
 bytes are harmless; a commit already applied is remembered and not re-sent; a commit refused
@@ -61,6 +62,7 @@ from storage import CorruptEntry, DiskFull, DiskKey, DiskTier, NotOnDisk
 from .local import connect
 from .pool import BlockPool, HandleBatch, PoolSet, StaleRead, StaleWrite
 from .ports import (
+    TAG,
     BlockTag,
     Commit,
     ItemResult,
@@ -74,6 +76,7 @@ from .ports import (
 __all__ = ["PACK_BELOW", "ShardActor", "ShardConfig"]
 
 PACK_BELOW = 32 * 1024  # read spans smaller than this are packed into one buffer per call
+LOAD_CHUNK = 8  # disk loads begun, read and finished together (see ShardActor.load)
 _WRITTEN = ItemResult(Outcome.OK)  # one shared object: a batch of them pickles as memo refs
 _UNREAD = ItemResult(Outcome.FAILED, "not read")  # placeholder while a read is assembled
 
@@ -496,13 +499,36 @@ class ShardActor:
     def load(self, items: Sequence[tuple[Handle, BlockHash]]) -> list[ItemResult]:
         """Bring DISK objects at rest (``ON_DISK``) back into this shard's pools, verified.
         Each item is ``(disk handle, block hash)``; records this shard's tier lacks -> NOT_HERE.
+
+        In chunks of :data:`LOAD_CHUNK`: each chunk's loads begin together, its records come
+        out of the tier in one verified batch (``get_many_into``, copied and checked on two
+        threads), then each load finishes. Small chunks keep the metadata service's
+        in-transit count, shared by every shard, far from its cap.
         """
         with self._lock:
-            out = [self._load_one(dh, bh) for dh, bh in items]
+            out: list[ItemResult] = []
+            for first in range(0, len(items), LOAD_CHUNK):
+                out += self._load_chunk(items[first : first + LOAD_CHUNK])
             self._bump("loads", len(items))
             return out
 
-    def _load_one(self, dh: Handle, block_hash: BlockHash) -> ItemResult:
+    def _load_chunk(self, items: Sequence[tuple[Handle, BlockHash]]) -> list[ItemResult]:
+        out: list[ItemResult | None] = [None] * len(items)
+        begun: list[tuple[int, BlockHash, DiskKey, Handle]] = []
+        for i, (dh, block_hash) in enumerate(items):
+            began = self._begin_load(dh, block_hash)
+            if isinstance(began, ItemResult):
+                out[i] = began
+            else:
+                begun.append((i, block_hash, *began))
+        fetched = self._fetch([key for _, _, key, _ in begun],
+                              [TAG.size + mh.nbytes for _, _, _, mh in begun])
+        for (i, block_hash, key, mh), record in zip(begun, fetched, strict=True):
+            out[i] = self._end_load(mh, key, block_hash, record)
+        return [r or ItemResult(Outcome.FAILED, "not processed") for r in out]
+
+    def _begin_load(self, dh: Handle, block_hash: BlockHash
+                    ) -> ItemResult | tuple[DiskKey, Handle]:
         key = DiskKey(bytes(block_hash), dh.group, dh.kind.value, dh.abi_fingerprint)
         if not self.disk.contains(key):
             if dh.shard == self.shard_id:
@@ -512,11 +538,49 @@ class ShardActor:
                 self._commit(dh.object_id, Event.LOSE)
             return ItemResult(Outcome.NOT_HERE, "this shard's disk tier has no such record")
         try:
-            mh = self.meta.begin_load(dh.object_id, self.shard_id)
+            return key, self.meta.begin_load(dh.object_id, self.shard_id)
         except Exception as exc:
             return _failure(exc)
+
+    def _fetch(self, keys: list[DiskKey], sizes: list[int]) -> list[memoryview | Exception]:
+        """Each key's verified record, or what went wrong with it. One batch read into one
+        fresh buffer; a record that fails it is set aside (a corrupt one was quarantined by
+        the tier) and the rest read again; anything else, and the loads are read one by one
+        as exact-size copies, so every key gets its own verdict."""
+        buffer = np.empty(sum(sizes), np.uint8)
+        bounds = np.cumsum([0, *sizes])
+        outs = [buffer[bounds[j] : bounds[j + 1]] for j in range(len(keys))]
+        results: list[memoryview | Exception | None] = [None] * len(keys)
+        todo = list(range(len(keys)))
+        while todo:
+            try:
+                got = self.disk.get_many_into([keys[j] for j in todo], [outs[j] for j in todo],
+                                              wait_s=1.0)
+            except CorruptEntry as exc:
+                bad = [j for j in todo if keys[j].to_bytes() == exc.key]
+                if not bad:
+                    break
+                results[bad[0]] = exc
+                todo.remove(bad[0])
+                continue
+            except Exception:  # each key is classified below, one by one
+                break
+            for j, n in zip(todo, got, strict=True):
+                results[j] = outs[j].data[:n]
+            todo = []
+        for j in todo:
+            try:
+                results[j] = memoryview(self.disk.get(keys[j], wait_s=1.0))
+            except Exception as exc:
+                results[j] = exc
+        return [r if r is not None else RuntimeError("not read") for r in results]
+
+    def _end_load(self, mh: Handle, key: DiskKey, block_hash: BlockHash,
+                  record: memoryview | Exception) -> ItemResult:
         try:
-            tag, payload = decode_tagged(block_hash, self.disk.get(key, wait_s=1.0))
+            if isinstance(record, Exception):
+                raise record
+            tag, payload = decode_tagged(block_hash, record)
             if len(payload) != mh.nbytes:
                 raise ValueError(f"payload is {len(payload)} bytes, object has {mh.nbytes}")
         except (CorruptEntry, ValueError) as exc:

@@ -197,3 +197,34 @@ def test_the_same_disk_copy_loads_and_fails_again_and_again(meta: LocalMetadata,
         assert meta.state.objects[disk].state is State.ON_DISK
     assert meta.state.admission.stats().in_transit_objects == 0
     shard.shutdown()
+
+
+def test_a_load_batch_with_one_corrupt_record(meta: LocalMetadata, data_dir: Path,
+                                              w: Any) -> None:
+    """More items than one chunk; one record flipped on disk. The batch read sets the corrupt
+    one aside (quarantined, CORRUPT, its object detached) and every other item loads."""
+    from workers.shard import LOAD_CHUNK
+
+    n = LOAD_CHUNK + 3
+    shard = ShardActor(ShardConfig("s0", meta, str(data_dir), blocks_per_group=2 * n,
+                                   disk_budget_bytes=8 << 20, heartbeat_interval_s=60.0,
+                                   device="cpu"))
+    hashes = w.prompt(n, seed=40)
+    datas = [c4_bytes(400 + d) for d in range(n)]
+    handles = [write_c4(shard, meta, hashes, d, datas[d]) for d in range(n)]
+    offs = shard.offload(handles, evict_memory=True)
+    assert all(o.ok and o.handle is not None for o in offs), offs
+    victim = LOAD_CHUNK // 2
+    flip_payload_byte(data_dir / "s0" / "data.mdb", datas[victim])
+    loads = shard.load([(o.handle, hashes[d]) for d, o in enumerate(offs)])  # type: ignore[misc]
+    assert [ld.outcome for ld in loads] == [
+        Outcome.CORRUPT if d == victim else Outcome.OK for d in range(n)]
+    for d, ld in enumerate(loads):
+        if d != victim:
+            assert ld.handle is not None
+            assert np.array_equal(shard.read_blocks([ld.handle])[0], datas[d])
+    assert offs[victim].handle is not None
+    assert offs[victim].handle.object_id not in meta.state.objects
+    assert shard.stats()["disk"]["quarantined"] == 1
+    assert meta.state.admission.stats().in_transit_objects == 0
+    shard.shutdown()
