@@ -500,15 +500,17 @@ class ShardActor:
         """Bring DISK objects at rest (``ON_DISK``) back into this shard's pools, verified.
         Each item is ``(disk handle, block hash)``; records this shard's tier lacks -> NOT_HERE.
 
-        In chunks of :data:`LOAD_CHUNK`: each chunk's loads begin together, its records come
-        out of the tier in one verified batch (``get_many_into``, copied and checked on two
-        threads), then each load finishes. Small chunks keep the metadata service's
-        in-transit count, shared by every shard, far from its cap.
+        In chunks of :data:`LOAD_CHUNK` (fewer under a smaller in-transit cap): each chunk's
+        loads begin together, its records come out of the tier in one verified batch
+        (``get_many_into``, copied and checked on two threads), then each load finishes.
+        Small chunks keep the metadata service's in-transit count, shared by every shard,
+        far from its cap.
         """
+        chunk = max(1, min(LOAD_CHUNK, self.config.admission.max_objects))
         with self._lock:
             out: list[ItemResult] = []
-            for first in range(0, len(items), LOAD_CHUNK):
-                out += self._load_chunk(items[first : first + LOAD_CHUNK])
+            for first in range(0, len(items), chunk):
+                out += self._load_chunk(items[first : first + chunk])
             self._bump("loads", len(items))
             return out
 

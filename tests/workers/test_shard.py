@@ -228,3 +228,20 @@ def test_a_load_batch_with_one_corrupt_record(meta: LocalMetadata, data_dir: Pat
     assert shard.stats()["disk"]["quarantined"] == 1
     assert meta.state.admission.stats().in_transit_objects == 0
     shard.shutdown()
+
+
+def test_loads_under_a_one_object_cap_go_one_at_a_time(data_dir: Path, w: Any) -> None:
+    """A cap of one object in transit: chunks shrink to one item, so a multi-item load is
+    never refused by its own earlier items."""
+    from hkv_service.core.admission import AdmissionCap
+
+    meta = LocalMetadata(CacheState(default_spec(), StateConfig(AdmissionCap(1, 1 << 20))))
+    shard = make_shard(meta, data_dir, admission=AdmissionCap(1, 1 << 20))
+    hashes = w.prompt(3, seed=50)
+    datas = [c4_bytes(500 + d) for d in range(3)]
+    offs = [shard.offload([write_c4(shard, meta, hashes, d, datas[d])], evict_memory=True)[0]
+            for d in range(3)]
+    assert all(o.ok and o.handle is not None for o in offs), offs
+    loads = shard.load([(o.handle, hashes[d]) for d, o in enumerate(offs)])  # type: ignore[misc]
+    assert [ld.outcome for ld in loads] == [Outcome.OK] * 3, loads
+    shard.shutdown()
