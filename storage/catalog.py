@@ -158,10 +158,15 @@ class Catalog:
             return [bytes(k)[_TICK.size :] for k in cur.iternext(keys=True, values=False)]
 
     def iter_records(self, txn: lmdb.Transaction, start: bytes
-                     ) -> Iterator[tuple[bytes, Any, Any]]:
-        """(key, header, payload) in key order from the first key >= ``start``."""
+                     ) -> Iterator[tuple[bytes, IndexEntry | None, Any, Any]]:
+        """(key, index entry, header, payload) in key order from the first key >= ``start``
+        (the entry and header come from one read of the index)."""
         with txn.cursor(db=self._records) as cur:
             if cur.set_range(start):
                 for key, payload in cur:
-                    entry = txn.get(key, db=self._index)
-                    yield bytes(key), (b"" if entry is None else entry[_INDEX.size :]), payload
+                    raw = txn.get(key, db=self._index)
+                    if raw is None:
+                        yield bytes(key), None, b"", payload
+                    else:
+                        entry = IndexEntry(*_INDEX.unpack_from(raw))
+                        yield bytes(key), entry, raw[_INDEX.size :], payload

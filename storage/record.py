@@ -43,20 +43,18 @@ from hkv_service.core.ids import BLOCK_HASH_BYTES
 
 from .codec import Codec, ProbeStreak, compress, decompress
 from .errors import CorruptEntry
-from .verify import VERIFY_CHUNK, copy_all, copy_digest
+from .verify import copy_all
 
 __all__ = [
     "FORMAT_VERSION",
     "HEADER",
     "KIND_CODES",
     "MAGIC",
-    "VERIFY_CHUNK",
     "DiskKey",
     "Encoded",
     "Header",
     "RecordMeta",
     "check_header",
-    "copy_digest",
     "encode_record",
     "header_of",
     "load_batch",

@@ -204,7 +204,7 @@ class DiskTier:
                 metas += self._commit(done)
         finally:
             if held is not None:
-                self._drop(held)
+                self.gate.release(held.ticket)
         return metas
 
     def _admit_batch(self, views: list[tuple[DiskKey, memoryview]], start: int, wait_s: float,
@@ -259,7 +259,7 @@ class DiskTier:
             else:  # the helper reads the caller's payloads: never leave before it ends
                 wait_for(started)
                 if started[0].exception() is None:
-                    self._drop(started[0].result())
+                    self.gate.release(started[0].result().ticket)
             raise
         return metas, started[0].result()  # an encoding error releases its own ticket
 
@@ -277,14 +277,11 @@ class DiskTier:
             self._restore_touched(touched)
             raise
         finally:
-            self._drop(batch)
+            self.gate.release(batch.ticket)
         self._bump(puts=len(batch.encoded), evicted=len(evicted))
         metas = [record.meta for record in batch.encoded]
         metas[-1] = replace(metas[-1], evicted=evicted)
         return metas
-
-    def _drop(self, batch: _Batch) -> None:
-        self.gate.release(batch.ticket)
 
     def _streak(self, key: DiskKey) -> ProbeStreak:
         stream = (key.group, key.kind)
@@ -451,7 +448,7 @@ class DiskTier:
         be refused, the batch is cut where the cap is full, and only as many headers are
         checked as the cap has room for. Without, the caller holds a ticket for all of ``kbs``.
         """
-        if tickets is not None:
+        if tickets is not None and len(kbs) > 1:  # a get of one key needs no room probe
             room = self.gate.cap.max_objects - self.gate.stats().in_transit_objects
             kbs = kbs[: max(1, room)]
         record = self._catalog.record
@@ -514,18 +511,17 @@ class DiskTier:
         metas: list[RecordMeta] = []
         bad: list[tuple[bytes, str]] = []
         with self._store.read() as txn:
-            for kb, header, payload in self._catalog.iter_records(txn, start):
+            for kb, entry, raw_header, payload in self._catalog.iter_records(txn, start):
                 if len(metas) + len(bad) == SCAN_CHUNK:
                     return metas, bad, kb
                 try:
-                    fields = check_header(kb, header, len(payload))
+                    fields = check_header(kb, raw_header, len(payload))
                     if verify:
                         load_bytes(kb, payload, fields)
                 except CorruptEntry as exc:
                     bad.append((kb, exc.reason))
                     continue
                 header = header_of(fields)
-                entry = self._catalog.lookup(txn, kb)
                 last_used = entry.last_used_ns if entry else header.created_ns
                 metas.append(RecordMeta(DiskKey.from_bytes(kb), header.codec, header.raw_len,
                                         header.stored_len, header.checksum, header.created_ns,
@@ -558,7 +554,7 @@ class DiskTier:
         with self._store.read() as txn:
             index = self._catalog.index_items(txn)
             lru = self._catalog.lru_keys(txn)
-            records = {kb for kb, _, _ in self._catalog.iter_records(txn, b"")}
+            records = {kb for kb, _, _, _ in self._catalog.iter_records(txn, b"")}
             used = self._catalog.used_bytes(txn)
         problems = []
         if set(index) != records or sorted(lru) != sorted(index):

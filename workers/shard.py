@@ -484,7 +484,7 @@ class ShardActor:
         its loaded copy. ``evict`` of a loaded one (ON_DISK_READY) drops the memory copy and
         leaves it ON_DISK, claiming bytes that are gone; the second ``evict`` ends it. Both are
         policy, refused while a reader holds the copy; this owner's next load of the object
-        then ends it (``_load_one``)."""
+        then ends it (``_begin_load``)."""
         self._try_evict(oid)
         self._try_evict(oid)
 

@@ -152,15 +152,12 @@ class AdmissionGate:
     def release(self, ticket: Ticket) -> None:
         """Return a ticket. Releasing twice is a bug in the caller, so it asserts."""
         with self._cond:
-            self._release(ticket)
+            assert ticket.ticket_id in self._open, "admission ticket released twice"
+            self._open.remove(ticket.ticket_id)
+            self._objects -= ticket.objects
+            self._bytes -= ticket.nbytes
             if self._waiters:
                 self._cond.notify_all()
-
-    def _release(self, ticket: Ticket) -> None:
-        assert ticket.ticket_id in self._open, "admission ticket released twice"
-        self._open.remove(ticket.ticket_id)
-        self._objects -= ticket.objects
-        self._bytes -= ticket.nbytes
 
     def stats(self) -> AdmissionStats:
         with self._cond:

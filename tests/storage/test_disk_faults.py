@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from storage import CorruptEntry, DiskFull, DiskKey, DiskTier, NotOnDisk
-from storage.record import VERIFY_CHUNK
+from storage.verify import VERIFY_CHUNK
 
 # Offsets inside the 64-byte header (see storage/record.py).
 RAW_LEN_FIELD, RAW_CHECKSUM_FIELD, HEADER_CHECKSUM_FIELD = 9, 30, 60

@@ -20,12 +20,12 @@ from storage.codec import SKIP_AFTER, SKIP_FOR, Codec, ProbeStreak, as_byte_view
 from storage.lmdb_store import DB_NAMES
 from storage.record import (
     HEADER,
-    VERIFY_CHUNK,
     check_header,
     encode_record,
     load_bytes,
     load_into,
 )
+from storage.verify import VERIFY_CHUNK
 
 KEY = DiskKey(b"\x11" * 16, "layer0.swa", "SWA", 0xDEADBEEF)
 

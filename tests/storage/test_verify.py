@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from storage import CorruptEntry, DiskTier, NotOnDisk
+from storage import CorruptEntry, DiskTier, NotOnDisk, verify
 from storage.codec import Codec
 from storage.verify import PARALLEL_MIN_BYTES, VERIFY_CHUNK, _half, copy_all
 
@@ -32,12 +33,35 @@ def test_copy_all_copies_and_hashes_the_sources(sizes: list[int]) -> None:
     assert [bytes(out) for out in outs] == [bytes(src) for src in sources]
 
 
-def test_copy_all_waits_for_the_hash_before_raising() -> None:
+def _slow_helper(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Make every helper job start late and note when it ended (raised or not): a caller
+    that returned without waiting for it would find the list still empty."""
+    ended: list[bool] = []
+    real = verify.run_beside
+
+    def slow(fn: Callable[..., Any], *args: Any) -> Any:
+        def job() -> Any:
+            time.sleep(0.2)
+            try:
+                return fn(*args)
+            finally:
+                ended.append(True)
+        return real(job)
+
+    monkeypatch.setattr(verify, "run_beside", slow)
+    return ended
+
+
+def test_copy_all_waits_for_the_hash_before_raising(monkeypatch: pytest.MonkeyPatch) -> None:
     """A copy that fails (here: unequal lengths) must not return while the helper still reads
     the sources: in the tier they are pages of a snapshot that closes on return."""
-    big = memoryview(bytes(PARALLEL_MIN_BYTES))
+    ended = _slow_helper(monkeypatch)
+    big = memoryview(bytes(PARALLEL_MIN_BYTES + 1))  # one object past the threshold
     with pytest.raises(ValueError):
-        copy_all([(big, memoryview(bytearray(PARALLEL_MIN_BYTES - 1)))])
+        copy_all([(big, memoryview(bytearray(PARALLEL_MIN_BYTES)))])
+    assert ended == [True]
+    monkeypatch.undo()
+    big = memoryview(bytes(PARALLEL_MIN_BYTES))
     # the helper is idle again: the next call is served, not queued behind a stuck job
     out = memoryview(bytearray(PARALLEL_MIN_BYTES))
     assert copy_all([(big, out)]) == [xxhash.xxh3_128_digest(big)]
@@ -53,13 +77,18 @@ def test_a_batch_is_cut_in_two_non_empty_halves_by_bytes(sizes: list[int]) -> No
 
 
 @pytest.mark.parametrize("bad", [0, 2])
-def test_a_failing_copy_on_either_thread_raises_after_both_end(bad: int) -> None:
+def test_a_failing_copy_on_either_thread_raises_after_both_end(
+    bad: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Object 0 is the caller's, object 2 the helper's; either copy failing raises here,
     only once the other thread is done (its sources are a snapshot's pages)."""
     n = PARALLEL_MIN_BYTES // 2
     pairs = [(memoryview(bytes(n)), memoryview(bytearray(n - (i == bad)))) for i in range(3)]
+    ended = _slow_helper(monkeypatch)
     with pytest.raises(ValueError):
         copy_all(pairs)
+    assert ended == [True]
+    monkeypatch.undo()
     good = [(memoryview(bytes(n)), memoryview(bytearray(n))) for _ in range(3)]
     assert copy_all(good) == [xxhash.xxh3_128_digest(bytes(n))] * 3  # the helper is free
 
