@@ -15,8 +15,9 @@
     at p:    tail(p) complete?   SWA blocks meeting [p-W, p) valid?     (layer 3)
 
 The walk is one dict lookup and one integer test per block: per-block readiness of all groups is
-pre-folded into ``PrefixEntry.flags`` by the state view. Failing a layer downgrades with a
-:class:`Reason`; the funnel never raises for an unusable hit.
+pre-folded into ``PrefixEntry.flags`` by the state view. Runs of blocks it walked before are
+taken whole, one dict lookup and one memcmp per run (core/segments.py). Failing a layer
+downgrades with a :class:`Reason`; the funnel never raises for an unusable hit.
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from . import segments
 from .contracts import F_MONO, F_TAIL, LOAD, READY, column_verdict, swa_cover
-from .errors import InvalidInput, PositionBeyondHashes, UnknownGroup
-from .ids import BlockHash, GroupName, check_hash_lengths
+from .errors import BadHash, InvalidInput, PositionBeyondHashes, UnknownGroup
+from .ids import BlockHash, GroupName, PackedHashes, check_hash_lengths
 from .layout import Layout
 from .records import PrefixEntry
+from .segments import Segment
 from .states import Kind, Reason
 
 __all__ = [
@@ -62,6 +65,8 @@ class FunnelResult:
     entries: Sequence[PrefixEntry]  # entries [0, usable/H); valid under the caller's lock
     downgrades: tuple[Downgrade, ...]
     walked: Sequence[PrefixEntry] = ()  # every entry the walk accepted (the result's inputs)
+    # per whole run of segment_blocks walked: the segment that certified it, else None
+    runs: Sequence[Segment | None] = ()
 
 
 def validate_request(req: LookupRequest, layout: Layout, *, hash_lengths: bool = True) -> int:
@@ -98,19 +103,29 @@ def _abi_downgrades(req: LookupRequest, layout: Layout) -> tuple[Downgrade, ...]
 
 
 def run_funnel(
-    index: Mapping[BlockHash, PrefixEntry], layout: Layout, req: LookupRequest, limit: int
+    index: Mapping[BlockHash, PrefixEntry], layout: Layout, req: LookupRequest, limit: int,
+    segment_blocks: int = 0,
 ) -> FunnelResult:
+    """The funnel over ``index``. It changes no state; with ``segment_blocks`` > 0 the walk
+    goes by certified runs of that many blocks where it can (core/segments.py) and certifies
+    the runs it walked whole twice."""
     abi = _abi_downgrades(req, layout)
     if abi:
         return FunnelResult(0, 0, (), abi)
     max_entries = limit // layout.hash_block
     hashes = req.block_hashes
-    entries: list[PrefixEntry] = []
-    append, need = entries.append, req.alignment
-    for e in map(index.get, itertools.islice(hashes, max_entries)):  # lookups at C speed
-        if e is None or e.gate < need:  # gate: F_MONO and byte alignment folded in one int
-            break
-        append(e)
+    need = req.alignment
+    data = _packed(hashes) if segment_blocks > 0 and max_entries >= segment_blocks else None
+    runs: list[Segment | None] = []
+    if data is not None:
+        entries, runs = segments.walk(index, data, max_entries, need, segment_blocks)
+    else:
+        entries = []
+        append = entries.append
+        for e in map(index.get, itertools.islice(hashes, max_entries)):  # lookups at C speed
+            if e is None or e.gate < need:  # gate: F_MONO and byte alignment folded in one int
+                break
+            append(e)
     n = len(entries)
     downgrades: list[Downgrade] = []
     if n < max_entries:
@@ -120,8 +135,19 @@ def run_funnel(
         downgrades.append(Downgrade(Reason.PARTIAL_BLOCK, None, usable))
     return FunnelResult(
         usable, n * layout.hash_block, entries[: usable // layout.hash_block], tuple(downgrades),
-        entries,
+        entries, runs,
     )
+
+
+def _packed(hashes: Sequence[BlockHash]) -> bytes | None:
+    """The hashes as one bytes object, or None if one is malformed (the per-block walk then
+    stops there and the length check names it)."""
+    if isinstance(hashes, PackedHashes):
+        return hashes.data
+    try:
+        return PackedHashes.of(hashes).data
+    except BadHash:
+        return None
 
 
 def _stop_reason(

@@ -24,7 +24,7 @@ registering changes the stride table every handle column carries).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -33,13 +33,14 @@ from .records import HandleColumn, ObjRecord, PrefixEntry
 
 if TYPE_CHECKING:  # annotations only: state_view imports this module
     from .funnel import FunnelResult, LookupRequest
+    from .segments import Segment
     from .state_view import Match
 
-__all__ = ["LookupMemo", "Memo", "MemoKey", "drop_memos"]
+__all__ = ["LookupMemo", "Memo", "MemoKey", "drop_memos", "register"]
 
 MemoKey = tuple[BlockHash, int, int, int, bool, tuple[tuple[str, int], ...], int]
 
-_PRUNE_AT = 4  # an entry's memo list is pruned of dropped memos when it reaches this length
+_PRUNE_AT = 4  # an entry's memo list is pruned of dropped ones when it reaches this length
 
 
 @dataclass(slots=True, eq=False)
@@ -59,8 +60,20 @@ class Memo:
         self.result = self.columns = self.records = self.wire = None
 
 
+def register(item: Memo | Segment, entries: Iterable[PrefixEntry]) -> None:
+    """``item`` was computed through ``entries``: a change to any of them drops it."""
+    for e in entries:
+        memos = e.memos
+        if memos is None:
+            e.memos = [item]
+        else:
+            if len(memos) >= _PRUNE_AT:  # shells of dropped ones: keep the list short
+                memos[:] = [m for m in memos if m.live]
+            memos.append(item)
+
+
 def drop_memos(entry: PrefixEntry) -> None:
-    """``entry`` changed: no memo computed through it may answer again."""
+    """``entry`` changed: no memo or walk segment computed through it may answer again."""
     memos = entry.memos
     if memos:
         for m in memos:
@@ -138,14 +151,7 @@ class LookupMemo:
             self.nbytes -= old.nbytes
             old.drop()
         memo = Memo(key, packed, result, columns, records, nbytes, wire)
-        for e in result.walked:
-            memos = e.memos
-            if memos is None:
-                e.memos = [memo]
-            else:
-                if len(memos) >= _PRUNE_AT:  # shells of dropped memos: keep the list short
-                    memos[:] = [m for m in memos if m.live]
-                memos.append(memo)
+        register(memo, result.walked)
         self._memos[key] = memo
         self.nbytes += nbytes
         while len(self._memos) > self.capacity or self.nbytes > self.max_bytes:

@@ -23,8 +23,9 @@ import numpy.typing as npt
 from .ids import BlockHash, GroupName, ObjectId, ShardId
 from .states import Kind, State
 
-if TYPE_CHECKING:  # the annotation only: memo imports this module
+if TYPE_CHECKING:  # annotations only: memo and segments import this module
     from .memo import Memo
+    from .segments import Segment
 
 __all__ = [
     "HANDLE_DTYPE", "DiskRecord", "Handle", "HandleColumn", "ObjRecord", "PrefixEntry",
@@ -256,5 +257,8 @@ class PrefixEntry:
     # live at this depth) built by the first lookup through this entry; summarise drops it
     # whenever anything here changes, so a row never outlives the records it was built from.
     row: bytes | None = None
-    # Lookup memos computed through this entry (see core/memo.py); summarise drops them too.
-    memos: list[Memo] | None = None
+    # Lookup memos and walk segments computed through this entry (core/memo.py,
+    # core/segments.py); summarise drops them too.
+    memos: list[Memo | Segment] | None = None
+    # The walk segment of the run of blocks this entry ends, if it ends one (segments.py).
+    segment: Segment | None = None

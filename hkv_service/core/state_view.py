@@ -51,6 +51,7 @@ from .errors import (
 )
 from .funnel import (
     Downgrade,
+    FunnelResult,
     LookupRequest,
     check_hash_lengths,
     run_funnel,
@@ -70,6 +71,7 @@ from .records import (
     PrefixEntry,
     new_record,
 )
+from .segments import DEFAULT_SEGMENT_BLOCKS, Segment
 from .spec import CacheSpec
 from .states import TERMINAL_STATES, Event, Kind, State
 from .transitions import Params, apply
@@ -100,6 +102,9 @@ class StateConfig:
     memo_capacity: int = 1024
     memo_max_bytes: int = 64 << 20
     memo_min_blocks: int = 32
+    # Walk segments (core/segments.py): runs of this many blocks, certified once walked whole
+    # twice, are taken whole by later walks of any prompt through them. 0: off.
+    segment_blocks: int = DEFAULT_SEGMENT_BLOCKS
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,6 +228,10 @@ class CacheState:
         self._ordinals: dict[ShardId, int] = {}  # shard name -> index in _shard_names
         self._shard_names: tuple[ShardId, ...] = ()
         self._mono_slot = {c: j for j, c in enumerate(self.layout.mono_columns)}
+        seg = self.config.segment_blocks
+        if seg < 0 or seg % self.layout.period:  # runs must start where the layout repeats
+            raise InvalidInput(f"segment_blocks must be 0 (off) or a positive multiple of "
+                               f"{self.layout.period} (the layout's period), got {seg}")
         self._row_struct = struct.Struct("<" + "QQiH" * len(self.layout.mono_columns))
         self._lock: AbstractContextManager[Any] = lock if lock is not None else threading.RLock()
         # KV versions: unique for this view's lifetime *and* above every version an owner
@@ -595,7 +604,8 @@ class CacheState:
                 result = memo.result
                 self.counters.events["lookup_memo_hit"] += 1
             else:
-                result = run_funnel(self.index, self.layout, req, limit)  # no side effects
+                result = run_funnel(self.index, self.layout, req, limit,
+                                    self.config.segment_blocks)  # changes no state
                 # The walk found the first matched/H hashes in the index, whose keys are all 16
                 # bytes (allocate and confirm check them): only the rest can be malformed.
                 check_hash_lengths(req.block_hashes,
@@ -615,7 +625,7 @@ class CacheState:
                 if pinned:
                     lease_id = self.leases.open(pinned, now + req.lease_ttl_s).lease_id
             columns = memo.columns if memo is not None else self._columns(
-                req, entries, usable, records)
+                req, result, usable, records)
             match = Match(
                 result.usable_tokens, result.matched_tokens, result.downgrades, lease_id,
                 dict(columns) if columns else {}, memo if lease_id is None else None,
@@ -647,15 +657,16 @@ class CacheState:
             return True
 
     def _columns(
-        self, req: LookupRequest, entries: Sequence[PrefixEntry], usable: int,
+        self, req: LookupRequest, result: FunnelResult, usable: int,
         records: dict[str, tuple[ObjRecord, ...]] | None,
     ) -> dict[str, HandleColumn] | None:
         """The match's packed handles (None: a match-only lookup). With a disk copy anywhere,
         per-record verdicts decide which copy serves each column."""
         if not req.handles:
             return None
+        entries = result.entries
         if not self._disk_records:
-            return self._packed_columns(entries, usable)
+            return self._packed_columns(entries, usable, result.runs)
         if records is None:
             records = self._resolve(entries, usable)
         return {name: self._snapshot(recs) for name, recs in records.items()}
@@ -710,43 +721,81 @@ class CacheState:
         )
 
     def _packed_columns(
-        self, entries: Sequence[PrefixEntry], usable: int
+        self, entries: Sequence[PrefixEntry], usable: int,
+        runs: Sequence[Segment | None] = (),
     ) -> dict[str, HandleColumn]:
         """The lookup fast path (no disk copy anywhere): the funnel accepted ``entries``, so
         each holds a READY memory record in every column living there. COMPRESSED and
         INDEXER handles come from the entries' cached rows (one ``join`` and a strided numpy
-        slice per column, no Python work per handle); SWA and TAIL need a few records each."""
+        slice per column, no Python work per handle), and a certified run's from its walk
+        segment, packed once; SWA and TAIL need a few records each."""
         if usable == 0:
             return {}
         lay = self.layout
-        n = usable // lay.hash_block
-        # a comprehension: 3.11's specialised slot load beats operator.attrgetter here
-        rows: list[Any] = [e.row for e in entries[:n]]
-        try:
-            joined = b"".join(rows)  # a None (row not built) raises TypeError
-        except TypeError:  # rows not built yet, or dropped by a change since
-            joined = b"".join([r if r is not None else self._build_row(e)
-                               for r, e in zip(rows, entries, strict=False)])
-        # opaque 22-byte records: a strided copy of those is a memcpy per record, ~4x faster
-        # than copying HANDLE_DTYPE's fields one by one
-        grid = np.frombuffer(joined, _HANDLE_BYTES).reshape(n, len(lay.mono_columns))
+        pieces = self._mono_pieces(entries, usable, runs)
         out: dict[str, HandleColumn] = {}
         for column in lay.columns:
             c = column.index
-            depths = lay.needed_depths(c, usable)
-            if c in self._mono_slot:
-                part = grid[depths.start : depths.stop : depths.step, self._mono_slot[c]]
-                if len(part):
+            slot = self._mono_slot.get(c)
+            if slot is not None:
+                records = b"".join(map(operator.itemgetter(slot), pieces))
+                if records:
                     out[column.name] = HandleColumn(
                         c, column.name, column.kind, column.nbytes, column.abi_fingerprint,
-                        part.tobytes(), self._shard_names, self._strides(c),
+                        records, self._shard_names, self._strides(c),
                     )
                 continue
+            depths = lay.needed_depths(c, usable)
             at = entries[depths.start : depths.stop : depths.step]
             recs = tuple(map(operator.itemgetter(c), map(_MEM, at)))
             if recs:
                 out[column.name] = self._snapshot(recs)
         return out
+
+    def _mono_pieces(self, entries: Sequence[PrefixEntry], usable: int,
+                     runs: Sequence[Segment | None]) -> list[tuple[bytes, ...]]:
+        """The monotone columns' packed records for ``[0, usable)`` in pieces, in depth order,
+        each piece one bytes per column: a certified run's as its segment keeps them, the
+        blocks between packed from rows."""
+        size = self.config.segment_blocks
+        n = usable // self.layout.hash_block
+        pieces: list[tuple[bytes, ...]] = []
+        done = 0
+        for j in range(min(len(runs), n // size) if size else 0):
+            seg = runs[j]
+            if seg is not None:
+                if done < j * size:
+                    pieces.append(self._grid_piece(entries, usable, done, j * size))
+                pieces.append(seg.cols or self._segment_cols(seg, j * size))
+                done = (j + 1) * size
+        if done < n:
+            pieces.append(self._grid_piece(entries, usable, done, n))
+        return pieces
+
+    def _grid_piece(self, entries: Sequence[PrefixEntry], usable: int, lo: int, hi: int
+                    ) -> tuple[bytes, ...]:
+        """Each monotone column's records among ``entries[lo:hi]`` (depths ``lo`` on)."""
+        lay = self.layout
+        # a comprehension: 3.11's specialised slot load beats operator.attrgetter here
+        joined = b"".join([e.row or self._build_row(e) for e in entries[lo:hi]])
+        # opaque 22-byte records: a strided copy of those is a memcpy per record, ~4x faster
+        # than copying HANDLE_DTYPE's fields one by one
+        grid = np.frombuffer(joined, _HANDLE_BYTES).reshape(hi - lo, len(lay.mono_columns))
+        out = []
+        for slot, c in enumerate(lay.mono_columns):
+            depths = lay.needed_depths(c, usable)
+            first = depths.start + max(0, -(-(lo - depths.start) // depths.step)) * depths.step
+            out.append(grid[first - lo : min(hi, depths.stop) - lo : depths.step, slot].tobytes())
+        return tuple(out)
+
+    def _segment_cols(self, seg: Segment, lo: int) -> tuple[bytes, ...]:
+        """A certified run's records per monotone column, packed on first use. The same for
+        every usable length past the run: runs start at multiples of the layout's period, so
+        the run seen from depth 0 selects the same rows as from ``lo``."""
+        size = len(seg.entries)
+        seg.cols = cols = self._grid_piece(seg.entries, (lo + size) * self.layout.hash_block,
+                                           0, size)
+        return cols
 
     def _build_row(self, e: PrefixEntry) -> bytes:
         values: list[int] = []

@@ -9,7 +9,7 @@ No needless misses: it never reports less than the longest prefix the oracle say
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pytest
@@ -130,9 +130,10 @@ class Oracle:
 class FunnelMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        # the lookup memo on for every length: repeated lookups are answered from it, and
-        # every answer is checked against the oracle and a walk (memo off) below
-        self.state = CacheState(SPEC, StateConfig(memo_min_blocks=1))
+        # the lookup memo on for every length and walk segments of 2 blocks: repeated lookups
+        # are answered from the memo, walks take certified runs whole, and every answer is
+        # checked against the oracle and a block-by-block walk (memo and segments off) below
+        self.state = CacheState(SPEC, StateConfig(memo_min_blocks=1, segment_blocks=2))
         for s in SHARDS:
             self.state.register_owner(s, pools_for(self.state.layout, 64))
         self.oracle = Oracle()
@@ -428,12 +429,16 @@ class FunnelMachine(RuleBasedStateMachine):
             self._same_as_walk(req, m)
 
     def _same_as_walk(self, req: LookupRequest, m: Match) -> None:
-        """The answer (memo or walk) equals a fresh walk of the same state, byte for byte."""
+        """The answer (memo or walk) equals a fresh block-by-block walk of the same state,
+        byte for byte."""
         memo, self.state.memo.capacity = self.state.memo.capacity, 0
+        config = self.state.config
+        self.state.config = replace(config, segment_blocks=0)
         try:
             fresh = self.state.lookup(req)
         finally:
             self.state.memo.capacity = memo
+            self.state.config = config
         assert (m.usable_tokens, m.matched_tokens, m.downgrades) == (
             fresh.usable_tokens, fresh.matched_tokens, fresh.downgrades)
         assert {k: (c.records, c.strides, c.shard_names) for k, c in m.columns.items()} == {

@@ -1,0 +1,119 @@
+"""Walk segments: runs of blocks the funnel's walk verified, reused by every later walk.
+
+A long lookup's walk is one dict lookup and one integer test per block (~0.1 us each in
+Python, several times that with caches cold between RPCs), so a 2,048-block prompt pays for
+2,048 of them even when every block was walked a moment ago by another prompt sharing the
+prefix (a document many questions ask about, a long chat history). A segment certifies one
+aligned run of ``S`` blocks ``[j*S, (j+1)*S)``: those ``S`` hashes, byte for byte, are in the
+index as these entries, each with ``gate >= Segment.gate``. It hangs on the run's last entry and
+registers itself on all ``S`` entries; ``contracts.summarise`` (every change to an entry passes
+through it) drops it with the entry's memos, so a segment never outlives what it certifies::
+
+    walk, run j:  end = index[h[(j+1)*S - 1]]
+                  end.segment live, gate >= need, hashes == h[j*S:(j+1)*S] (one memcmp)?
+                      yes --> accept its S entries at once
+                      no  --> the per-block walk over the run; a run walked whole twice
+                              gets a segment (a prefix looked up once pays nothing extra)
+
+Equivalence with the per-block walk: a hash maps to one entry, so equal hash bytes mean the
+same entries, and their gates have not changed since (any change dropped the segment). The
+run's packed handle records are kept on the segment too (per monotone column, packed on first
+use by the state view), so packing a long match joins one piece per run and column instead of
+one row per block.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .ids import BLOCK_HASH_BYTES, BlockHash
+from .memo import register
+
+if TYPE_CHECKING:  # annotations only: records imports this module's type
+    from .records import PrefixEntry
+
+__all__ = ["DEFAULT_SEGMENT_BLOCKS", "Segment", "walk"]
+
+DEFAULT_SEGMENT_BLOCKS = 64
+_GATE = operator.attrgetter("gate")
+
+
+@dataclass(slots=True, eq=False)
+class Segment:
+    hashes: bytes  # the run's hashes, packed
+    entries: tuple[PrefixEntry, ...]
+    gate: int  # the least gate among the entries when it was built
+    # per monotone column, the run's packed handle records (packed by the state view)
+    cols: tuple[bytes, ...] | None = None
+    live: bool = True
+
+    def drop(self) -> None:
+        """Dead from now on (an entry changed); the payload goes at once."""
+        self.live = False
+        self.entries, self.cols = (), None
+
+
+# Hangs on a run's last entry after its first whole walk: the second builds the segment.
+_SEEN = Segment(b"", (), 0, live=False)
+
+
+@functools.cache  # n < the segment size: bounded by the configured sizes
+def _splitter(n: int) -> struct.Struct:
+    return struct.Struct("16s" * n)
+
+
+def walk(index: Mapping[BlockHash, PrefixEntry], data: bytes, count: int, need: int,
+         size: int) -> tuple[list[PrefixEntry], list[Segment | None]]:
+    """The entries of the first ``count`` hashes of ``data`` (packed, 16 bytes each) while
+    each is present with ``gate >= need``, as the per-block walk finds them; and, for each
+    whole run of ``size`` blocks among them, the segment that certified it (None: walked
+    block by block)."""
+    entries: list[PrefixEntry] = []
+    used: list[Segment | None] = []
+    hb = BLOCK_HASH_BYTES
+    run_bytes = size * hb
+    split = _splitter(size).unpack_from
+    for start in range(0, count - count % size, size):
+        lo = start * hb
+        end = index.get(data[lo + run_bytes - hb : lo + run_bytes])  # type: ignore[call-overload]
+        seg = end.segment if end is not None else None
+        if (seg is not None and seg.live and seg.gate >= need
+                and data.startswith(seg.hashes, lo)):  # one memcmp, no copy
+            entries += seg.entries
+            used.append(seg)
+            continue
+        if not _blocks(index, split(data, lo), need, entries):
+            return entries, used
+        assert end is not None and entries[-1] is end  # the run was walked whole
+        used.append(_certify(end, data[lo : lo + run_bytes], entries[-size:]))
+    tail = count % size
+    if tail:
+        _blocks(index, _splitter(tail).unpack_from(data, (count - tail) * hb), need, entries)
+    return entries, used
+
+
+def _blocks(index: Mapping[BlockHash, PrefixEntry], hashes: Sequence[BlockHash], need: int,
+            out: list[PrefixEntry]) -> bool:
+    """The per-block walk over ``hashes``, appending to ``out``; False where it stopped."""
+    append = out.append
+    for e in map(index.get, hashes):
+        if e is None or e.gate < need:
+            return False
+        append(e)
+    return True
+
+
+def _certify(end: PrefixEntry, hashes: bytes, run: list[PrefixEntry]) -> Segment | None:
+    """A run just walked whole: remember it the first time, certify it the second."""
+    if end.segment is None:
+        end.segment = _SEEN
+        return None
+    seg = Segment(hashes, tuple(run), min(map(_GATE, run)))
+    register(seg, run)
+    end.segment = seg
+    return seg
