@@ -104,11 +104,17 @@ class LookupMemo:
 
     def key(self, req: LookupRequest, limit: int, owners_epoch: int) -> MemoKey | None:
         """The memo key of ``req``; None where a walk is cheap enough not to memoise."""
-        hashes = req.block_hashes
-        if self.capacity <= 0 or self.max_bytes <= 0 or len(hashes) < self.min_blocks:
+        return self.key_at(req, len(req.block_hashes), limit, owners_epoch)
+
+    def key_at(self, req: LookupRequest, count: int, limit: int, owners_epoch: int
+               ) -> MemoKey | None:
+        """The memo key of ``req`` cut to its first ``count`` hashes, looked up to ``limit``
+        tokens: the key a lookup of just that prefix has when ``limit`` is all of it."""
+        if self.capacity <= 0 or self.max_bytes <= 0 or count < self.min_blocks:
             return None
         abi = tuple(sorted(req.reader_abi.items())) if req.reader_abi else ()
-        return (hashes[-1], len(hashes), limit, req.alignment, req.handles, abi, owners_epoch)
+        return (req.block_hashes[count - 1], count, limit, req.alignment, req.handles, abi,
+                owners_epoch)
 
     def get(self, key: MemoKey, hashes: Sequence[BlockHash]) -> Memo | None:
         """The live memo for ``key`` whose prefix is byte-equal to ``hashes`` (a malformed

@@ -60,7 +60,7 @@ from .funnel import (
 from .hashing import CONTENT_VERSION_BASE
 from .ids import BLOCK_HASH_BYTES, BlockHash, CaptureId, LeaseId, ObjectId, ShardId
 from .layout import Layout
-from .memo import LookupMemo, Memo
+from .memo import LookupMemo, Memo, MemoKey
 from .objects import ObjectTable
 from .records import (
     HANDLE_DTYPE,
@@ -159,6 +159,9 @@ class Match:
     # ``wire`` is this match as the edge's encoder wrote it (LookupMemo.encoder), and
     # CacheState.replay(memo) repeats the lookup for as long as nothing on its path changed.
     memo: Memo | None = field(default=None, compare=False, repr=False)
+    # False when the memo is the prefix's the walk stopped at (a miss past it): the same
+    # request may get a longer answer once the missing block is written, so it is not replayed.
+    repeatable: bool = field(default=True, compare=False, repr=False)
 
     @functools.cached_property
     def handles(self) -> Mapping[str, tuple[Handle, ...]]:
@@ -600,6 +603,7 @@ class CacheState:
             self.leases.reap(now)
             key = self.memo.key(req, limit, self._owners_epoch)
             memo = self.memo.get(key, req.block_hashes) if key is not None else None
+            stop_key = None
             if memo is not None and memo.result is not None:
                 result = memo.result
                 self.counters.events["lookup_memo_hit"] += 1
@@ -610,6 +614,10 @@ class CacheState:
                 # bytes (allocate and confirm check them): only the rest can be malformed.
                 check_hash_lengths(req.block_hashes,
                                    result.matched_tokens // self.layout.hash_block)
+                stop_key = self._stop_key(req, result, limit) if key is not None else None
+                memo = self._stop_memo(stop_key, req, result)
+                if memo is not None:
+                    self.counters.events["lookup_memo_hit"] += 1
             self._count_lookup(result.usable_tokens, limit, result.downgrades)
             usable, entries = result.usable_tokens, result.entries
             if usable and entries:
@@ -629,16 +637,41 @@ class CacheState:
             match = Match(
                 result.usable_tokens, result.matched_tokens, result.downgrades, lease_id,
                 dict(columns) if columns else {}, memo if lease_id is None else None,
+                repeatable=stop_key is None,
             )
-            # Only a walk that found every hash it looked at depends on its entries alone (a
-            # walk that stopped also depends on the entry, or the absence of one, there).
-            complete = result.matched_tokens == limit // self.layout.hash_block * \
-                self.layout.hash_block
-            if memo is None and key is not None and result.walked and complete:
-                self.memo.put(key, req.block_hashes,
-                              match if lease_id is None else replace(match, lease_id=None), result,
-                              records)
+            if memo is None and result.walked:
+                # Only a walk that found every hash it looked at depends on its entries alone;
+                # one that stopped at a miss answers what its prefix alone would (kept as the
+                # prefix's memo).
+                complete = result.matched_tokens == limit // self.layout.hash_block * \
+                    self.layout.hash_block
+                keep, hashes = ((key, req.block_hashes) if complete else
+                                (stop_key, req.block_hashes[: len(result.walked)]))
+                if keep is not None:
+                    self.memo.put(keep, hashes, match if lease_id is None else
+                                  replace(match, lease_id=None), result, records)
             return match
+
+    def _stop_key(self, req: LookupRequest, result: FunnelResult, limit: int
+                  ) -> MemoKey | None:
+        """The memo key of the prefix a walk stopped at, where the lookup's answer is that
+        prefix's: the walk stopped at a hash the index lacks (a plain miss adds no downgrade),
+        before the limit. A stop at an entry that is there but not ready answers with its
+        reason, and is not a prefix's answer."""
+        n = len(result.walked)
+        if n * self.layout.hash_block >= limit // self.layout.hash_block * self.layout.hash_block:
+            return None  # complete: the request's own key
+        if self.index.get(req.block_hashes[n]) is not None:
+            return None
+        return self.memo.key_at(req, n, n * self.layout.hash_block, self._owners_epoch)
+
+    def _stop_memo(self, stop_key: MemoKey | None, req: LookupRequest, result: FunnelResult
+                   ) -> Memo | None:
+        """The live memo of the prefix the walk stopped at (its answer is this lookup's)."""
+        if stop_key is None:
+            return None
+        memo = self.memo.get(stop_key, req.block_hashes[: len(result.walked)])
+        return memo if memo is not None and memo.result is not None else None
 
     def replay(self, memo: Memo) -> bool:
         """Repeat the lease-free lookup ``memo`` answered (``Match.memo``): counted and aged

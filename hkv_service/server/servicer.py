@@ -195,7 +195,7 @@ class MetadataServicer(pb_grpc.MetadataServiceServicer):
             context.abort(grpc.StatusCode.INTERNAL, "cannot decode LookupBatchRequest")
         matches = self._lookups(request.requests)
         reply = codec.repeated_field(1, [codec.match_bytes(m) for m in matches])
-        if len(matches) == 1 and matches[0].memo is not None:
+        if len(matches) == 1 and matches[0].memo is not None and matches[0].repeatable:
             self.replies.put(raw, matches[0].memo, reply)
         return reply
 

@@ -283,3 +283,52 @@ def test_concurrent_churn_never_serves_a_stale_handle() -> None:
     assert st.memo.hits > 0  # the memo answered some of them
     final = st.lookup(LookupRequest(hs))
     assert _same(final, _fresh(st, LookupRequest(hs)))
+
+
+# ---- a walk that stops at a miss answers what its prefix alone would -------------------------
+
+def _asking(hs: list[BlockHash], seed: int, n: int = 6) -> list[BlockHash]:
+    """A new question over the cached prefix ``hs``: blocks the cache never held after it."""
+    return [*hs, *prompt_hashes(default_spec(), N + n, seed=seed)[N:]]
+
+
+def test_questions_over_a_cached_prefix_share_its_memo(prefix) -> None:
+    st, hs, _ = prefix
+    for seed in (1, 2):  # the first stop at the prefix is remembered, the second keeps it
+        m = st.lookup(LookupRequest(_asking(hs, seed)))
+        assert m.matched_tokens == N * 64 and m.memo is None
+    assert len(st.memo) == 1
+    for seed in (3, 4):  # new questions: walked to the miss, then answered from the memo
+        hits = st.memo.hits
+        req = LookupRequest(_asking(hs, seed))
+        m = st.lookup(req)
+        assert st.memo.hits == hits + 1 and m.memo is not None and not m.repeatable
+        assert _same(m, _fresh(st, req))
+    # the prefix on its own is the same key: its lookup is answered by that memo too
+    direct = st.lookup(LookupRequest(hs))
+    assert direct.memo is not None and direct.repeatable
+
+
+def test_a_written_block_past_the_stop_lengthens_the_answer(prefix) -> None:
+    """The prefix's memo stands (nothing on its path changed) but the request's next block
+    now exists: the walk goes past the old stop, and the answer is the longer one."""
+    st, hs, _ = prefix
+    longer = _asking(hs, seed=9)
+    for _ in range(3):
+        st.lookup(LookupRequest(longer))
+    commit_prefix(st, longer)
+    m = st.lookup(LookupRequest(longer))
+    assert m.matched_tokens == len(longer) * 64 and _same(m, _fresh(st, LookupRequest(longer)))
+
+
+def test_a_stop_at_an_unready_block_is_not_the_prefixs_answer(prefix) -> None:
+    """The walk stops where the block is there but not ready: the answer carries that
+    reason, so the prefix's memo (which has no such downgrade) must not answer it."""
+    st, hs, _ = prefix
+    longer = _asking(hs, seed=11)
+    st.allocate(longer, [AllocRequest(N, "c4")])  # allocated, never written
+    for _ in range(2):
+        st.lookup(LookupRequest(hs))  # the prefix's own memo
+    for _ in range(3):
+        m = st.lookup(LookupRequest(longer))
+        assert m.memo is None and m.downgrades and _same(m, _fresh(st, LookupRequest(longer)))

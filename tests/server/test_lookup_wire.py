@@ -120,3 +120,22 @@ def test_reply_cache_is_bounded() -> None:
     assert cache.get(b"big") is None and cache.nbytes == 400
     other = b"\x03" * 99 + b"\x04"  # same length, another request: never its reply
     assert cache.get(other) is None
+
+
+def test_an_answer_borrowed_from_the_stop_is_never_replayed(live: Live,
+                                                            client: MetadataClient) -> None:
+    """A question past a cached prefix is answered from the prefix's memo once the walk
+    stopped at the miss; the same request bytes must still walk each time, so a block written
+    past the stop lengthens the next answer (a replay of the stored reply would not)."""
+    register(client)
+    hs = hashes(N + 4)
+    commit_remote(client, hs[:N])
+    request = pb.LookupBatchRequest()
+    codec.encode_lookup(LookupRequest(hs), request.requests.add())
+    replies = [_raw_lookup(live, request) for _ in range(4)]
+    assert len(set(replies)) == 1
+    assert client.stats()["events"]["lookup_memo_hit"] == 2  # type: ignore[index]
+    assert pb.LookupBatchResponse.FromString(replies[0]).matches[0].matched_tokens == N * 64
+    commit_remote(client, hs)
+    after = pb.LookupBatchResponse.FromString(_raw_lookup(live, request)).matches[0]
+    assert after.matched_tokens == (N + 4) * 64
