@@ -1,7 +1,8 @@
 """Service bench: Lookup over gRPC against the in-process lookup and a bare gRPC echo.
 
 A child process hosts the metadata service (127.0.0.1:0, reference spec, a 2,048-block prefix
-committed), a twin of it with the lookup memo off, and an echo server (a generic
+committed), a twin of it with the lookup memo off, one with walk segments off too, and an echo
+server (a generic
 bytes-in/bytes-out handler, no protobuf at all); the clients run in this process, as inference
 workers run apart from the service in production. Measured in the same run:
 
@@ -10,12 +11,18 @@ workers run apart from the service in production. Measured in the same run:
   with handles (~5k packed handles for 2,048 blocks: a 113 KB reply) and match-only (tokens
   and downgrades, what a router asks), and through the typed client (plus decoding into core
   types). ``service`` repeats a lookup of an unchanged prefix, so from the third call on the
-  lookup memo answers it (core/memo.py); ``service_walk`` is the same lookup on the twin,
-  where every call walks (a prefix that changed since it was last looked up), ``core_walk``
-  that walk in process, and ``servicer_walk_in_process`` the server's whole handler (request
-  bytes to reply bytes) on it in process. Beside them: the echo of the very same request bytes,
-  and an echo that answers the same request with as many bytes as the Lookup reply (the
-  transport floor of the exchange);
+  lookup memo answers it (core/memo.py) and the reply is replayed; ``question`` is a new
+  question over a cached document, as a worker asks it: 2,048 hashes whose last 16 the cache
+  never held, a request never seen before on every call, on the service as deployed (walked
+  to the miss over certified runs, core/segments.py, then answered from the document's memo);
+  ``service_walk`` is the repeated lookup on a twin with the memo off, where every call walks
+  over runs walked before and packs and encodes its match afresh, ``service_cold_walk`` on a
+  twin with segments off too, where every call walks and packs block by block (a prefix
+  never walked before); ``core_walk`` / ``core_cold_walk`` those walks in process, and
+  ``servicer_walk_in_process`` the server's whole handler (request bytes to reply bytes) on
+  the first in process. Beside them: the echo of the very same request bytes, and an echo
+  that answers the same request with as many bytes as the Lookup reply (the transport floor
+  of the exchange);
 * throughput of 1-block lookups with 1 and 4 client threads, batched 16 per call, and
   ping-pong over the ``LookupStream`` bidi stream, against echo (unary and bidi) the same way;
   each pair is the best of three alternating runs; ``lookup1_extra_per_call_us`` is what a
@@ -42,6 +49,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import grpc
+import xxhash
 
 from ..client import MetadataClient
 from ..core.funnel import LookupRequest
@@ -59,6 +67,8 @@ from .timing import percentile, samples
 __all__ = ["run"]
 
 SERVER_START_S = 120.0
+COLD = StateConfig(memo_capacity=0, segment_blocks=0)  # nothing a walk did before is reused
+QUESTION_BLOCKS = 16  # a new question's blocks past the cached document (never cached)
 _LOOKUP = "/hkv.v1.MetadataService/Lookup"
 _STREAM = "/hkv.v1.MetadataService/LookupStream"
 _ECHO = "/bench.Echo/Echo"
@@ -102,7 +112,7 @@ def _service(n_blocks: int, config: StateConfig | None = None, lock: TimedLock |
     return service, hashes
 
 
-def _ready(conn: Connection, proc: Any) -> tuple[int, int, int]:
+def _ready(conn: Connection, proc: Any) -> tuple[int, int, int, int]:
     """The server process's ports, or a clear error if it died or hung on the way up."""
     deadline = time.monotonic() + SERVER_START_S
     while not conn.poll(0.2):
@@ -111,7 +121,7 @@ def _ready(conn: Connection, proc: Any) -> tuple[int, int, int]:
                                "serving; its traceback is above")
         if time.monotonic() > deadline:
             raise RuntimeError(f"the bench's server process did not start in {SERVER_START_S} s")
-    ports: tuple[int, int, int] = conn.recv()
+    ports: tuple[int, int, int, int] = conn.recv()
     return ports
 
 
@@ -122,18 +132,19 @@ def _servers(n_blocks: int, conn: Connection) -> None:
     lock = TimedLock()
     service, hashes = _service(n_blocks, lock=lock)
     walker, _ = _service(n_blocks, StateConfig(memo_capacity=0))  # every lookup walks
+    cold, _ = _service(n_blocks, COLD)  # ... block by block
     echo_server, echo_port = _echo_server()
     try:
         for n in (1, n_blocks):
             payload = _batch_bytes([LookupRequest(hashes[:n])])
             reply = _unary(f"127.0.0.1:{service.port}", _LOOKUP, payload)()()
             _REPLY_BYTES[len(payload)] = bytes(len(reply))  # type: ignore[arg-type]
-        conn.send((service.port, walker.port, echo_port))
+        conn.send((service.port, walker.port, cold.port, echo_port))
         with contextlib.suppress(EOFError, OSError):
             while conn.recv() == "lock":
                 conn.send(lock.stats())
     finally:
-        for s in (service, walker):
+        for s in (service, walker, cold):
             s.stop(0).wait(10)
         echo_server.stop(0).wait(10)
 
@@ -203,11 +214,16 @@ def _rps(make_call: Callable[[], Callable[[], object]], threads: int, per_thread
     return threads * per_thread / elapsed
 
 
+def _stub(endpoint: str, method: str) -> Any:
+    """A unary bytes-in/bytes-out callable on its own channel."""
+    channel = grpc.insecure_channel(endpoint, options=[
+        ("grpc.max_receive_message_length", 64 << 20)])
+    return channel.unary_unary(method)
+
+
 def _unary(endpoint: str, method: str, payload: bytes) -> Callable[[], Callable[[], object]]:
     def make() -> Callable[[], object]:
-        channel = grpc.insecure_channel(endpoint, options=[
-            ("grpc.max_receive_message_length", 64 << 20)])
-        stub = channel.unary_unary(method)
+        stub = _stub(endpoint, method)
         return lambda: stub(payload, timeout=30)
     return make
 
@@ -235,24 +251,44 @@ def _ping_pong_rps(endpoint: str, method: str, payload: bytes, count: int) -> fl
     return count / elapsed
 
 
-def _latencies(endpoint: str, walker: str, echo: str, state: CacheState,
-               hashes: list[BlockHash], n: int, count: int) -> dict[str, float]:
+def _questions(endpoint: str, hashes: list[BlockHash], n: int, count: int
+               ) -> Callable[[], object]:
+    """Each call a new question over the cached document ``hashes[:n - QUESTION_BLOCKS]``:
+    ``n`` hashes whose last ``QUESTION_BLOCKS`` the cache never held, never the same request
+    twice (no reply is replayed; every call walks to the miss)."""
+    doc = hashes[: n - QUESTION_BLOCKS]
+    payloads = iter([_batch_bytes([LookupRequest(
+        doc + [BlockHash(xxhash.xxh3_128_digest(b"q%d.%d" % (i, j)))
+               for j in range(QUESTION_BLOCKS)])]) for i in range(count)])
+    stub = _stub(endpoint, _LOOKUP)
+    return lambda: stub(next(payloads), timeout=30)
+
+
+def _latencies(endpoint: str, walker: str, cold: str, echo: str,
+               states: tuple[CacheState, CacheState], hashes: list[BlockHash], n: int,
+               count: int) -> dict[str, float]:
     req = LookupRequest(hashes[:n])
     payload = _batch_bytes([req])
     svc, ech = _unary(endpoint, _LOOKUP, payload)(), _unary(echo, _ECHO, payload)()
-    walk = _unary(walker, _LOOKUP, payload)()
+    walk, cold_walk = _unary(walker, _LOOKUP, payload)(), _unary(cold, _LOOKUP, payload)()
+    state, cold_state = states
     servicer = MetadataServicer(state)
     only = _unary(endpoint, _LOOKUP, _batch_bytes([LookupRequest(hashes[:n], handles=False)]))()
     reply = svc()
     sized = _unary(echo, _REPLY, payload)()
     assert isinstance(reply, bytes) and len(sized()) == len(reply) == len(walk())  # type: ignore[arg-type]
+    assert len(cold_walk()) == len(reply)  # type: ignore[arg-type]
     with MetadataClient(endpoint, timeout_s=30) as client:
         fns: dict[str, Callable[[], object]] = {
-            "service": svc, "service_walk": walk, "match_only": only, "echo": ech,
-            "echo_reply_sized": sized, "core_walk": lambda: state.lookup(req),
+            "service": svc, "service_walk": walk, "service_cold_walk": cold_walk,
+            "match_only": only, "echo": ech, "echo_reply_sized": sized,
+            "core_walk": lambda: state.lookup(req),
+            "core_cold_walk": lambda: cold_state.lookup(req),
             # the server's handler on the in-process twin, request bytes to reply bytes
             "servicer_walk_in_process": lambda: servicer.LookupRaw(payload, None),
             "client": lambda: client.lookup(req)}
+        if n > QUESTION_BLOCKS:  # warm-up: 3 calls, the second keeps the document's memo
+            fns["question"] = _questions(endpoint, hashes, n, count + 3)
         out = {f"lookup{n}_{k}": v for k, v in _interleaved(fns, count).items()}
     out[f"lookup{n}_request_bytes"] = float(len(payload))
     out[f"lookup{n}_reply_bytes"] = float(len(reply))
@@ -302,13 +338,15 @@ def run(quick: bool = False) -> dict[str, Any]:
     proc = ctx.Process(target=_servers, args=(n_blocks, child_conn), daemon=True)
     proc.start()
     try:
-        port, walk_port, echo_port = _ready(conn, proc)
+        port, walk_port, cold_port, echo_port = _ready(conn, proc)
         endpoint, echo = f"127.0.0.1:{port}", f"127.0.0.1:{echo_port}"
-        walker = f"127.0.0.1:{walk_port}"
-        # an in-process twin that walks every time, for the core figure
+        walker, cold = f"127.0.0.1:{walk_port}", f"127.0.0.1:{cold_port}"
+        # in-process twins that walk every time, for the core figures
         state, hashes = _filled(n_blocks, StateConfig(memo_capacity=0))
-        lat = _latencies(endpoint, walker, echo, state, hashes, 1, count)
-        lat.update(_latencies(endpoint, walker, echo, state, hashes, n_blocks, count // 3))
+        states = (state, _filled(n_blocks, COLD)[0])
+        lat = _latencies(endpoint, walker, cold, echo, states, hashes, 1, count)
+        lat.update(_latencies(endpoint, walker, cold, echo, states, hashes, n_blocks,
+                              count // 3))
         thr = _throughput(endpoint, echo, hashes, calls, lambda: _lock_stats(conn))
     finally:
         with contextlib.suppress(OSError):
@@ -334,8 +372,16 @@ def run(quick: bool = False) -> dict[str, Any]:
         "lookup2048_match_only_vs_echo_latency":
             lat["lookup2048_match_only_p50_s"] / lat["lookup2048_echo_p50_s"],
         "lookup1_vs_echo_latency": lat["lookup1_service_p50_s"] / lat["lookup1_echo_p50_s"],
+        # a new question over a cached 2,032-block document, each call a request never seen
+        # before: walked to the miss (certified runs), answered from the document's memo
+        "lookup2048_question_vs_echo_latency":
+            lat["lookup2048_question_p50_s"] / lat["lookup2048_echo_p50_s"],
+        # walked and packed afresh every call, over runs walked before (memo off)
         "lookup2048_walk_vs_echo_latency":
             lat["lookup2048_service_walk_p50_s"] / lat["lookup2048_echo_p50_s"],
+        # nothing reused: every block walked and packed one by one (memo and segments off)
+        "lookup2048_cold_walk_vs_echo_latency":
+            lat["lookup2048_service_cold_walk_p50_s"] / lat["lookup2048_echo_p50_s"],
         "lookup2048_walk_vs_core_walk_latency":
             lat["lookup2048_service_walk_p50_s"] / lat["lookup2048_core_walk_p50_s"],
         "lookups_per_s_vs_echo_rps": thr["lookups_per_s_1thread"] / thr["echo_rps_1thread"],

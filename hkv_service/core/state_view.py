@@ -604,6 +604,11 @@ class CacheState:
             key = self.memo.key(req, limit, self._owners_epoch)
             memo = self.memo.get(key, req.block_hashes) if key is not None else None
             stop_key = None
+            if memo is None and key is not None:
+                memo = self._prefix_memo(req, limit)
+                repeatable = memo is None
+            else:
+                repeatable = True
             if memo is not None and memo.result is not None:
                 result = memo.result
                 self.counters.events["lookup_memo_hit"] += 1
@@ -615,9 +620,6 @@ class CacheState:
                 check_hash_lengths(req.block_hashes,
                                    result.matched_tokens // self.layout.hash_block)
                 stop_key = self._stop_key(req, result, limit) if key is not None else None
-                memo = self._stop_memo(stop_key, req, result)
-                if memo is not None:
-                    self.counters.events["lookup_memo_hit"] += 1
             self._count_lookup(result.usable_tokens, limit, result.downgrades)
             usable, entries = result.usable_tokens, result.entries
             if usable and entries:
@@ -637,7 +639,7 @@ class CacheState:
             match = Match(
                 result.usable_tokens, result.matched_tokens, result.downgrades, lease_id,
                 dict(columns) if columns else {}, memo if lease_id is None else None,
-                repeatable=stop_key is None,
+                repeatable=repeatable,
             )
             if memo is None and result.walked:
                 # Only a walk that found every hash it looked at depends on its entries alone;
@@ -657,7 +659,8 @@ class CacheState:
         """The memo key of the prefix a walk stopped at, where the lookup's answer is that
         prefix's: the walk stopped at a hash the index lacks (a plain miss adds no downgrade),
         before the limit. A stop at an entry that is there but not ready answers with its
-        reason, and is not a prefix's answer."""
+        reason, and is not a prefix's answer (nor found by :meth:`_prefix_memo`: that entry
+        is present)."""
         n = len(result.walked)
         if n * self.layout.hash_block >= limit // self.layout.hash_block * self.layout.hash_block:
             return None  # complete: the request's own key
@@ -665,13 +668,28 @@ class CacheState:
             return None
         return self.memo.key_at(req, n, n * self.layout.hash_block, self._owners_epoch)
 
-    def _stop_memo(self, stop_key: MemoKey | None, req: LookupRequest, result: FunnelResult
-                   ) -> Memo | None:
-        """The live memo of the prefix the walk stopped at (its answer is this lookup's)."""
-        if stop_key is None:
+    def _prefix_memo(self, req: LookupRequest, limit: int) -> Memo | None:
+        """The memo of the prefix a walk of ``req`` would stop at, found without walking:
+        bisect for the first hash the index lacks (present hashes come before absent ones
+        along a chained prefix), then take the live memo of the hashes before it if it is byte
+        for byte this request's. Sound however the stop was found: the memo stands, so a walk
+        would accept the same entries, and stop there at a plain miss."""
+        hashes, hb = req.block_hashes, self.layout.hash_block
+        get, lo, hi = self.index.get, 0, limit // hb
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if get(hashes[mid]) is None:
+                hi = mid
+            else:
+                lo = mid + 1
+        if lo * hb >= limit // hb * hb:
+            return None  # no miss before the limit: the request's own key, not a prefix's
+        key = self.memo.key_at(req, lo, lo * hb, self._owners_epoch)
+        memo = self.memo.get(key, hashes[:lo]) if key is not None else None
+        if memo is None or memo.result is None:
             return None
-        memo = self.memo.get(stop_key, req.block_hashes[: len(result.walked)])
-        return memo if memo is not None and memo.result is not None else None
+        check_hash_lengths(hashes, lo)  # the walk's answer past the stop: a malformed hash
+        return memo
 
     def replay(self, memo: Memo) -> bool:
         """Repeat the lease-free lookup ``memo`` answered (``Match.memo``): counted and aged

@@ -9,6 +9,7 @@ import threading
 
 import pytest
 
+from hkv_service.core import state_view
 from hkv_service.core.errors import BadHash, IllegalTransition
 from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.ids import BlockHash, ObjectId, PackedHashes, ShardId
@@ -332,3 +333,29 @@ def test_a_stop_at_an_unready_block_is_not_the_prefixs_answer(prefix) -> None:
     for _ in range(3):
         m = st.lookup(LookupRequest(longer))
         assert m.memo is None and m.downgrades and _same(m, _fresh(st, LookupRequest(longer)))
+
+
+def test_a_question_over_a_memoised_prefix_is_answered_without_a_walk(prefix, monkeypatch
+                                                                      ) -> None:
+    st, hs, _ = prefix
+    for seed in (1, 2):
+        st.lookup(LookupRequest(_asking(hs, seed)))
+    walks: list[int] = []
+    real = state_view.run_funnel
+    monkeypatch.setattr(state_view, "run_funnel", lambda *a: walks.append(1) or real(*a))
+    req = LookupRequest(_asking(hs, 3))
+    m = st.lookup(req)
+    assert not walks and m.memo is not None and not m.repeatable
+    assert _same(m, _fresh(st, req)) and walks  # (the fresh one walked)
+
+
+def test_a_malformed_hash_at_the_stop_is_refused(prefix) -> None:
+    """The prefix's memo would answer, but the walk would refuse the malformed hash it stops
+    at; so must the memo path, and change nothing."""
+    st, hs, _ = prefix
+    for seed in (1, 2):
+        st.lookup(LookupRequest(_asking(hs, seed)))
+    stats = st.stats()
+    with pytest.raises(BadHash, match="16 bytes"):
+        st.lookup(LookupRequest([*hs, BlockHash(b"x" * 15)]))
+    assert st.stats() == stats
