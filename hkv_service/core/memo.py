@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .ids import BlockHash, PackedHashes
+from .ids import BLOCK_HASH_BYTES, BlockHash, PackedHashes
 from .records import HandleColumn, ObjRecord, PrefixEntry
 
 if TYPE_CHECKING:  # annotations only: state_view imports this module
@@ -51,7 +51,7 @@ class Memo:
     columns: Mapping[str, HandleColumn] | None  # None: a match-only lookup
     records: dict[str, tuple[ObjRecord, ...]] | None  # what a lease pins (built on first lease)
     nbytes: int
-    wire: bytes | None = None  # the lease-free match as the edge encodes it (LookupMemo.encoder)
+    wire: bytes | None = None  # the lease-free match as the edge answers it (LookupMemo.encoder)
     live: bool = True
 
     def drop(self) -> None:
@@ -79,6 +79,15 @@ def drop_memos(entry: PrefixEntry) -> None:
         for m in memos:
             m.drop()
         entry.memos = None
+
+
+def _equal(packed: bytes, hashes: Sequence[BlockHash], count: int | None) -> bool:
+    """``packed`` is ``hashes`` (their first ``count``), byte for byte."""
+    if count is None:
+        return packed == _packed(hashes)
+    if isinstance(hashes, PackedHashes):  # one memcmp, no copy of the prefix
+        return len(packed) == BLOCK_HASH_BYTES * count and hashes.data.startswith(packed)
+    return packed == _packed(hashes[:count])
 
 
 def _packed(hashes: Sequence[BlockHash]) -> bytes:
@@ -116,11 +125,12 @@ class LookupMemo:
         return (req.block_hashes[count - 1], count, limit, req.alignment, req.handles, abi,
                 owners_epoch)
 
-    def get(self, key: MemoKey, hashes: Sequence[BlockHash]) -> Memo | None:
-        """The live memo for ``key`` whose prefix is byte-equal to ``hashes`` (a malformed
-        hash raises BadHash here, as the walk would)."""
+    def get(self, key: MemoKey, hashes: Sequence[BlockHash], count: int | None = None
+            ) -> Memo | None:
+        """The live memo for ``key`` whose prefix is byte-equal to ``hashes`` (to their first
+        ``count``, if given; a malformed hash raises BadHash here, as the walk would)."""
         memo = self._memos.get(key)
-        if memo is not None and memo.live and memo.hashes == _packed(hashes):
+        if memo is not None and memo.live and _equal(memo.hashes, hashes, count):
             self._memos.move_to_end(key)
             self.hits += 1
             return memo

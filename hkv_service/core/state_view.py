@@ -685,7 +685,7 @@ class CacheState:
         if lo * hb >= limit // hb * hb:
             return None  # no miss before the limit: the request's own key, not a prefix's
         key = self.memo.key_at(req, lo, lo * hb, self._owners_epoch)
-        memo = self.memo.get(key, hashes[:lo]) if key is not None else None
+        memo = self.memo.get(key, hashes, lo) if key is not None else None
         if memo is None or memo.result is None:
             return None
         check_hash_lengths(hashes, lo)  # the walk's answer past the stop: a malformed hash

@@ -164,10 +164,10 @@ class MetadataServicer(pb_grpc.MetadataServiceServicer):
 
     # ---- lookup -------------------------------------------------------------------------
 
-    # Lookup replies are built as bytes: a repeated lookup answered by the view's memo comes
-    # with its match already encoded (``Match.memo.wire``), and copying those bytes into the
-    # reply beats re-encoding ~5k handles; a request seen before with a memo behind it is
-    # answered from ``replies`` (see replies.py). app._add_servicer registers LookupRaw and
+    # Lookup replies are built as bytes: a lookup answered by the view's memo comes with its
+    # reply already encoded (``Match.memo.wire``, a one-match LookupBatchResponse), returned
+    # as is instead of re-encoding ~5k handles; a request seen before with a memo behind it
+    # is answered from ``replies`` (see replies.py). app._add_servicer registers LookupRaw and
     # LookupStreamRaw for Lookup and LookupStream: raw request bytes, bytes-passing serializer.
 
     def _lookups(self, requests: Any) -> list[Match]:
@@ -194,7 +194,7 @@ class MetadataServicer(pb_grpc.MetadataServiceServicer):
         except DecodeError:
             context.abort(grpc.StatusCode.INTERNAL, "cannot decode LookupBatchRequest")
         matches = self._lookups(request.requests)
-        reply = codec.repeated_field(1, [codec.match_bytes(m) for m in matches])
+        reply = codec.batch_reply(matches)
         if len(matches) == 1 and matches[0].memo is not None and matches[0].repeatable:
             self.replies.put(raw, matches[0].memo, reply)
         return reply

@@ -54,7 +54,10 @@ def test_memo_keeps_the_encoded_match(filled) -> None:
     st.lookup(req)  # the memo is made
     third = st.lookup(req)
     assert third.memo is not None and third.memo.wire is not None
-    assert _view(codec.decode_match(pb.Match.FromString(third.memo.wire))) == _view(first)
+    reply = pb.LookupBatchResponse.FromString(third.memo.wire)
+    assert _view(codec.decode_match(reply.matches[0])) == _view(first)
+    assert codec.batch_reply([third]) is third.memo.wire  # answered as is, no copy
+    assert codec.batch_reply([third]) == codec.batch_reply([first])
     assert codec.match_bytes(third) == codec.match_bytes(first)
     leased = st.lookup(LookupRequest(req.block_hashes, lease_ttl_s=5))
     assert leased.lease_id is not None and leased.memo is None  # the reply names the lease
