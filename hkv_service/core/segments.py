@@ -31,13 +31,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .ids import BLOCK_HASH_BYTES, BlockHash
+from .ids import BLOCK_HASH_BYTES, BlockHash, PackedHashes
 from .memo import register
 
 if TYPE_CHECKING:  # annotations only: records imports this module's type
     from .records import PrefixEntry
 
-__all__ = ["DEFAULT_SEGMENT_BLOCKS", "Segment", "walk"]
+__all__ = ["DEFAULT_SEGMENT_BLOCKS", "Segment", "first_missing", "walk"]
 
 DEFAULT_SEGMENT_BLOCKS = 64
 _GATE = operator.attrgetter("gate")
@@ -117,3 +117,21 @@ def _certify(end: PrefixEntry, hashes: bytes, run: list[PrefixEntry]) -> Segment
     register(seg, run)
     end.segment = seg
     return seg
+
+
+def first_missing(index: Mapping[BlockHash, PrefixEntry], hashes: Sequence[BlockHash],
+                  count: int) -> int:
+    """Where the first of ``hashes[:count]`` the index lacks is, by bisection (log2(count)
+    dict lookups), taking present hashes to come before absent ones as they do along a
+    chained prefix. A guess where they do not (an orphan after a restart): callers check
+    what they conclude from it."""
+    data = hashes.data if isinstance(hashes, PackedHashes) else None
+    get, lo, hi, hb = index.get, 0, count, BLOCK_HASH_BYTES
+    while lo < hi:
+        mid = (lo + hi) // 2
+        h = hashes[mid] if data is None else data[mid * hb : mid * hb + hb]
+        if get(h) is None:  # type: ignore[call-overload]
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo

@@ -71,7 +71,7 @@ from .records import (
     PrefixEntry,
     new_record,
 )
-from .segments import DEFAULT_SEGMENT_BLOCKS, Segment
+from .segments import DEFAULT_SEGMENT_BLOCKS, Segment, first_missing
 from .spec import CacheSpec
 from .states import TERMINAL_STATES, Event, Kind, State
 from .transitions import Params, apply
@@ -675,13 +675,7 @@ class CacheState:
         for byte this request's. Sound however the stop was found: the memo stands, so a walk
         would accept the same entries, and stop there at a plain miss."""
         hashes, hb = req.block_hashes, self.layout.hash_block
-        get, lo, hi = self.index.get, 0, limit // hb
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if get(hashes[mid]) is None:
-                hi = mid
-            else:
-                lo = mid + 1
+        lo = first_missing(self.index, hashes, limit // hb)
         if lo * hb >= limit // hb * hb:
             return None  # no miss before the limit: the request's own key, not a prefix's
         key = self.memo.key_at(req, lo, lo * hb, self._owners_epoch)
