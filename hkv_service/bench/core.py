@@ -1,7 +1,11 @@
 """Core bench: the full four-layer funnel over all groups against a one-group dict walk.
 
-The lookup figures are the walk's (the lookup memo off), plus a repeated lookup of an
-unchanged prefix answered from the memo (``lookup_memo_hit_us``).
+The lookup figures are the walk's block by block (the lookup memo and walk segments off), the
+same walk over certified runs (``*_certified_*``: runs walked whole twice before, taken whole,
+core/segments.py; memo off), a new question over a cached document (``lookup_question_us``:
+a request never seen, its last 16 blocks never cached; the stop is bisected for and the
+document's memo answers), and a repeated lookup of an unchanged prefix answered from the memo
+(``lookup_memo_hit_us``).
 
 Baselines measured in the same run: a plain prefix walk over one group's ``dict`` of block
 hashes (what a single-group prefix cache does), the textbook chained-hash loop, and an
@@ -51,8 +55,25 @@ def _dict_walk(table: dict[BlockHash, int], hashes: list[BlockHash]) -> int:
     return n
 
 
+def _question_figure(n_blocks: int, repeat: int, number: int) -> float:
+    """A new question over a cached document (its last 16 blocks never cached), each call a
+    request not seen before: the stop found by bisection, the document's memo answers."""
+    st, hashes = _filled_state(n_blocks, n_blocks + 32)
+    doc = hashes[: n_blocks - 16]
+    questions = iter([LookupRequest(PackedHashes.of(doc + [
+        BlockHash(xxhash.xxh3_128_digest(b"%d.%d" % (i, j))) for j in range(16)]))
+        for i in range(2 + repeat * number)])
+    for _ in range(2):
+        st.lookup(next(questions))  # seen, then kept
+    hits = st.memo.hits
+    seconds = best_of(lambda: st.lookup(next(questions)), repeat, number)
+    assert st.memo.hits > hits, "the document's memo did not answer the questions"
+    return seconds
+
+
 def _lookup_figures(n_blocks: int, repeat: int, number: int) -> dict[str, float]:
-    st, hashes = _filled_state(n_blocks)
+    # block by block: segments off (the memo is turned off where the walk is timed)
+    st, hashes = _filled_state(n_blocks, config=StateConfig(segment_blocks=0))
     req = LookupRequest(hashes)
     limit = validate_request(req, st.layout)
     assert run_funnel(st.index, st.layout, req, limit).usable_tokens == n_blocks * 64
@@ -66,9 +87,21 @@ def _lookup_figures(n_blocks: int, repeat: int, number: int) -> dict[str, float]
     hits = st.memo.hits
     memo_hit = best_of(lambda: st.lookup(packed), repeat, number)
     assert st.memo.hits > hits, "the repeated lookup was not answered from the memo"
+    # over certified runs: the same walk by segments (memo off)
+    certified, _ = _filled_state(n_blocks, config=StateConfig(memo_capacity=0))
+    seg = certified.config.segment_blocks
+    for _ in range(2):
+        certified.lookup(packed)  # the second whole walk certifies the runs
+    assert all(run_funnel(certified.index, certified.layout, packed, limit, seg).runs)
     return {
         "funnel_s": best_of(lambda: run_funnel(st.index, st.layout, req, limit), repeat, number),
+        "funnel_certified_s": best_of(
+            lambda: run_funnel(certified.index, certified.layout, packed, limit, seg), repeat,
+            number),
         "lookup_with_handles_s": with_handles,
+        "lookup_with_handles_certified_s": best_of(lambda: certified.lookup(packed), repeat,
+                                                   number),
+        "lookup_question_s": _question_figure(n_blocks, repeat, number),
         "lookup_memo_hit_s": memo_hit,
         "dict_walk_s": best_of(lambda: _dict_walk(one_group, hashes), repeat, number),
         "groups": float(len(st.spec.groups)),
@@ -132,7 +165,10 @@ def run(quick: bool = False) -> dict[str, Any]:
         "figures": {
             "blocks": n,
             "funnel_lookup_us": look["funnel_s"] * 1e6,
+            "funnel_certified_lookup_us": look["funnel_certified_s"] * 1e6,
             "lookup_with_handles_us": look["lookup_with_handles_s"] * 1e6,
+            "lookup_with_handles_certified_us": look["lookup_with_handles_certified_s"] * 1e6,
+            "lookup_question_us": look["lookup_question_s"] * 1e6,
             "lookup_memo_hit_us": look["lookup_memo_hit_s"] * 1e6,
             "handles_returned": look["handles_returned"],
             "chained_hash_us": hashing["chained_hash_s"] * 1e6,
@@ -146,7 +182,11 @@ def run(quick: bool = False) -> dict[str, Any]:
         },
         "ratios": {
             "lookup_vs_dict_walk": look["funnel_s"] / look["dict_walk_s"],
+            "lookup_certified_vs_dict_walk": look["funnel_certified_s"] / look["dict_walk_s"],
             "lookup_with_handles_vs_dict_walk": look["lookup_with_handles_s"] / look["dict_walk_s"],
+            "lookup_with_handles_certified_vs_dict_walk":
+                look["lookup_with_handles_certified_s"] / look["dict_walk_s"],
+            "lookup_question_vs_dict_walk": look["lookup_question_s"] / look["dict_walk_s"],
             "lookup_memo_hit_vs_dict_walk": look["lookup_memo_hit_s"] / look["dict_walk_s"],
             "hash_vs_textbook_chained": hashing["chained_hash_s"] / hashing["textbook_chained_s"],
             "hash_vs_unchained_floor": hashing["chained_hash_s"] / hashing["unchained_floor_s"],

@@ -13,8 +13,9 @@ workers run apart from the service in production. Measured in the same run:
   types). ``service`` repeats a lookup of an unchanged prefix, so from the third call on the
   lookup memo answers it (core/memo.py) and the reply is replayed; ``question`` is a new
   question over a cached document, as a worker asks it: 2,048 hashes whose last 16 the cache
-  never held, a request never seen before on every call, on the service as deployed (walked
-  to the miss over certified runs, core/segments.py, then answered from the document's memo);
+  never held, a request never seen before on every call, on the service as deployed (the
+  stop found by bisection, then answered from the document's memo, core/memo.py), beside the
+  echo of the same request bytes (``echo_question``: new bytes on every call too);
   ``service_walk`` is the repeated lookup on a twin with the memo off, where every call walks
   over runs walked before and packs and encodes its match afresh, ``service_cold_walk`` on a
   twin with segments off too, where every call walks and packs block by block (a prefix
@@ -251,17 +252,20 @@ def _ping_pong_rps(endpoint: str, method: str, payload: bytes, count: int) -> fl
     return count / elapsed
 
 
-def _questions(endpoint: str, hashes: list[BlockHash], n: int, count: int
-               ) -> Callable[[], object]:
-    """Each call a new question over the cached document ``hashes[:n - QUESTION_BLOCKS]``:
-    ``n`` hashes whose last ``QUESTION_BLOCKS`` the cache never held, never the same request
-    twice (no reply is replayed; every call walks to the miss)."""
+def _questions(hashes: list[BlockHash], n: int, count: int) -> list[bytes]:
+    """``count`` new questions over the cached document ``hashes[:n - QUESTION_BLOCKS]``,
+    serialized: ``n`` hashes each, whose last ``QUESTION_BLOCKS`` the cache never held; no two
+    the same (no reply is replayed)."""
     doc = hashes[: n - QUESTION_BLOCKS]
-    payloads = iter([_batch_bytes([LookupRequest(
+    return [_batch_bytes([LookupRequest(
         doc + [BlockHash(xxhash.xxh3_128_digest(b"q%d.%d" % (i, j)))
-               for j in range(QUESTION_BLOCKS)])]) for i in range(count)])
-    stub = _stub(endpoint, _LOOKUP)
-    return lambda: stub(next(payloads), timeout=30)
+               for j in range(QUESTION_BLOCKS)])]) for i in range(count)]
+
+
+def _each(endpoint: str, method: str, payloads: list[bytes]) -> Callable[[], object]:
+    """A call of ``method`` per invocation, each with the next of ``payloads``."""
+    stub, it = _stub(endpoint, method), iter(payloads)
+    return lambda: stub(next(it), timeout=30)
 
 
 def _latencies(endpoint: str, walker: str, cold: str, echo: str,
@@ -288,7 +292,10 @@ def _latencies(endpoint: str, walker: str, cold: str, echo: str,
             "servicer_walk_in_process": lambda: servicer.LookupRaw(payload, None),
             "client": lambda: client.lookup(req)}
         if n > QUESTION_BLOCKS:  # warm-up: 3 calls, the second keeps the document's memo
-            fns["question"] = _questions(endpoint, hashes, n, count + 3)
+            questions = _questions(hashes, n, count + 3)
+            fns["question"] = _each(endpoint, _LOOKUP, questions)
+            # the echo of the very same (each time new) request bytes
+            fns["echo_question"] = _each(echo, _ECHO, questions)
         out = {f"lookup{n}_{k}": v for k, v in _interleaved(fns, count).items()}
     out[f"lookup{n}_request_bytes"] = float(len(payload))
     out[f"lookup{n}_reply_bytes"] = float(len(reply))
@@ -375,7 +382,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         # a new question over a cached 2,032-block document, each call a request never seen
         # before: walked to the miss (certified runs), answered from the document's memo
         "lookup2048_question_vs_echo_latency":
-            lat["lookup2048_question_p50_s"] / lat["lookup2048_echo_p50_s"],
+            lat["lookup2048_question_p50_s"] / lat["lookup2048_echo_question_p50_s"],
         # walked and packed afresh every call, over runs walked before (memo off)
         "lookup2048_walk_vs_echo_latency":
             lat["lookup2048_service_walk_p50_s"] / lat["lookup2048_echo_p50_s"],

@@ -240,12 +240,13 @@ def decode_lookup(msg: Any, index: int | None = None) -> LookupRequest:
         raise InvalidInput(f"{_where(index)}: lease_ttl_s must be a finite number >= 0, "
                            f"got {ttl}")
     hashes: Sequence[BlockHash]
-    if msg.packed_hashes:
+    packed = msg.packed_hashes  # each read of a bytes field copies it: once
+    if packed:
         if len(msg.block_hashes):
             raise InvalidInput(f"{_where(index)}: give the prefix as block_hashes or as "
                                "packed_hashes, not both")
         try:
-            hashes = PackedHashes(msg.packed_hashes)
+            hashes = PackedHashes(packed)
         except BadHash as err:
             raise BadHash(f"{_where(index)}: {err}") from None
     else:
