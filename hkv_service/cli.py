@@ -15,6 +15,7 @@ __all__ = ["build_parser", "main"]
 DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 0  # 0 = no Prometheus endpoint unless asked for
 BENCH_NAMES = ("core", "service", "disk", "shard", "e2e")
+DEFAULT_SEGMENT_BLOCKS = 64  # core.segments' (not imported: --help stays fast); a test ties them
 
 
 class _Parser(argparse.ArgumentParser):
@@ -54,6 +55,11 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lookup-memo-mib", type=int, default=64,
                    help="memory for answers to repeated long lookups, kept until their prefix "
                         "changes (the lookup memo; 0 = off; default 64)")
+    p.add_argument("--walk-segment-blocks", type=int, default=DEFAULT_SEGMENT_BLOCKS,
+                   help="blocks per walk segment: runs of this many blocks walked whole twice "
+                        "are taken whole by later lookups through them (a multiple of the "
+                        "spec's period, 2 for the reference spec; 0 = off; default "
+                        f"{DEFAULT_SEGMENT_BLOCKS})")
 
 
 def build_parser() -> argparse.ArgumentParser:

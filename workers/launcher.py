@@ -349,7 +349,8 @@ _FLAG_KEYS = {f.name for f in fields(SystemConfig)} - {"serve_args", "max_restar
                                                        "device", "start_timeout_s"}
 _PASSTHROUGH = {"tls_cert": "--tls-cert", "tls_key": "--tls-key", "tls_ca": "--tls-ca",
                 "metrics_port": "--metrics-port", "grace_s": "--grace-s",
-                "lookup_memo_mib": "--lookup-memo-mib"}
+                "lookup_memo_mib": "--lookup-memo-mib",
+                "walk_segment_blocks": "--walk-segment-blocks"}
 
 
 class ConfigError(Exception):

@@ -143,6 +143,23 @@ def _traced_bytes(n_blocks: int, pool_blocks: int) -> tuple[int, int]:
     return grown, len(st.objects)
 
 
+def _segment_bytes_per_entry(n_blocks: int) -> float:
+    """What certified runs add per prefix entry once every run of a prefix is certified and
+    packed (the segments, their packed records, the entries' registrations), traced."""
+    st, hashes = _filled_state(n_blocks, config=StateConfig(memo_capacity=0))
+    req = LookupRequest(PackedHashes.of(hashes))
+    st.lookup(req)  # rows built, runs seen once
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.take_snapshot()
+    for _ in range(2):
+        st.lookup(req)  # certified, then packed from the segments
+    gc.collect()
+    after = tracemalloc.take_snapshot()
+    tracemalloc.stop()
+    return sum(s.size_diff for s in after.compare_to(before, "filename")) / len(st.index)
+
+
 def _bytes_per_object(n_blocks: int) -> float:
     """Marginal metadata bytes per tracked object: the slope between two fill sizes, so the
     fixed-size parts (bounded transition log, pools sized by capacity) do not count."""
@@ -159,6 +176,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     look = _lookup_figures(n, repeat, number)
     hashing = _hash_figures(n, repeat, number)
     per_object = _bytes_per_object(n)
+    per_entry_segments = _segment_bytes_per_entry(n)
     return {
         "name": "core",
         "quick": quick,
@@ -174,6 +192,8 @@ def run(quick: bool = False) -> dict[str, Any]:
             "chained_hash_us": hashing["chained_hash_s"] * 1e6,
             "chained_hash_us_per_1k_blocks": hashing["chained_hash_s"] * 1e6 * 1000 / n,
             "metadata_bytes_per_object": per_object,
+            # derived, not part of the per-object figure: what certified runs add per entry
+            "segment_bytes_per_entry": per_entry_segments,
         },
         "baseline": {
             "one_group_dict_walk_us": look["dict_walk_s"] * 1e6,

@@ -259,6 +259,6 @@ class PrefixEntry:
     row: bytes | None = None
     # Lookup memos and walk segments computed through this entry (core/memo.py,
     # core/segments.py); summarise drops them too.
-    memos: list[Memo | Segment] | None = None
+    memos: tuple[Memo | Segment, ...] | None = None
     # The walk segment of the run of blocks this entry ends, if it ends one (segments.py).
     segment: Segment | None = None

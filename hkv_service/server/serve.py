@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from hkv_service.core.admission import AdmissionCap
-from hkv_service.core.errors import SpecError
+from hkv_service.core.errors import InvalidInput, SpecError
 from hkv_service.core.state_view import CacheState, StateConfig
 from hkv_service.specs import resolve_spec
 
@@ -122,6 +122,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         admission=AdmissionCap(args.max_inflight_objects, args.max_inflight_bytes),
         heartbeat_timeout_s=args.heartbeat_timeout_s,
         memo_max_bytes=args.lookup_memo_mib << 20,
+        segment_blocks=args.walk_segment_blocks,
     )
     return ServeConfig(server, state, args.spec, metrics_port, args.grace_s)
 
@@ -138,7 +139,11 @@ def _start(cfg: ServeConfig) -> tuple[Service, Any]:
         spec = resolve_spec(cfg.spec_path)
     except SpecError as err:
         raise UsageError(f"--spec: {err}") from None
-    service = build_service(cfg.server, CacheState(spec, cfg.state))
+    try:
+        state = CacheState(spec, cfg.state)
+    except InvalidInput as err:  # a setting the spec cannot take (the segment size)
+        raise UsageError(f"--walk-segment-blocks: {err}") from None
+    service = build_service(cfg.server, state)
     metrics = (start_metrics(service.state, cfg.server.host, cfg.metrics_port)
                if cfg.metrics_port else None)
     service.server.start()

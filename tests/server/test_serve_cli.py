@@ -40,6 +40,9 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     (("--tls-allowed-cn", "worker"), "--tls-allowed-cn needs mTLS"),
     (("--max-inflight-objects", "0"), "must be at least 1"),
     (("--lookup-memo-mib", "-1"), "--lookup-memo-mib must not be negative"),
+    (("--walk-segment-blocks", "3"), "--walk-segment-blocks: segment_blocks must be 0 (off) "
+                                     "or a positive multiple of 2"),
+    (("--walk-segment-blocks", "-2"), "--walk-segment-blocks: segment_blocks must be 0"),
 ])
 def test_bad_flags_exit_2_with_one_sentence(args: tuple[str, ...], phrase: str) -> None:
     out = _run(*args)
@@ -53,8 +56,15 @@ SERVE_FLAGS = (
     "--host", "--port", "--metrics-port", "--data-dir", "--spec", "--auth-token-file",
     "--tls-cert", "--tls-key", "--tls-ca", "--tls-allowed-cn", "--insecure",
     "--heartbeat-timeout-s", "--grace-s", "--max-inflight-objects", "--max-inflight-bytes",
-    "--lookup-memo-mib",
+    "--lookup-memo-mib", "--walk-segment-blocks",
 )
+
+
+def test_segment_default_is_the_cores() -> None:
+    """The CLI keeps its own copy of the default (--help stays fast): they must agree."""
+    from hkv_service import cli
+    from hkv_service.core.segments import DEFAULT_SEGMENT_BLOCKS
+    assert cli.DEFAULT_SEGMENT_BLOCKS == DEFAULT_SEGMENT_BLOCKS
 
 
 def _serve_parser_flags() -> set[str]:
