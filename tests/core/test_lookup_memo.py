@@ -154,15 +154,21 @@ def test_same_last_hash_other_prefix_is_not_a_hit(prefix) -> None:
     assert m.usable_tokens == 0 and _same(m, _fresh(st, LookupRequest(forged)))
 
 
-def test_malformed_hashes_are_refused_even_when_a_memo_matches_their_bytes(prefix) -> None:
-    st, hs, _ = prefix
-    _memoised(st, LookupRequest(hs))
+def refuses_same_bytes_malformed(st: CacheState, hs: list[BlockHash]) -> None:
+    """Hashes whose bytes join to ``hs``'s (15 + 17 bytes first) are refused, changing
+    nothing, whatever was kept for ``hs`` (a memo, walk segments)."""
     joined = b"".join(hs)
-    odd = [BlockHash(joined[:15]), BlockHash(joined[15:32]), *hs[2:]]  # same bytes, 15 + 17
+    odd = [BlockHash(joined[:15]), BlockHash(joined[15:32]), *hs[2:]]
     stats = st.stats()
     with pytest.raises(BadHash, match="16 bytes"):
         st.lookup(LookupRequest(odd))
     assert st.stats() == stats
+
+
+def test_malformed_hashes_are_refused_even_when_a_memo_matches_their_bytes(prefix) -> None:
+    st, hs, _ = prefix
+    _memoised(st, LookupRequest(hs))
+    refuses_same_bytes_malformed(st, hs)
 
 
 def test_packed_and_listed_hashes_get_the_same_answer(prefix) -> None:

@@ -8,28 +8,22 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from test_lookup_memo import CHANGES, S0, Ids, N, _same
+from test_lookup_memo import CHANGES, Ids, N, _same, _state, refuses_same_bytes_malformed
 
-from hkv_service.core.errors import BadHash, InvalidInput
+from hkv_service.core.errors import InvalidInput
 from hkv_service.core.funnel import LookupRequest, run_funnel
 from hkv_service.core.ids import BlockHash, PackedHashes
 from hkv_service.core.segments import Segment
 from hkv_service.core.state_view import CacheState, Match, StateConfig
 from hkv_service.specs import default_spec
-from hkv_service.testing import commit_prefix, pools_for, prompt_hashes
+from hkv_service.testing import commit_prefix, prompt_hashes
 
 SEG = 4  # N = 40 blocks: 10 runs
 
 
-def _state(seg: int = SEG) -> CacheState:
-    st = CacheState(default_spec(), StateConfig(memo_capacity=0, segment_blocks=seg))
-    st.register_owner(S0, pools_for(st.layout, 2 * N + 8))
-    return st
-
-
 @pytest.fixture
 def prefix() -> tuple[CacheState, list[BlockHash], Ids]:
-    st = _state()
+    st = _state(memo_capacity=0, segment_blocks=SEG)
     hs = prompt_hashes(st.spec, N)
     return st, hs, commit_prefix(st, hs)
 
@@ -134,12 +128,7 @@ def test_forged_hashes_before_a_runs_last_block_miss(prefix) -> None:
 def test_malformed_hashes_are_refused_even_when_a_run_matches_their_bytes(prefix) -> None:
     st, hs, _ = prefix
     _certified(st, LookupRequest(hs))
-    joined = b"".join(hs)
-    odd = [BlockHash(joined[:15]), BlockHash(joined[15:32]), *hs[2:]]  # same bytes, 15 + 17
-    stats = st.stats()
-    with pytest.raises(BadHash, match="16 bytes"):
-        st.lookup(LookupRequest(odd))
-    assert st.stats() == stats
+    refuses_same_bytes_malformed(st, hs)
 
 
 def test_a_dropped_segment_lets_go_of_its_entries(prefix) -> None:
