@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -259,6 +259,6 @@ class PrefixEntry:
     row: bytes | None = None
     # Lookup memos and walk segments computed through this entry (core/memo.py,
     # core/segments.py); summarise drops them too.
-    memos: tuple[Memo | Segment, ...] | None = None
+    memos: tuple[Memo | Segment, ...] | None = field(default=None, repr=False)
     # The walk segment of the run of blocks this entry ends, if it ends one (segments.py).
-    segment: Segment | None = None
+    segment: Segment | None = field(default=None, repr=False)

@@ -28,7 +28,7 @@ import functools
 import operator
 import struct
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .ids import BLOCK_HASH_BYTES, BlockHash, PackedHashes
@@ -45,11 +45,11 @@ _GATE = operator.attrgetter("gate")
 
 @dataclass(slots=True, eq=False)
 class Segment:
-    hashes: bytes  # the run's hashes, packed
-    entries: tuple[PrefixEntry, ...]
+    hashes: bytes = field(repr=False)  # the run's hashes, packed
+    entries: tuple[PrefixEntry, ...] = field(repr=False)  # (entries point back here)
     gate: int  # the least gate among the entries when it was built
     # per monotone column, the run's packed handle records (packed by the state view)
-    cols: tuple[bytes, ...] | None = None
+    cols: tuple[bytes, ...] | None = field(default=None, repr=False)
     live: bool = True
 
     def drop(self) -> None:
@@ -110,9 +110,12 @@ def _blocks(index: Mapping[BlockHash, PrefixEntry], hashes: Sequence[BlockHash],
 
 def _certify(end: PrefixEntry, hashes: bytes, run: list[PrefixEntry]) -> Segment | None:
     """A run just walked whole: remember it the first time, certify it the second."""
-    if end.segment is None:
+    old = end.segment
+    if old is None:
         end.segment = _SEEN
         return None
+    if old.live:  # another run ends here (orphans after a restart): one segment per entry
+        old.drop()
     seg = Segment(hashes, tuple(run), min(map(_GATE, run)))
     register(seg, run)
     end.segment = seg

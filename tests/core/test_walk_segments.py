@@ -10,9 +10,11 @@ from dataclasses import replace
 import pytest
 from test_lookup_memo import CHANGES, Ids, N, _same, _state, refuses_same_bytes_malformed
 
+from hkv_service.core import segments
 from hkv_service.core.errors import InvalidInput
 from hkv_service.core.funnel import LookupRequest, run_funnel
 from hkv_service.core.ids import BlockHash, PackedHashes
+from hkv_service.core.records import PrefixEntry
 from hkv_service.core.segments import Segment
 from hkv_service.core.state_view import CacheState, Match, StateConfig
 from hkv_service.specs import default_spec
@@ -159,3 +161,22 @@ def test_a_segment_is_recertified_after_its_run_is_whole_again(prefix) -> None:
 def test_segment_size_is_checked(bad: int) -> None:
     with pytest.raises(InvalidInput, match="segment_blocks"):
         CacheState(default_spec(), StateConfig(segment_blocks=bad))
+
+
+def test_two_paths_to_one_entry_do_not_pile_segments_on_it() -> None:
+    """Two runs ending at the same entry (orphans re-confirmed after a restart can do that):
+    walks alternating between them certify each in turn, and the one replaced is dropped,
+    not left live and registered on the shared entry forever."""
+    end = PrefixEntry(BlockHash(b"E" * 16), None, 3, [], gate=1)
+    index = {end.block_hash: end}
+    paths = []
+    for tag in (b"a", b"b"):
+        hashes = [BlockHash(tag * 15 + bytes([i])) for i in range(3)]
+        index.update({h: PrefixEntry(h, None, i, [], gate=1) for i, h in enumerate(hashes)})
+        paths.append(b"".join([*hashes, end.block_hash]))
+    for _ in range(10):
+        for data in paths:
+            entries, _ = segments.walk(index, data, 4, 1, 4)
+            assert len(entries) == 4
+    assert end.memos is not None and sum(m.live for m in end.memos) <= 1
+    assert len(end.memos) <= 4
