@@ -180,3 +180,13 @@ def test_two_paths_to_one_entry_do_not_pile_segments_on_it() -> None:
             assert len(entries) == 4
     assert end.memos is not None and sum(m.live for m in end.memos) <= 1
     assert len(end.memos) <= 4
+
+
+def test_segments_of_another_size_are_not_taken(prefix) -> None:
+    """Runs certified at one size are never taken by walks at another (a view whose config
+    was swapped): the walk goes block by block there, and the answer is the same."""
+    st, hs, _ = prefix
+    _certified(st, LookupRequest(hs))
+    st.config = replace(st.config, segment_blocks=2 * SEG)
+    for _ in range(3):
+        assert _same(st.lookup(LookupRequest(hs)), _blockwise(st, LookupRequest(hs)))
