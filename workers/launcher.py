@@ -30,6 +30,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from hkv_service.core.admission import AdmissionCap
+from hkv_service.core.segments import DEFAULT_SEGMENT_BLOCKS
 
 from .dataplane import DataPlane
 from .shard import ShardActor, ShardConfig
@@ -62,6 +63,8 @@ class SystemConfig:
     disk_budget_bytes: int = 1 << 30
     max_inflight_objects: int = 64
     max_inflight_bytes: int = 256 << 20
+    lookup_memo_mib: int = 64
+    walk_segment_blocks: int = DEFAULT_SEGMENT_BLOCKS
     shards_per_node: int = 1
     address: str | None = None
     num_cpus: int | None = None
@@ -202,7 +205,9 @@ def serve_argv(config: SystemConfig) -> list[str]:
             "--port", str(config.port), "--data-dir", config.data_dir,
             "--heartbeat-timeout-s", str(config.heartbeat_timeout_s),
             "--max-inflight-objects", str(config.max_inflight_objects),
-            "--max-inflight-bytes", str(config.max_inflight_bytes)]
+            "--max-inflight-bytes", str(config.max_inflight_bytes),
+            "--lookup-memo-mib", str(config.lookup_memo_mib),
+            "--walk-segment-blocks", str(config.walk_segment_blocks)]
     if config.spec:
         argv += ["--spec", config.spec]
     if config.auth_token_file:
@@ -264,7 +269,9 @@ class _ServiceHost:
         token = (Path(config.auth_token_file).read_text().strip()
                  if config.auth_token_file else None)
         cap = AdmissionCap(config.max_inflight_objects, config.max_inflight_bytes)
-        settings = StateConfig(admission=cap, heartbeat_timeout_s=config.heartbeat_timeout_s)
+        settings = StateConfig(admission=cap, heartbeat_timeout_s=config.heartbeat_timeout_s,
+                               memo_max_bytes=config.lookup_memo_mib << 20,
+                               segment_blocks=config.walk_segment_blocks)
         state = CacheState(resolve_spec(config.spec), settings)
         self.service = build_service(ServerConfig(config.host, config.port, auth_token=token),
                                      state)
@@ -348,9 +355,7 @@ def reconcile_shards(system: System, emit: Emit) -> None:
 _FLAG_KEYS = {f.name for f in fields(SystemConfig)} - {"serve_args", "max_restarts", "num_cpus",
                                                        "device", "start_timeout_s"}
 _PASSTHROUGH = {"tls_cert": "--tls-cert", "tls_key": "--tls-key", "tls_ca": "--tls-ca",
-                "metrics_port": "--metrics-port", "grace_s": "--grace-s",
-                "lookup_memo_mib": "--lookup-memo-mib",
-                "walk_segment_blocks": "--walk-segment-blocks"}
+                "metrics_port": "--metrics-port", "grace_s": "--grace-s"}
 
 
 class ConfigError(Exception):

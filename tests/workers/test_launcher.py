@@ -84,11 +84,14 @@ def test_bad_config_exits_2_with_a_sentence(tmp_path: Path, text: str, needle: s
 
 def test_config_file_values_apply_and_flags_win(tmp_path: Path) -> None:
     from hkv_service.cli import build_parser
-    from workers.launcher import config_from_args
+    from workers.launcher import config_from_args, serve_argv
 
     cfg = tmp_path / "up.yaml"
     cfg.write_text("blocks-per-group: 32\nport: 7000\ngrace_s: 2.5\nlookup-memo-mib: 0\n")
     args = build_parser().parse_args(["up", "--config", str(cfg), "--port", "7100"])
     config = config_from_args(args)
     assert config.blocks_per_group == 32 and config.port == 7100
-    assert config.serve_args == ("--grace-s", "2.5", "--lookup-memo-mib", "0")
+    assert config.serve_args == ("--grace-s", "2.5") and config.lookup_memo_mib == 0
+    argv = serve_argv(config)  # the spawned service and the --address actor both get it
+    assert argv[argv.index("--lookup-memo-mib") + 1] == "0"
+    assert argv[argv.index("--walk-segment-blocks") + 1] == "64"
