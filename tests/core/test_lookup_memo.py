@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from dataclasses import replace
 
 import pytest
 
@@ -32,11 +33,15 @@ def _state(**memo: int) -> CacheState:
 
 
 def _fresh(st: CacheState, req: LookupRequest) -> Match:
+    """``req`` walked afresh, block by block: the memo and walk segments off."""
     capacity, st.memo.capacity = st.memo.capacity, 0
+    config = st.config
+    st.config = replace(config, segment_blocks=0)
     try:
         return st.lookup(req)
     finally:
         st.memo.capacity = capacity
+        st.config = config
 
 
 def _same(a: Match, b: Match) -> bool:
@@ -245,21 +250,25 @@ def test_disk_copy_at_rest_is_served_the_same(prefix) -> None:
     assert _same(st.lookup(req), _fresh(st, req)) and st.memo.hits == hits
 
 
-def test_concurrent_churn_never_serves_a_stale_handle() -> None:
-    """Threads look a hot prefix up (leased, so each handle can be checked while pinned)
-    while another evicts and rewrites objects on its path: every handle a memo-answered or
-    walked lookup returns is live under its lease, and the final answer is a fresh walk's."""
-    st = _state()
+@pytest.mark.parametrize("questions", [False, True], ids=["repeated", "questions"])
+@pytest.mark.parametrize("segments", [0, 4], ids=["blockwise", "segments"])
+def test_concurrent_churn_never_serves_a_stale_handle(questions: bool, segments: int) -> None:
+    """Threads look a hot prefix up (leased, so each handle can be checked while pinned), or
+    ask new questions over it, while another evicts and rewrites objects on its path: every
+    handle a memo-answered or walked lookup returns (over certified runs too) is live under
+    its lease, and the final answers are a fresh walk's."""
+    st = _state(segment_blocks=segments)
     hs = prompt_hashes(st.spec, N)
     commit_prefix(st, hs)
-    req = LookupRequest(hs, lease_ttl_s=5)
+    asked = ([LookupRequest(_asking(hs, seed), lease_ttl_s=5) for seed in range(5)]
+             if questions else [LookupRequest(hs, lease_ttl_s=5)])
     stop = threading.Event()
     errors: list[BaseException] = []
 
     def reader() -> None:
         try:
-            for _ in range(60):
-                m = st.lookup(req)
+            for i in range(60):
+                m = st.lookup(asked[i % len(asked)])
                 for column in m.handles.values():
                     for h in column:
                         st.check_read(h, m.lease_id)
@@ -288,8 +297,9 @@ def test_concurrent_churn_never_serves_a_stale_handle() -> None:
     mutator.join(30)
     assert not errors, errors[0]
     assert st.memo.hits > 0  # the memo answered some of them
-    final = st.lookup(LookupRequest(hs))
-    assert _same(final, _fresh(st, LookupRequest(hs)))
+    for req in asked:
+        final = st.lookup(replace(req, lease_ttl_s=0))
+        assert _same(final, _fresh(st, replace(req, lease_ttl_s=0)))
 
 
 # ---- a walk that stops at a miss answers what its prefix alone would -------------------------

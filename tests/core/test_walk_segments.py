@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from test_lookup_memo import CHANGES, Ids, N, _same, _state, refuses_same_bytes_malformed
+from test_lookup_memo import CHANGES, Ids, N, _fresh, _same, _state, refuses_same_bytes_malformed
 
 from hkv_service.core import segments
 from hkv_service.core.errors import InvalidInput
@@ -28,16 +28,6 @@ def prefix() -> tuple[CacheState, list[BlockHash], Ids]:
     st = _state(memo_capacity=0, segment_blocks=SEG)
     hs = prompt_hashes(st.spec, N)
     return st, hs, commit_prefix(st, hs)
-
-
-def _blockwise(st: CacheState, req: LookupRequest) -> Match:
-    """The same lookup walked block by block (segments off)."""
-    config = st.config
-    st.config = replace(config, segment_blocks=0)
-    try:
-        return st.lookup(req)
-    finally:
-        st.config = config
 
 
 def _runs(st: CacheState, req: LookupRequest) -> list[Segment | None]:
@@ -60,11 +50,11 @@ def test_certified_runs_answer_like_the_blockwise_walk(prefix) -> None:
     req = LookupRequest(hs)
     m = _certified(st, req)
     assert m.usable_tokens == N * 64
-    assert _same(m, _blockwise(st, req))
+    assert _same(m, _fresh(st, req))
     # packed and listed hashes, handles or not, shorter resumes: all the same as block by block
     for r in (LookupRequest(PackedHashes.of(hs)), LookupRequest(hs, handles=False),
               LookupRequest(hs, resume_tokens=17 * 64), LookupRequest(hs[:23])):
-        assert _same(st.lookup(r), _blockwise(st, r))
+        assert _same(st.lookup(r), _fresh(st, r))
 
 
 def test_a_run_walked_once_is_not_certified(prefix) -> None:
@@ -81,7 +71,7 @@ def test_any_change_in_a_run_uncertifies_it(prefix, change, handles: bool) -> No
     req = LookupRequest(hs, handles=handles)
     _certified(st, req)
     change(st, hs, ids)
-    assert _same(st.lookup(req), _blockwise(st, req))
+    assert _same(st.lookup(req), _fresh(st, req))
 
 
 def test_evicted_block_inside_a_run_stops_the_walk_there(prefix) -> None:
@@ -91,7 +81,7 @@ def test_evicted_block_inside_a_run_stops_the_walk_there(prefix) -> None:
     _certified(st, req)
     st.evict(ids[(13, "c4")])  # run [12, 16)
     m = st.lookup(req)
-    assert m.matched_tokens == 13 * 64 and _same(m, _blockwise(st, req))
+    assert m.matched_tokens == 13 * 64 and _same(m, _fresh(st, req))
     runs = _runs(st, req)
     assert len(runs) == 3 and all(r is not None and r.live for r in runs)  # earlier runs stand
 
@@ -101,7 +91,7 @@ def test_alignment_above_a_runs_gate_walks_block_by_block(prefix) -> None:
     _certified(st, LookupRequest(hs))
     for align in (4096, 1 << 20):
         req = LookupRequest(hs, alignment=align)
-        assert _same(st.lookup(req), _blockwise(st, req))
+        assert _same(st.lookup(req), _fresh(st, req))
     assert st.lookup(LookupRequest(hs, alignment=1 << 20)).usable_tokens == 0
 
 
@@ -114,7 +104,7 @@ def test_another_prompt_through_the_runs_takes_them_whole(prefix) -> None:
     runs = _runs(st, req)
     assert len(runs) == 7 and all(r is not None for r in runs)
     m = st.lookup(req)
-    assert m.matched_tokens == 30 * 64 and _same(m, _blockwise(st, req))
+    assert m.matched_tokens == 30 * 64 and _same(m, _fresh(st, req))
 
 
 def test_forged_hashes_before_a_runs_last_block_miss(prefix) -> None:
@@ -124,7 +114,7 @@ def test_forged_hashes_before_a_runs_last_block_miss(prefix) -> None:
     _certified(st, LookupRequest(hs))
     forged = [*hs[:5], BlockHash(b"\x01" * 16), *hs[6:]]
     m = st.lookup(LookupRequest(forged))
-    assert m.matched_tokens == 5 * 64 and _same(m, _blockwise(st, LookupRequest(forged)))
+    assert m.matched_tokens == 5 * 64 and _same(m, _fresh(st, LookupRequest(forged)))
 
 
 def test_malformed_hashes_are_refused_even_when_a_run_matches_their_bytes(prefix) -> None:
@@ -154,7 +144,7 @@ def test_a_segment_is_recertified_after_its_run_is_whole_again(prefix) -> None:
     st.lookup(req)  # a dropped segment is rebuilt by the next whole walk
     runs = _runs(st, req)
     assert all(r is not None and r.live for r in runs)
-    assert _same(st.lookup(req), _blockwise(st, req))
+    assert _same(st.lookup(req), _fresh(st, req))
 
 
 @pytest.mark.parametrize("bad", [-2, 3, 5])
@@ -189,4 +179,4 @@ def test_segments_of_another_size_are_not_taken(prefix) -> None:
     _certified(st, LookupRequest(hs))
     st.config = replace(st.config, segment_blocks=2 * SEG)
     for _ in range(3):
-        assert _same(st.lookup(LookupRequest(hs)), _blockwise(st, LookupRequest(hs)))
+        assert _same(st.lookup(LookupRequest(hs)), _fresh(st, LookupRequest(hs)))
