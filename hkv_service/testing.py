@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import xxhash
 
 from .core.allocator import PoolConfig
 from .core.hashing import ExtraKeys, hash_blocks
@@ -64,6 +65,13 @@ def commit_prefix(
             if version is not None:
                 state.transition(a.handle.object_id, Event.INDEXER_SYNC, Params(version=version))
     return ids
+
+
+def question(doc: Sequence[BlockHash], seed: int, n_blocks: int) -> list[BlockHash]:
+    """A new question over the document ``doc``: its hashes, then ``n_blocks`` the cache
+    never held (distinct for each ``seed``)."""
+    return [*doc, *(BlockHash(xxhash.xxh3_128_digest(b"question %d.%d" % (seed, j)))
+                    for j in range(n_blocks))]
 
 
 def prompt_hashes(spec: CacheSpec, n_blocks: int, seed: int = 0) -> list[BlockHash]:

@@ -27,7 +27,7 @@ from ..core.hashing import ExtraKeys, hash_blocks, naive_hash_blocks
 from ..core.ids import BlockHash, PackedHashes, ShardId
 from ..core.state_view import CacheState, StateConfig
 from ..specs import default_spec
-from ..testing import commit_prefix, pools_for
+from ..testing import commit_prefix, pools_for, question
 from .timing import best_of
 
 __all__ = ["run"]
@@ -60,9 +60,8 @@ def _question_figure(n_blocks: int, repeat: int, number: int) -> float:
     request not seen before: the stop found by bisection, the document's memo answers."""
     st, hashes = _filled_state(n_blocks, n_blocks + 32)
     doc = hashes[: n_blocks - 16]
-    questions = iter([LookupRequest(PackedHashes.of(doc + [
-        BlockHash(xxhash.xxh3_128_digest(b"%d.%d" % (i, j))) for j in range(16)]))
-        for i in range(2 + repeat * number)])
+    questions = iter([LookupRequest(PackedHashes.of(question(doc, i, 16)))
+                      for i in range(2 + repeat * number)])
     for _ in range(2):
         st.lookup(next(questions))  # seen, then kept
     hits = st.memo.hits

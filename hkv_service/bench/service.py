@@ -50,7 +50,6 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import grpc
-import xxhash
 
 from ..client import MetadataClient
 from ..core.funnel import LookupRequest
@@ -61,7 +60,7 @@ from ..server.app import ServerConfig, Service, build_service
 from ..server.codec import encode_lookup
 from ..server.servicer import MetadataServicer
 from ..specs import default_spec
-from ..testing import commit_prefix, pools_for, prompt_hashes
+from ..testing import commit_prefix, pools_for, prompt_hashes, question
 from .lockstats import LockStats, TimedLock
 from .timing import percentile, samples
 
@@ -257,9 +256,8 @@ def _questions(hashes: list[BlockHash], n: int, count: int) -> list[bytes]:
     serialized: ``n`` hashes each, whose last ``QUESTION_BLOCKS`` the cache never held; no two
     the same (no reply is replayed)."""
     doc = hashes[: n - QUESTION_BLOCKS]
-    return [_batch_bytes([LookupRequest(
-        doc + [BlockHash(xxhash.xxh3_128_digest(b"q%d.%d" % (i, j)))
-               for j in range(QUESTION_BLOCKS)])]) for i in range(count)]
+    return [_batch_bytes([LookupRequest(question(doc, i, QUESTION_BLOCKS))])
+            for i in range(count)]
 
 
 def _each(endpoint: str, method: str, payloads: list[bytes]) -> Callable[[], object]:
@@ -380,7 +378,7 @@ def run(quick: bool = False) -> dict[str, Any]:
             lat["lookup2048_match_only_p50_s"] / lat["lookup2048_echo_p50_s"],
         "lookup1_vs_echo_latency": lat["lookup1_service_p50_s"] / lat["lookup1_echo_p50_s"],
         # a new question over a cached 2,032-block document, each call a request never seen
-        # before: walked to the miss (certified runs), answered from the document's memo
+        # before: the miss bisected for, answered from the document's memo
         "lookup2048_question_vs_echo_latency":
             lat["lookup2048_question_p50_s"] / lat["lookup2048_echo_question_p50_s"],
         # walked and packed afresh every call, over runs walked before (memo off)

@@ -142,8 +142,6 @@ def run_funnel(
 def _packed(hashes: Sequence[BlockHash]) -> bytes | None:
     """The hashes as one bytes object, or None if one is malformed (the per-block walk then
     stops there and the length check names it)."""
-    if isinstance(hashes, PackedHashes):
-        return hashes.data
     try:
         return PackedHashes.of(hashes).data
     except BadHash:

@@ -99,7 +99,7 @@ def _equal(packed: bytes, hashes: Sequence[BlockHash], count: int | None) -> boo
 
 
 def _packed(hashes: Sequence[BlockHash]) -> bytes:
-    return hashes.data if isinstance(hashes, PackedHashes) else PackedHashes.of(hashes).data
+    return PackedHashes.of(hashes).data
 
 
 class LookupMemo:

@@ -634,8 +634,7 @@ class CacheState:
                 pinned = [r for recs in records.values() for r in recs]
                 if pinned:
                     lease_id = self.leases.open(pinned, now + req.lease_ttl_s).lease_id
-            columns = memo.columns if memo is not None else self._columns(
-                req, result, usable, records)
+            columns = memo.columns if memo is not None else self._columns(req, result, records)
             match = Match(
                 result.usable_tokens, result.matched_tokens, result.downgrades, lease_id,
                 dict(columns) if columns else {}, memo if lease_id is None else None,
@@ -702,14 +701,14 @@ class CacheState:
             return True
 
     def _columns(
-        self, req: LookupRequest, result: FunnelResult, usable: int,
+        self, req: LookupRequest, result: FunnelResult,
         records: dict[str, tuple[ObjRecord, ...]] | None,
     ) -> dict[str, HandleColumn] | None:
         """The match's packed handles (None: a match-only lookup). With a disk copy anywhere,
         per-record verdicts decide which copy serves each column."""
         if not req.handles:
             return None
-        entries = result.entries
+        entries, usable = result.entries, result.usable_tokens
         if not self._disk_records:
             return self._packed_columns(entries, usable, result.runs)
         if records is None:
@@ -811,7 +810,7 @@ class CacheState:
             if seg is not None:
                 if done < j * size:
                     pieces.append(self._grid_piece(entries, usable, done, j * size))
-                pieces.append(seg.cols or self._segment_cols(seg, j * size))
+                pieces.append(seg.cols or self._segment_cols(seg))
                 done = (j + 1) * size
         if done < n:
             pieces.append(self._grid_piece(entries, usable, done, n))
@@ -833,13 +832,12 @@ class CacheState:
             out.append(grid[first - lo : min(hi, depths.stop) - lo : depths.step, slot].tobytes())
         return tuple(out)
 
-    def _segment_cols(self, seg: Segment, lo: int) -> tuple[bytes, ...]:
+    def _segment_cols(self, seg: Segment) -> tuple[bytes, ...]:
         """A certified run's records per monotone column, packed on first use. The same for
-        every usable length past the run: runs start at multiples of the layout's period, so
-        the run seen from depth 0 selects the same rows as from ``lo``."""
+        every usable length past the run, wherever it starts: runs start at multiples of the
+        layout's period, so the run seen as depths ``[0, size)`` selects the same rows."""
         size = len(seg.entries)
-        seg.cols = cols = self._grid_piece(seg.entries, (lo + size) * self.layout.hash_block,
-                                           0, size)
+        seg.cols = cols = self._grid_piece(seg.entries, size * self.layout.hash_block, 0, size)
         return cols
 
     def _build_row(self, e: PrefixEntry) -> bytes:

@@ -19,7 +19,7 @@ from hkv_service.core.state_view import AllocRequest, CacheState, Match, StateCo
 from hkv_service.core.states import Event, State
 from hkv_service.core.transitions import Params
 from hkv_service.specs import default_spec
-from hkv_service.testing import commit_prefix, pools_for, prompt_hashes
+from hkv_service.testing import commit_prefix, pools_for, prompt_hashes, question
 
 N = 40  # >= the memo's default minimum of 32 blocks
 S0, S1 = ShardId("s0"), ShardId("s1")
@@ -306,7 +306,7 @@ def test_concurrent_churn_never_serves_a_stale_handle(questions: bool, segments:
 
 def _asking(hs: list[BlockHash], seed: int, n: int = 6) -> list[BlockHash]:
     """A new question over the cached prefix ``hs``: blocks the cache never held after it."""
-    return [*hs, *prompt_hashes(default_spec(), N + n, seed=seed)[N:]]
+    return question(hs, seed, n)
 
 
 def test_questions_over_a_cached_prefix_share_its_memo(prefix) -> None:
