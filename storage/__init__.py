@@ -7,7 +7,9 @@ Layers, each its own module::
       record              key and record format, header checksum, payload verification
       verify, helper      copy beside hash; the one helper thread (encode beside commit)
       codec               raw or zstd (only when it saves >= 10%)
-      lmdb_store          one LMDB env per owner: sync mode, map growth, error translation
+      lmdb_store          one LMDB env per owner: sync mode, map growth, error translation,
+                          damage found at open or while running -> set aside, start cold
+        envcheck          data.mdb against its meta pages before LMDB maps it (no SIGBUS)
 """
 
 from __future__ import annotations

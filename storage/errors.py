@@ -11,9 +11,11 @@
     │   └── DiskFull               byte budget, map size or the file system is full
     └── Unavailable
         └── StorageFailure         any other LMDB failure (env closed, used across fork ...)
+            └── StoreDamaged       the LMDB environment itself is damaged; it was set aside
 
 ``CorruptEntry`` is a ``NotFound`` on purpose: after the read it is quarantined, so for the
-caller it is a miss (recompute), never data. LMDB's own exceptions are translated to these in
+caller it is a miss (recompute), never data. ``StoreDamaged`` never leaves the tier: it turns it
+into a miss (or a retry on the fresh environment). LMDB's own exceptions are translated to these in
 exactly one place, :func:`storage.lmdb_store.translate`.
 """
 
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 from hkv_service.core.errors import ResourceExhausted, Unavailable, UnknownObject
 
-__all__ = ["CorruptEntry", "DiskFull", "NotOnDisk", "StorageFailure"]
+__all__ = ["CorruptEntry", "DiskFull", "NotOnDisk", "StorageFailure", "StoreDamaged"]
 
 
 class NotOnDisk(UnknownObject):
@@ -41,3 +43,13 @@ class DiskFull(ResourceExhausted):
 
 class StorageFailure(Unavailable):
     pass
+
+
+class StoreDamaged(StorageFailure):
+    """A transaction met damage in the environment's own structure (a page LMDB cannot use,
+    a truncated file). ``generation``: the environment it was met in (see DiskStore.reset)."""
+
+    def __init__(self, message: str, reason: str, generation: int) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.generation = generation

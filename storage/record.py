@@ -7,25 +7,31 @@ Key (``DiskKey.to_bytes``), hash first so one prefix's objects sit together::
     [24, 25)  object kind code (KIND_CODES)
     [25, ..)  cache group name, UTF-8 (1..MAX_GROUP_BYTES bytes)
 
-A record is two values under its key, written in one transaction: the 64-byte header
-(little-endian) at the end of the key's ``index`` entry, and the stored payload, alone, in
+A record is two values under its key, written in one transaction: the 72-byte header
+(little-endian), which is the key's whole ``index`` entry, and the stored payload, alone, in
 ``records``. Apart, so the payload goes into LMDB straight from the caller's buffer: one
 copy, as a bare put makes (joined, every offload paid a second copy of the payload to lay
 the header before it, ~10% of a put)::
 
     [0, 4)    magic b"HKVR"         [24, 40)  xxh3-128 of the RAW payload
-    [4, 5)    format version (2)    [40, 48)  ABI fingerprint (must equal the key's)
+    [4, 5)    format version (3)    [40, 48)  ABI fingerprint (must equal the key's)
     [5, 6)    codec (RAW | ZSTD)    [48, 56)  created, ns since the epoch
-    [6, 7)    kind code             [56, 64)  xxh3-64 of key bytes + header[0, 56)
-    [7, 8)    reserved, 0
+    [6, 7)    kind code             [56, 64)  last used, ns since the epoch
+    [7, 8)    reserved, 0           [64, 72)  xxh3-64 of key bytes + header[0, 64)
     [8, 16)   raw length
     [16, 24)  stored length: the payload value's exact length
+
+Every stored field is under the header checksum, so nothing the tier reads from disk is
+trusted unverified: not the sizes (the byte accounting is derived from them) and not the last
+use (the LRU order is). Format 2 kept last use, record size and raw length in 24 unchecked
+bytes before a 64-byte header; one flipped bit there made evictions fail forever.
 
 Verification, always, on every read: the header checksum (covers every header field and
 binds the record to its key, so a flip in the header *or in the checksum field itself* is
 caught), then magic/version/codec/kind/ABI, then the payload's length, then the xxh3-128 of the raw
-bytes after decoding. Last-used time is not in the header: rewriting a 1 MiB record on each
-read would cost a write per get, so it lives in the tier's small ``index`` sub-database.
+bytes after decoding. A get does not rewrite the header (that would cost a write per read): it
+notes the use in memory, and the next write transaction reseals the header with the new last
+use (:func:`resealed`, only over a header that verified).
 """
 
 from __future__ import annotations
@@ -54,23 +60,25 @@ __all__ = [
     "Encoded",
     "Header",
     "RecordMeta",
+    "check_entry",
     "check_header",
     "encode_record",
     "header_of",
     "load_batch",
     "load_bytes",
     "load_into",
+    "resealed",
 ]
 
 MAGIC = b"HKVR"
-FORMAT_VERSION = 2  # 1: the header led the payload in one value
+FORMAT_VERSION = 3  # 1: the header led the payload in one value; 2: unsealed index fields
 MAX_GROUP_BYTES = 255
 KIND_CODES: dict[str, int] = {"COMPRESSED": 1, "TAIL": 2, "SWA": 3, "INDEXER": 4}
 _KIND_NAMES = {code: name for name, code in KIND_CODES.items()}
 _KEY_FIXED = struct.Struct(">16sQB")
-HEADER = struct.Struct("<4sBBBBQQ16sQQQ")
-_CHECKED = HEADER.size - 8  # the header checksum covers header[0, 56)
-assert HEADER.size == 64
+HEADER = struct.Struct("<4sBBBBQQ16sQQQQ")
+_CHECKED = HEADER.size - 8  # the header checksum covers header[0, 64)
+assert HEADER.size == 72
 _CODECS = (Codec.RAW, Codec.ZSTD)
 
 
@@ -115,6 +123,7 @@ class Header(NamedTuple):
     checksum: bytes  # xxh3-128 of the raw payload
     abi_fingerprint: int
     created_ns: int
+    last_used_ns: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,11 +166,20 @@ def encode_record(key: DiskKey, view: memoryview, now_ns: int,
     checksum = xxhash.xxh3_128_digest(view)
     codec, stored = compress(view, streak)
     fields = (MAGIC, FORMAT_VERSION, codec, KIND_CODES[key.kind], 0, len(view), len(stored),
-              checksum, key.abi_fingerprint, now_ns)
-    unsealed = HEADER.pack(*fields, 0)
-    sealed = xxhash.xxh3_64_intdigest(key.to_bytes() + unsealed[:_CHECKED])
+              checksum, key.abi_fingerprint, now_ns, now_ns)
     meta = RecordMeta(key, codec, len(view), len(stored), checksum, now_ns, now_ns)
-    return Encoded(HEADER.pack(*fields, sealed), stored, meta)
+    return Encoded(_sealed(key.to_bytes(), fields), stored, meta)
+
+
+def _sealed(key_bytes: bytes, fields: tuple[Any, ...]) -> bytes:
+    """The header of ``fields`` (HEADER order, without the checksum), sealed to its key."""
+    unsealed = HEADER.pack(*fields, 0)
+    return HEADER.pack(*fields, xxhash.xxh3_64_intdigest(key_bytes + unsealed[:_CHECKED]))
+
+
+def resealed(key_bytes: bytes, fields: tuple[Any, ...], last_used_ns: int) -> bytes:
+    """The header of ``fields`` (from :func:`check_entry`: verified) with a new last use."""
+    return _sealed(key_bytes, (*fields[:F_LAST_USED], last_used_ns))
 
 
 def _corrupt(key_bytes: bytes, reason: str, detail: str) -> CorruptEntry:
@@ -175,12 +193,13 @@ def _corrupt(key_bytes: bytes, reason: str, detail: str) -> CorruptEntry:
 
 def header_of(fields: tuple[Any, ...]) -> Header:
     """The :class:`Header` of fields :func:`check_header` passed."""
-    _, _, codec, kind, _, raw_len, stored_len, checksum, abi, created, _ = fields
-    return Header(_CODECS[codec], _KIND_NAMES[kind], raw_len, stored_len, checksum, abi, created)
+    _, _, codec, kind, _, raw_len, stored_len, checksum, abi, created, last_used, _ = fields
+    return Header(_CODECS[codec], _KIND_NAMES[kind], raw_len, stored_len, checksum, abi, created,
+                  last_used)
 
 
-# Positions in check_header's tuple (HEADER order) that the per-get path reads.
-F_CODEC, F_RAW_LEN, F_CHECKSUM = 2, 5, 7
+# Positions in check_header's tuple (HEADER order) that the per-get path and the catalog read.
+F_CODEC, F_RAW_LEN, F_STORED_LEN, F_CHECKSUM, F_LAST_USED = 2, 5, 6, 7, 10
 
 
 def check_header(key_bytes: bytes, header: memoryview, stored_len: int) -> tuple[Any, ...]:
@@ -189,10 +208,20 @@ def check_header(key_bytes: bytes, header: memoryview, stored_len: int) -> tuple
 
     On every get, so it is kept lean: one unpack, no intermediate copies, no enum call.
     """
+    fields = check_entry(key_bytes, header)
+    if stored_len != fields[F_STORED_LEN]:
+        raise _corrupt(key_bytes, "length", f"a payload of {stored_len} bytes, header says "
+                       f"{fields[F_STORED_LEN]}")
+    return fields
+
+
+def check_entry(key_bytes: bytes, header: memoryview | bytes) -> tuple[Any, ...]:
+    """:func:`check_header` without the payload: the header's own checks (checksum, format,
+    key binding, codec lengths). What the catalog trusts for sizes and last use."""
     if len(header) != HEADER.size:
         raise _corrupt(key_bytes, "short", f"a header of {len(header)} bytes, not {HEADER.size}")
     fields = HEADER.unpack_from(header)
-    magic, version, codec, kind, _, raw_len, stored, _, abi, _, sealed = fields
+    magic, version, codec, kind, _, raw_len, stored, _, abi, _, _, sealed = fields
     if sealed != xxhash.xxh3_64_intdigest(key_bytes + header[:_CHECKED]):
         raise _corrupt(key_bytes, "header_checksum", "header checksum mismatch")
     _, key_abi, key_kind = _KEY_FIXED.unpack_from(key_bytes)
@@ -200,9 +229,8 @@ def check_header(key_bytes: bytes, header: memoryview, stored_len: int) -> tuple
         raise _corrupt(key_bytes, "format", f"unknown magic/version/codec {magic!r}/{version}")
     if abi != key_abi or kind != key_kind:
         raise _corrupt(key_bytes, "key_mismatch", "record ABI or kind differs from its key")
-    if stored_len != stored or (codec == Codec.RAW and raw_len != stored):
-        raise _corrupt(key_bytes, "length", f"a payload of {stored_len} bytes, header says "
-                       f"{stored}")
+    if codec == Codec.RAW and raw_len != stored:
+        raise _corrupt(key_bytes, "length", f"a raw record of {raw_len} bytes stores {stored}")
     return fields
 
 

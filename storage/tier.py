@@ -25,6 +25,15 @@ Theory of operation.
 * Restart: everything but counters is in LMDB. :meth:`DiskTier.scan` lists what the tier
   holds (verifying headers, or whole records with ``verify=True``) so the metadata service
   can re-register it.
+* Damage: opening checks the environment (:mod:`storage.lmdb_store`) and audits the catalog
+  (:meth:`Catalog.audit`): index entries that fail their checksum are quarantined and
+  counted, lru and the byte counter are rebuilt from the verified entries, and a key no
+  writer of ours makes (a page of garbage) sets the environment aside like any other damage.
+  A store of another record format is set aside as "retired" (never read: its bytes would
+  all fail verification, and its objects can be recomputed). An environment found damaged
+  while running is replaced by an empty one; the call that met it gets a miss (CorruptEntry
+  with reason ``env_damaged``; ``contains`` False, ``scan`` ends, ``delete`` False) or, for a
+  put, one retry in the fresh environment. Counted in ``damaged_envs`` / ``retired_envs``.
 
 All methods are thread-safe. LMDB serialises writers; readers run in parallel.
 """
@@ -32,6 +41,7 @@ All methods are thread-safe. LMDB serialises writers; readers run in parallel.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -39,16 +49,16 @@ from concurrent.futures import Future
 from concurrent.futures import wait as wait_for
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import lmdb
 
 from hkv_service.core.admission import AdmissionCap, AdmissionGate, AdmissionStats, Ticket
 from hkv_service.core.errors import HkvError, InvalidInput
 
-from .catalog import QUARANTINE_KEEP, Catalog, IndexEntry
+from .catalog import QUARANTINE_KEEP, Catalog, Removal
 from .codec import ProbeStreak, as_byte_view
-from .errors import CorruptEntry, DiskFull, NotOnDisk, StorageFailure
+from .errors import CorruptEntry, DiskFull, NotOnDisk, StoreDamaged
 from .helper import run_beside
 from .lmdb_store import DiskStore, StoreConfig
 from .record import (
@@ -66,6 +76,9 @@ from .record import (
 )
 
 __all__ = ["DiskTier", "TierStats"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 MiB = 1 << 20
 READ_BATCH = 64
@@ -95,6 +108,8 @@ class TierStats:
     budget_bytes: int
     map_size: int
     admission: AdmissionStats
+    damaged_envs: int = 0  # environments set aside as damaged (at open or while running)
+    retired_envs: int = 0  # stores of another record format, set aside unread
 
 
 class _Clock:
@@ -136,29 +151,69 @@ class DiskTier:
         self.gate = cap if isinstance(cap, AdmissionGate) else AdmissionGate(cap)
         # Copy-on-write pages and the free list need room beside the budgeted bytes.
         map_max = map_size_max or 2 * budget_bytes + 64 * MiB
-        self._store = DiskStore(path, StoreConfig(min(map_size_initial, map_max), map_max))
+        self._store = DiskStore(path, StoreConfig(min(map_size_initial, map_max), map_max),
+                                on_create=_stamp_format)
         self._catalog = Catalog(self._store.dbs)
-        self._check_format(path)
         self._on_evict = on_evict
         self._lock = threading.Lock()  # guards _touched, _counts, _closed and the clock
-        with self._store.read() as txn:
-            self._clock = _Clock(self._catalog.latest_tick(txn), self._lock)
         self._touched: dict[bytes, int] = {}
         self._counts = dict.fromkeys(("puts", "gets", "corruption", "quarantined", "evicted"), 0)
         self._closed = False
         # (group, kind) -> when to stop sampling its payloads for compression (codec.py)
         self._streaks: dict[tuple[str, str], ProbeStreak] = {}
+        try:
+            self._clock = _Clock(self._opened(), self._lock)
+        except BaseException:
+            self._store.close()
+            raise
 
-    def _check_format(self, path: str | Path) -> None:
-        """Refuse a store written in another record format, before anything reads it."""
+    def _opened(self) -> int:
+        """Check the format and audit the catalog of the store just opened (an empty one in
+        its place if either sets it aside); returns its latest LRU tick."""
+        for _ in range(3):  # damage met here resets the store: audit the fresh one
+            try:
+                self._check_format()
+                self._audit()
+                with self._store.read() as txn:
+                    return self._catalog.latest_tick(txn)
+            except StoreDamaged:
+                continue
+        raise StoreDamaged("the disk tier keeps meeting damage in a fresh environment",
+                           "unusable", self._store.generation)
+
+    def _check_format(self) -> None:
+        """Set aside, unread, a store written in another record format: read as this format
+        its records would all fail verification, and its objects can be recomputed."""
+        with self._store.read() as txn:
+            damage = self._catalog.meta_problem(txn)
+            generation = self._store.generation
+        if damage is not None:  # the format stamp itself cannot be trusted
+            self._store.reset(damage, "damaged", generation)
+            raise StoreDamaged(damage, damage, generation)
         found = self._store.write(lambda txn: self._catalog.format_version(txn, FORMAT_VERSION))
         if found != FORMAT_VERSION:
-            self._store.close()
-            raise StorageFailure(
-                f"the disk tier at {path} holds records in format {found}; this version "
-                f"reads format {FORMAT_VERSION} only. Its objects can be recomputed: move "
-                "the directory away (or delete it) and start again"
-            )
+            self._store.reset(f"records in format {found}; this version reads format "
+                              f"{FORMAT_VERSION} only", "retired")
+
+    def _audit(self) -> None:
+        """Verify every index entry and the derived lru and byte counter; repair what is
+        wrong (counting quarantined entries as corruption). A malformed key sets the store
+        aside as damaged (raises StoreDamaged once it is reset)."""
+        with self._store.read() as txn:
+            found = self._catalog.audit(txn)
+            generation = self._store.generation
+        if found.damage is not None:
+            self._store.reset(found.damage, "damaged", generation)
+            raise StoreDamaged(found.damage, found.damage, generation)
+        if found.clean:
+            return
+        self._store.write(lambda txn: self._catalog.repair(txn, found, time.time_ns()))
+        bad = len(found.corrupt) + len(found.orphans) + len(found.hollow)
+        self._bump(corruption=bad, quarantined=len(found.corrupt) + len(found.orphans))
+        log.warning("disk tier at %s: %d records failed verification at open and were "
+                    "quarantined or dropped; lru and byte counter rebuilt (%d lru keys wrong, "
+                    "counter %d, verified %d)", self._store.path, bad, found.lru_wrong,
+                    found.used_stored, found.used_verified)
 
     # -- writes -------------------------------------------------------------------------
 
@@ -268,17 +323,21 @@ class DiskTier:
         """One write transaction for ``batch``; its ticket is returned either way. ``then``
         runs inside it once the records are put, just before the commit syncs."""
         touched = self._take_touched()
+        need = sum(record.size for record in batch.encoded)
         try:
-            evicted = self._store.write(
-                lambda txn: self._commit_batch(txn, batch, touched, then),
-                need_bytes=sum(record.size for record in batch.encoded),
-            )
+            try:
+                evicted, corrupt = self._store.write(
+                    lambda txn: self._commit_batch(txn, batch, touched, then), need)
+            except StoreDamaged:  # the store is empty and sound again: the batch goes there
+                touched = {}
+                evicted, corrupt = self._store.write(
+                    lambda txn: self._commit_batch(txn, batch, {}, then), need)
         except BaseException:
             self._restore_touched(touched)
             raise
         finally:
             self.gate.release(batch.ticket)
-        self._bump(puts=len(batch.encoded), evicted=len(evicted))
+        self._bump(puts=len(batch.encoded), evicted=len(evicted), corruption=corrupt)
         metas = [record.meta for record in batch.encoded]
         metas[-1] = replace(metas[-1], evicted=evicted)
         return metas
@@ -291,46 +350,62 @@ class DiskTier:
         return streak
 
     def _commit_batch(self, txn: lmdb.Transaction, batch: _Batch, touched: dict[bytes, int],
-                      then: Callable[[], None] | None = None) -> tuple[DiskKey, ...]:
+                      then: Callable[[], None] | None = None) -> tuple[tuple[DiskKey, ...], int]:
+        """Replace, evict and insert; returns the evicted keys and how many removed entries
+        failed verification."""
         self._apply_touched(txn, touched)
         # A key given twice in one batch: the later record wins, as if put one after the other.
         latest = {record.meta.key.to_bytes(): record for record in batch.encoded}
-        for kb in latest:  # replaced records go first: their bytes make room too
-            self._catalog.remove(txn, kb)
+        removed = [self._catalog.remove(txn, kb) for kb in latest]  # their bytes make room too
         total = sum(record.size for record in latest.values())
-        evicted = self._make_room(txn, total, set(latest))
+        evicted, corrupt = self._make_room(txn, total, set(latest))
         for kb, record in latest.items():
-            entry = IndexEntry(record.meta.last_used_ns, record.size, record.meta.raw_len)
-            self._catalog.insert(txn, kb, record.header, record.stored, entry)
+            self._catalog.insert(txn, kb, record.header, record.stored, record.meta.last_used_ns)
         self._catalog.add_used(txn, total)
         if evicted and self._on_evict is not None:
             self._on_evict(tuple(evicted))
         if then is not None:
             then()
-        return tuple(evicted)
+        return tuple(evicted), corrupt + removed.count(Removal.CORRUPT)
 
-    def _make_room(self, txn: lmdb.Transaction, nbytes: int, keep: set[bytes]) -> list[DiskKey]:
+    def _make_room(self, txn: lmdb.Transaction, nbytes: int, keep: set[bytes]
+                   ) -> tuple[list[DiskKey], int]:
+        """Evict oldest first until ``nbytes`` more fit; returns the evicted keys and how many
+        of them failed verification (removed all the same, never trusted for sizes)."""
         evicted: list[DiskKey] = []
+        corrupt = 0
         while self._catalog.used_bytes(txn) + nbytes > self.budget_bytes:
-            victim = self._catalog.oldest(txn)
-            if victim is None or victim in keep:
+            oldest = self._catalog.oldest(txn)
+            if oldest is None or oldest[1] in keep:
                 raise DiskFull(
                     f"batch does not fit the disk tier budget of {self.budget_bytes} bytes"
                 )
-            self._catalog.remove(txn, victim)
+            lru_key, victim = oldest
+            removal = self._catalog.remove(txn, victim)
+            if removal is Removal.ABSENT:  # an lru key naming no record: damage, drop it
+                self._catalog.drop_lru(txn, lru_key)
+                continue
+            corrupt += removal is Removal.CORRUPT
             evicted.append(DiskKey.from_bytes(victim))
-        return evicted
+        return evicted, corrupt
 
     def delete(self, key: DiskKey) -> bool:
-        """Remove ``key``'s record; True if there was one."""
+        """Remove ``key``'s record; True if there was one (False after damage reset the
+        tier: it holds nothing then)."""
         kb = key.to_bytes()
         touched = self._take_touched()
 
-        def run(txn: lmdb.Transaction) -> bool:
+        def run(txn: lmdb.Transaction) -> Removal:
             self._apply_touched(txn, touched)
-            return self._catalog.remove(txn, kb) is not None
+            return self._catalog.remove(txn, kb)
 
-        return self._store.write(run)
+        try:
+            removal = self._store.write(run)
+        except StoreDamaged:
+            return False
+        if removal is Removal.CORRUPT:
+            self._bump(corruption=1)
+        return removal is not Removal.ABSENT
 
     # -- last-use notes -----------------------------------------------------------------
 
@@ -359,8 +434,12 @@ class DiskTier:
     # -- reads --------------------------------------------------------------------------
 
     def contains(self, key: DiskKey) -> bool:
-        with self._store.read() as txn:
-            return self._catalog.raw_len(txn, key.to_bytes()) is not None
+        """Whether ``key`` has a record (unverified: a get may still find it corrupt)."""
+        try:
+            with self._store.read() as txn:
+                return self._catalog.has(txn, key.to_bytes())
+        except StoreDamaged:
+            return False
 
     def get(self, key: DiskKey, wait_s: float = 0.0) -> bytes:
         """The verified raw bytes of ``key``. Raises NotOnDisk, CorruptEntry, AdmissionRefused."""
@@ -405,6 +484,20 @@ class DiskTier:
         """
         kbs = [key.to_bytes() for key in keys]
         results: list[Any] = []
+        try:
+            self._read_batches(kbs, dests, wait_s, results)
+        except StoreDamaged as exc:  # reset already: nothing is stored any more, a miss
+            raise CorruptEntry(
+                f"the disk tier's environment was found damaged ({exc.reason}) and was set "
+                "aside; the tier started cold: treat as a miss and recompute",
+                "env_damaged",
+            ) from exc
+        self._note_uses(kbs)
+        return results
+
+    def _read_batches(self, kbs: list[bytes], dests: list[memoryview | None], wait_s: float,
+                      results: list[Any]) -> None:
+        """The loop of :meth:`_read_many`: append every key's verified load to ``results``."""
         while len(results) < len(kbs):
             start = len(results)
             end = min(start + READ_BATCH, len(kbs))
@@ -418,12 +511,14 @@ class DiskTier:
                 self._batch_read(kbs[start:end], dests[start:end], results, None)
             finally:
                 self.gate.release(ticket)
-        self._note_uses(kbs)
-        return results
 
     def _raw_sizes(self, kbs: list[bytes]) -> list[int]:
-        with self._store.read() as txn:
-            sizes = [self._catalog.raw_len(txn, kb) for kb in kbs]
+        try:
+            with self._store.read() as txn:
+                sizes = [self._catalog.raw_len(txn, kb) for kb in kbs]
+        except CorruptEntry as exc:
+            self._quarantine(exc.key, exc.reason)
+            raise
         for kb, size in zip(kbs, sizes, strict=True):
             if size is None:
                 raise _missing(kb)
@@ -474,6 +569,8 @@ class DiskTier:
     def _quarantine(self, kb: bytes, reason: str) -> None:
         """Move a record that failed verification to quarantine, unless it was replaced."""
         self._bump(corruption=1)
+        if not kb:  # no key to move (LMDB refuses an empty one, as it refuses damage)
+            return
 
         def run(txn: lmdb.Transaction) -> bool:
             found = self._catalog.record(txn, kb)
@@ -484,7 +581,11 @@ class DiskTier:
             self._catalog.quarantine(txn, kb, kept, reason, self._clock.now())
             return True
 
-        if self._store.write(run):
+        try:
+            moved = self._store.write(run)
+        except StoreDamaged:
+            return  # the store was reset: the record is gone with it
+        if moved:
             self._bump(quarantined=1)
 
     # -- index rebuild ------------------------------------------------------------------
@@ -494,11 +595,15 @@ class DiskTier:
 
         Headers are always verified; ``verify=True`` also checks every payload checksum.
         Records that fail are quarantined and counted, and not yielded. Reads in chunks of
-        short snapshots, so a slow consumer never pins old pages.
+        short snapshots, so a slow consumer never pins old pages. Ends early when damage
+        resets the tier (it holds nothing then).
         """
         start = b""
         while True:
-            metas, bad, start_next = self._scan_chunk(start, verify)
+            try:
+                metas, bad, start_next = self._scan_chunk(start, verify)
+            except StoreDamaged:
+                return
             for kb, reason in bad:
                 self._quarantine(kb, reason)
             yield from metas
@@ -511,7 +616,7 @@ class DiskTier:
         metas: list[RecordMeta] = []
         bad: list[tuple[bytes, str]] = []
         with self._store.read() as txn:
-            for kb, entry, raw_header, payload in self._catalog.iter_records(txn, start):
+            for kb, raw_header, payload in self._catalog.iter_records(txn, start):
                 if len(metas) + len(bad) == SCAN_CHUNK:
                     return metas, bad, kb
                 try:
@@ -522,10 +627,9 @@ class DiskTier:
                     bad.append((kb, exc.reason))
                     continue
                 header = header_of(fields)
-                last_used = entry.last_used_ns if entry else header.created_ns
                 metas.append(RecordMeta(DiskKey.from_bytes(kb), header.codec, header.raw_len,
                                         header.stored_len, header.checksum, header.created_ns,
-                                        last_used))
+                                        header.last_used_ns))
         return metas, bad, None
 
     # -- introspection and lifetime -----------------------------------------------------
@@ -535,31 +639,47 @@ class DiskTier:
             for name, delta in deltas.items():
                 self._counts[name] += delta
 
+    def _read_sound(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        """``fn`` in a read snapshot; after damage (the store reset) once more, in the fresh
+        environment."""
+        try:
+            with self._store.read() as txn:
+                return fn(txn)
+        except StoreDamaged:
+            with self._store.read() as txn:
+                return fn(txn)
+
     def stats(self) -> TierStats:
-        with self._store.read() as txn:
-            entries = self._catalog.counts(txn)["records"]
-            used = self._catalog.used_bytes(txn)
+        entries, used = self._read_sound(
+            lambda txn: (self._catalog.counts(txn)["records"], self._catalog.used_bytes(txn)))
         with self._lock:
             counts = dict(self._counts)
+        labels = [aside.label for aside in self._store.set_aside]
         return TierStats(counts["puts"], counts["gets"], counts["corruption"],
                          counts["quarantined"], counts["evicted"], entries, used,
-                         self.budget_bytes, self._store.map_size, self.gate.stats())
+                         self.budget_bytes, self._store.map_size, self.gate.stats(),
+                         labels.count("damaged"), labels.count("retired"))
 
     def quarantine_count(self) -> int:
-        with self._store.read() as txn:
-            return self._catalog.counts(txn)["quarantine"]
+        return self._read_sound(lambda txn: self._catalog.counts(txn)["quarantine"])
 
     def check_integrity(self) -> list[str]:
         """Problems with the catalog invariants (see ``storage.catalog``); empty if sound."""
-        with self._store.read() as txn:
-            index = self._catalog.index_items(txn)
-            lru = self._catalog.lru_keys(txn)
-            records = {kb for kb, _, _, _ in self._catalog.iter_records(txn, b"")}
-            used = self._catalog.used_bytes(txn)
+        return self._read_sound(self._integrity)
+
+    def _integrity(self, txn: lmdb.Transaction) -> list[str]:
+        index = self._catalog.index_items(txn)
+        verified = {kb: entry for kb, entry in index.items() if entry is not None}
+        lru = set(self._catalog.lru_keys(txn))
+        records = {kb for kb, _, _ in self._catalog.iter_records(txn, b"")}
+        used = self._catalog.used_bytes(txn)
         problems = []
-        if set(index) != records or sorted(lru) != sorted(index):
+        if len(verified) < len(index):
+            problems.append(f"{len(index) - len(verified)} index entries fail verification")
+        if set(index) != records or lru != {Catalog.lru_key(kb, entry)
+                                            for kb, entry in verified.items()}:
             problems.append("records, index and lru hold different key sets")
-        if used != sum(entry.record_bytes for entry in index.values()):
+        if used != sum(entry.record_bytes for entry in verified.values()):
             problems.append(f"used_bytes {used} differs from the sum of record sizes")
         if used > self.budget_bytes:
             problems.append(f"used_bytes {used} exceeds the budget {self.budget_bytes}")
@@ -582,6 +702,11 @@ class DiskTier:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _stamp_format(txn: lmdb.Transaction, dbs: dict[str, Any]) -> None:
+    """Mark a new environment as holding records of this format (DiskStore's on_create)."""
+    Catalog(dbs).format_version(txn, FORMAT_VERSION)
 
 
 def _writable(out: Any) -> memoryview:

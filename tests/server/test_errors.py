@@ -229,10 +229,13 @@ STORAGE_CODES: dict[type[E.HkvError], grpc.StatusCode] = {
     S.CorruptEntry: C.NOT_FOUND,  # quarantined on read: a miss (recompute), never data
     S.DiskFull: C.RESOURCE_EXHAUSTED,
     S.StorageFailure: C.UNAVAILABLE,  # retryable
+    S.StoreDamaged: C.UNAVAILABLE,  # handled inside the tier (it starts cold); if it escaped
 }
 
 
 def _instance(cls: type[E.HkvError]) -> E.HkvError:
+    if cls is S.StoreDamaged:
+        return S.StoreDamaged("x", "truncated", 1)
     return S.CorruptEntry("x", "checksum") if cls is S.CorruptEntry else cls("x")
 
 

@@ -21,8 +21,8 @@ import pytest
 from storage import CorruptEntry, DiskFull, DiskKey, DiskTier, NotOnDisk
 from storage.verify import VERIFY_CHUNK
 
-# Offsets inside the 64-byte header (see storage/record.py).
-RAW_LEN_FIELD, RAW_CHECKSUM_FIELD, HEADER_CHECKSUM_FIELD = 9, 30, 60
+# Offsets inside the 72-byte header (see storage/record.py).
+RAW_LEN_FIELD, RAW_CHECKSUM_FIELD, LAST_USED_FIELD, HEADER_CHECKSUM_FIELD = 9, 30, 60, 68
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"  # every zstd frame starts with it
 
 
@@ -32,6 +32,7 @@ ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"  # every zstd frame starts with it
         ("payload", "payload_checksum"),
         ("header", "header_checksum"),
         ("raw_checksum", "header_checksum"),
+        ("last_used", "header_checksum"),
         ("header_checksum", "header_checksum"),
         ("zstd_payload", "zstd"),
     ],
@@ -57,13 +58,17 @@ def test_bit_flip_in_data_file_is_detected_and_quarantined(
         h.flip_bit(data, start + (5000 if where == "payload" else 40), bit=3)
     else:  # the header lives in a leaf page of its own sub-database
         field = {"header": RAW_LEN_FIELD, "raw_checksum": RAW_CHECKSUM_FIELD,
-                 "header_checksum": HEADER_CHECKSUM_FIELD}[where]
+                 "last_used": LAST_USED_FIELD, "header_checksum": HEADER_CHECKSUM_FIELD}[where]
         _flip_every_copy(data, header, field, bit=3)
 
     tier = tier_factory()
-    with pytest.raises(CorruptEntry) as err:
-        tier.get(victim)
-    assert err.value.reason == reason
+    if where in ("payload", "zstd_payload"):  # found by the get that verifies the payload
+        with pytest.raises(CorruptEntry) as err:
+            tier.get(victim)
+        assert err.value.reason == reason
+    else:  # found at open: the catalog audit verifies every index entry
+        assert tier.stats().corruption == 1 and not tier.contains(victim)
+    assert _quarantine_reasons(tier) == [reason]
     stats = tier.stats()
     assert (stats.corruption, stats.quarantined, tier.quarantine_count()) == (1, 1, 1)
     with pytest.raises(NotOnDisk):
@@ -107,6 +112,11 @@ def _payload_start(h: Any, data: Path, payload: bytes, where: str) -> int:
     if where != "zstd_payload":
         return int(h.find_once(data, payload[:64]))
     return int(h.find_once(data, ZSTD_MAGIC))  # the only compressed record in the file
+
+
+def _quarantine_reasons(tier: DiskTier) -> list[str]:
+    with tier._store.read() as txn, txn.cursor(db=tier._store.dbs["quarantine"]) as cur:
+        return [bytes(value).split(b"\0", 1)[0].decode() for value in cur.iternext(keys=False)]
 
 
 def _stored_header(tier: DiskTier, key: DiskKey) -> bytes:

@@ -260,34 +260,44 @@ def test_header_abi_or_kind_differing_from_the_key_is_corrupt(written_for: DiskK
     _check(written_for.to_bytes(), memoryview(honest))
 
 
+def _forge(txn: lmdb.Transaction, records: Any, index: Any, key: DiskKey,
+           forged: bytes) -> None:
+    """Replace ``key``'s record (index entry = header, payload) by ``forged``, same length."""
+    honest = txn.get(key.to_bytes(), db=records)
+    assert honest is not None and len(honest) == len(forged) - HEADER.size
+    assert txn.get(key.to_bytes(), db=index) is not None  # the index entry is the header
+    txn.put(key.to_bytes(), forged[: HEADER.size], db=index)
+    txn.put(key.to_bytes(), forged[HEADER.size :], db=records)
+
+
+@pytest.mark.parametrize("when", ["at_rest", "while_open"])
 def test_stored_record_with_a_foreign_abi_header_is_quarantined_never_served(
-    tier_factory: Callable[..., DiskTier], h: Any, tmp_path: Path
+    tier_factory: Callable[..., DiskTier], h: Any, tmp_path: Path, when: str
 ) -> None:
     """On real LMDB: the record under key B (ABI 8) is replaced by one written for key A
-    (ABI 7), same length, header sealed for B. The tier refuses it and quarantines it."""
+    (ABI 7), same length, header sealed for B. The tier refuses it and quarantines it: at
+    open (the catalog audit verifies every index entry) or, forged under an open tier, at
+    the get."""
     key_a, key_b = h.make_key(1, abi=7), h.make_key(1, abi=8)
     payload = h.kv_bytes(4096, seed=1)
     tier = tier_factory()
     tier.put(key_b, h.kv_bytes(4096, seed=2))
     tier.put(h.make_key(2, abi=8), b"a neighbour")
-    tier.close()
     forged = _resealed_for(key_b, _value(key_a, payload, 5))
-    env = lmdb.open(str(tmp_path / "disk"), max_dbs=len(DB_NAMES))
-    with env.begin(write=True) as txn:
-        records = env.open_db(b"records", txn=txn)
-        index = env.open_db(b"index", txn=txn)
-        honest = txn.get(key_b.to_bytes(), db=records)
-        assert honest is not None and len(honest) == len(forged) - HEADER.size
-        entry = txn.get(key_b.to_bytes(), db=index)  # the index entry ends with the header
-        assert entry is not None
-        txn.put(key_b.to_bytes(), entry[: -HEADER.size] + forged[: HEADER.size], db=index)
-        txn.put(key_b.to_bytes(), forged[HEADER.size :], db=records)
-    env.close()
-
-    tier = tier_factory()
-    with pytest.raises(CorruptEntry) as err:
-        tier.get(key_b)
-    assert err.value.reason == "key_mismatch"
+    if when == "while_open":
+        dbs = tier._store.dbs
+        tier._store.write(lambda txn: _forge(txn, dbs["records"], dbs["index"], key_b, forged))
+        with pytest.raises(CorruptEntry) as err:
+            tier.get(key_b)
+        assert err.value.reason == "key_mismatch"
+    else:
+        tier.close()
+        env = lmdb.open(str(tmp_path / "disk"), max_dbs=len(DB_NAMES))
+        with env.begin(write=True) as txn:
+            _forge(txn, env.open_db(b"records", txn=txn), env.open_db(b"index", txn=txn),
+                   key_b, forged)
+        env.close()
+        tier = tier_factory()
     with pytest.raises(NotOnDisk):  # quarantined: a miss from now on, never the bytes
         tier.get(key_b)
     with pytest.raises(NotOnDisk):  # and the ABI it was written for was never stored

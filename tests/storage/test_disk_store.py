@@ -80,28 +80,46 @@ def test_forked_child_refuses_the_parents_env(tmp_path: Path) -> None:
     store.close()
 
 
-# -- record format: a store written in another format is refused, never misread ------------
+# -- record format: a store written in another format is set aside unread, never misread ----
 
 
-def test_a_store_from_another_record_format_is_refused(tmp_path: Path) -> None:
-    """Format 1 kept the header inside the record value; read as format 2 its records would
-    all fail verification. Opening says so instead, and touches nothing."""
+@pytest.mark.parametrize(("old_format", "headers_db"), [(1, False), (2, False), (2, True)])
+def test_a_store_from_another_record_format_is_set_aside_unread(
+    tmp_path: Path, old_format: int, headers_db: bool
+) -> None:
+    """Format 1 kept the header inside the record value, format 2 left three index fields
+    unsealed (early on, with a "headers" sub-database of its own); read as format 3 their
+    records would all fail verification. Opening moves the store aside as found (its objects
+    can be recomputed) and starts cold, instead of refusing to start the node."""
     path = tmp_path / "disk"
     DiskTier(path, 1 << 20, AdmissionCap()).close()  # stamps the current format
-    env = lmdb.open(str(path), max_dbs=len(DB_NAMES))
+    env = lmdb.open(str(path), max_dbs=len(DB_NAMES) + 1)
     with env.begin(write=True) as txn:
+        if headers_db:
+            txn.put(b"k" * 30, b"HKVR\x02", db=env.open_db(b"headers", txn=txn))
         meta = env.open_db(b"meta", txn=txn)
         records = env.open_db(b"records", txn=txn)
         assert txn.get(b"format", db=meta) == bytes([FORMAT_VERSION])
-        txn.delete(b"format", db=meta)  # as a format-1 store: records, no stamp
+        if old_format == 1:
+            txn.delete(b"format", db=meta)  # as a format-1 store: records, no stamp
+        else:
+            txn.put(b"format", bytes([old_format]), db=meta)
         txn.put(b"k" * 30, b"HKVR\x01" + bytes(100), db=records)
     env.close()
-    with pytest.raises(StorageFailure, match="format 1; this version reads format 2"):
-        DiskTier(path, 1 << 20, AdmissionCap())
-    env = lmdb.open(str(path), max_dbs=len(DB_NAMES))
-    with env.begin() as txn:  # left as found
+    with DiskTier(path, 1 << 20, AdmissionCap()) as tier:
+        stats = tier.stats()
+        assert (stats.retired_envs, stats.damaged_envs, stats.entries) == (1, 0, 0)
+        tier.put(DiskKey(b"\x01" * 16, "g", "SWA", 1), b"format 3")
+    (aside,) = (path / "set-aside").iterdir()
+    assert aside.name.endswith("-retired")
+    assert f"format {old_format}; this version reads format 3" in (aside / "REASON").read_text()
+    env = lmdb.open(str(aside), max_dbs=len(DB_NAMES), readonly=True, lock=False)
+    with env.begin() as txn:  # kept as found
         assert txn.get(b"k" * 30, db=env.open_db(b"records", txn=txn)) is not None
     env.close()
+    with DiskTier(path, 1 << 20, AdmissionCap()) as tier:  # the fresh store is stamped
+        assert tier.get(DiskKey(b"\x01" * 16, "g", "SWA", 1)) == b"format 3"
+        assert tier.stats().retired_envs == 0
 
 
 def test_a_new_store_is_stamped_and_reopens(tmp_path: Path) -> None:
