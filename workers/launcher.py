@@ -7,6 +7,12 @@ started it): nothing is left running. :func:`run_up` is the CLI around them::
     ray (local instance, or --address)  ->  metadata service (subprocess `hkv serve`, or a
     detached named Ray actor with --address)  ->  shards (node affinity, one per alive node)
     -> print the endpoint -> wait for SIGINT/SIGTERM -> stop
+
+SIGTERM and SIGINT both drain and exit 0: the service's health goes NOT_SERVING first, then
+the shards are stopped, then the service, then Ray (a local instance with all its processes).
+``ray.init`` installs its own SIGTERM handler (exit at once, ``hkv serve`` left running), so
+ours is put back right after it and re-asserted while waiting. The handler only sets an event;
+a second signal during the drain makes the waits shorter, never skips a step.
 """
 
 from __future__ import annotations
@@ -21,7 +27,8 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -30,7 +37,6 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from hkv_service.core.admission import AdmissionCap
-from hkv_service.core.segments import DEFAULT_SEGMENT_BLOCKS
 
 from .dataplane import DataPlane
 from .shard import ShardActor, ShardConfig
@@ -64,7 +70,7 @@ class SystemConfig:
     max_inflight_objects: int = 64
     max_inflight_bytes: int = 256 << 20
     lookup_memo_mib: int = 64
-    walk_segment_blocks: int = DEFAULT_SEGMENT_BLOCKS
+    walk_segment_blocks: int | None = None  # None: the spec's own default (segment_blocks_for)
     shards_per_node: int = 1
     address: str | None = None
     num_cpus: int | None = None
@@ -92,32 +98,55 @@ class System:
     def dataplane(self, timeout_s: float = 10.0) -> DataPlane:
         return DataPlane(self.metadata(), self.shards, timeout_s)
 
-    def stop(self, emit: Emit | None = None) -> None:
-        """Kill shards, stop the service, shut Ray down if we started it. Idempotent."""
+    def stop(self, emit: Emit | None = None, hurry: threading.Event | None = None) -> None:
+        """Drain and stop everything, each wait bounded; idempotent. Health NOT_SERVING first
+        (``hkv serve`` drains on SIGTERM; the actor is told), then shards (``shutdown`` then
+        ``ray.kill``), then the service (SIGKILL past its grace), then Ray if we started it,
+        with every process of it. ``hurry`` set (a second signal) cuts the waits short."""
         say = emit or (lambda _msg: None)
-        for sid, actor in list(self.shards.items()):
+        if self.service is not None and self.service.poll() is None:
+            self.service.send_signal(signal.SIGTERM)
+            say(f"metadata service (pid {self.service.pid}) draining: health NOT_SERVING")
+        if self.service_actor is not None:
             with contextlib.suppress(Exception):
-                ray.get(actor.shutdown.remote(), timeout=5)
+                _bounded_wait([self.service_actor.drain.remote()], 5.0, hurry)
+                say("metadata service draining: health NOT_SERVING")
+        shards = list(self.shards.items())
+        with contextlib.suppress(Exception):
+            _bounded_wait([actor.shutdown.remote() for _sid, actor in shards], 5.0, hurry)
+        for sid, actor in shards:
             with contextlib.suppress(Exception):
                 ray.kill(actor, no_restart=True)
             say(f"shard {sid} stopped")
         self.shards.clear()
         if self.service is not None:
-            _stop_process(self.service)
+            _stop_process(self.service, _serve_grace_s(self.config) + 5.0, hurry)
             say(f"metadata service (pid {self.service.pid}) stopped")
             self.service = None
         if self.service_actor is not None:
             with contextlib.suppress(Exception):
+                grace = _serve_grace_s(self.config)
+                _bounded_wait([self.service_actor.close.remote(grace)], grace + 5.0, hurry)
+            with contextlib.suppress(Exception):
                 ray.kill(self.service_actor, no_restart=True)
             self.service_actor = None
+            say("metadata service stopped")
         if self.ray_started and ray.is_initialized():
+            ours = _ray_processes()
             ray.shutdown()
+            _reap(ours, 1.0 if hurry is not None and hurry.is_set() else 5.0)
             self.ray_started = False
+            say("ray stopped")
 
 
-def start_system(config: SystemConfig, emit: Emit | None = None) -> System:
+def start_system(config: SystemConfig, emit: Emit | None = None,
+                 after_ray_init: Callable[[], None] | None = None) -> System:
+    """``after_ray_init`` runs as soon as Ray is up (``hkv up`` puts its signal handlers
+    back there: ``ray.init`` replaces them)."""
     say = emit or (lambda _msg: None)
     started = _init_ray(config)
+    if after_ray_init is not None:
+        after_ray_init()
     say(f"ray: {'started a local instance' if started else 'joined'} "
         f"({len(_alive_nodes())} node(s))")
     token = Path(config.auth_token_file).read_text().strip() if config.auth_token_file else None
@@ -206,8 +235,9 @@ def serve_argv(config: SystemConfig) -> list[str]:
             "--heartbeat-timeout-s", str(config.heartbeat_timeout_s),
             "--max-inflight-objects", str(config.max_inflight_objects),
             "--max-inflight-bytes", str(config.max_inflight_bytes),
-            "--lookup-memo-mib", str(config.lookup_memo_mib),
-            "--walk-segment-blocks", str(config.walk_segment_blocks)]
+            "--lookup-memo-mib", str(config.lookup_memo_mib)]
+    if config.walk_segment_blocks is not None:
+        argv += ["--walk-segment-blocks", str(config.walk_segment_blocks)]
     if config.spec:
         argv += ["--spec", config.spec]
     if config.auth_token_file:
@@ -248,14 +278,99 @@ def _await_listening(proc: subprocess.Popen[str], timeout_s: float) -> str:
     return found[0]
 
 
-def _stop_process(proc: subprocess.Popen[str], grace_s: float = 10.0) -> None:
+def _stop_process(proc: subprocess.Popen[str], grace_s: float = 10.0,
+                  hurry: threading.Event | None = None) -> None:
+    """SIGTERM (``hkv serve`` drains on it), wait up to ``grace_s`` (less once ``hurry`` is
+    set), then SIGKILL."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
+        deadline = time.monotonic() + grace_s
+        while proc.poll() is None and time.monotonic() < deadline:
+            if hurry is not None and hurry.is_set():
+                deadline = min(deadline, time.monotonic() + 1.0)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(0.2)
+        if proc.poll() is None:
             proc.kill()
-            proc.wait()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(5.0)
+
+
+def _serve_grace_s(config: SystemConfig) -> float:
+    """The service's own stop grace (``--grace-s``, passed through in ``serve_args``)."""
+    args = list(config.serve_args)
+    with contextlib.suppress(ValueError, IndexError):
+        return max(0.0, float(args[args.index("--grace-s") + 1]))
+    return 5.0
+
+
+def _bounded_wait(refs: list[Any], timeout_s: float, hurry: threading.Event | None) -> None:
+    """Wait for Ray calls to finish (their results or errors do not matter), at most
+    ``timeout_s``, or 1 s more once ``hurry`` is set."""
+    deadline = time.monotonic() + timeout_s
+    pending = refs
+    while pending:
+        if hurry is not None and hurry.is_set():
+            deadline = min(deadline, time.monotonic() + 1.0)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        _ready, pending = ray.wait(pending, num_returns=len(pending), timeout=min(0.25, left))
+
+
+# -- processes of a local Ray instance --------------------------------------------------------
+
+def _proc_stat(pid: int) -> tuple[int, str] | None:
+    """(ppid, start time) of a live process, from /proc; None if gone or a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields_ = stat[stat.rindex(")") + 2:].split()
+    if fields_[0] in ("Z", "X"):
+        return None
+    return int(fields_[1]), fields_[19]
+
+
+def _ray_processes() -> dict[int, str]:
+    """The processes of the local Ray instance this process started (gcs, raylet, agents and
+    every descendant of theirs: the workers), pid -> start time. Empty where unknown."""
+    roots: list[int] = []
+    with contextlib.suppress(Exception):
+        node = _ray._private.worker._global_node
+        for infos in node.all_processes.values():
+            roots += [info.process.pid for info in infos]
+    if not roots or not Path("/proc").is_dir():
+        return {}
+    table = {int(p.name): st for p in Path("/proc").iterdir() if p.name.isdigit()
+             if (st := _proc_stat(int(p.name))) is not None}
+    kids: dict[int, list[int]] = {}
+    for pid, (ppid, _start) in table.items():
+        kids.setdefault(ppid, []).append(pid)
+    found: dict[int, str] = {}
+    todo = [p for p in roots if p in table]
+    while todo:
+        pid = todo.pop()
+        if pid not in found:
+            found[pid] = table[pid][1]
+            todo += kids.get(pid, [])
+    return found
+
+
+def _reap(procs: Mapping[int, str], timeout_s: float) -> None:
+    """Wait up to ``timeout_s`` for ``procs`` (pid -> start time) to exit; SIGKILL the rest."""
+    def alive() -> Iterable[int]:
+        return [p for p, start in procs.items()
+                if (st := _proc_stat(p)) is not None and st[1] == start]
+
+    deadline = time.monotonic() + timeout_s
+    left = list(alive())
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = list(alive())
+    for pid in left:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
 
 
 class _ServiceHost:
@@ -282,6 +397,14 @@ class _ServiceHost:
     def _expire(self) -> None:
         while not self._stop.wait(1.0):
             self.service.state.expire_owners()
+
+    def drain(self) -> None:
+        """Health NOT_SERVING; RPCs are still answered until :meth:`close`."""
+        self.service.set_serving(False)
+
+    def close(self, grace_s: float) -> None:
+        self._stop.set()
+        self.service.stop(grace_s).wait(grace_s + 1.0)
 
     def endpoint(self) -> str:
         return f"{_ray.util.get_node_ip_address()}:{self.service.port}"
@@ -417,25 +540,61 @@ def run_up(args: argparse.Namespace) -> int:
         sys.stderr.write(f"hkv up: error: {exc}\n")
         return 2
     say = _printer()
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = _StopSignals()
+    stop.install()
     try:
-        system = start_system(config, say)
+        system = start_system(config, say, after_ray_init=stop.install)
     except Exception as exc:
         sys.stderr.write(f"hkv up: error: could not start: {exc}\n")
+        _shutdown_ray()
         return 1
+    except SystemExit:  # the signal came inside ray.init, to ray's handler: it exits
+        _shutdown_ray()
+        say("stopped")
+        return 0
+    stop.install()
     say(f"endpoint {system.endpoint}")
     code = _wait(system, stop, say)
     say("stopping")
-    system.stop(say)
+    system.stop(say, stop.hurry)
+    _shutdown_ray()  # --address: leave the cluster (shutting it down is not ours to do)
     say("stopped")
     return code
 
 
-def _wait(system: System, stop: threading.Event, say: Emit) -> int:
+class _StopSignals:
+    """The SIGTERM/SIGINT handler of ``hkv up``: it only sets events. The first signal asks
+    for the drain (``requested``), a later one for a faster drain (``hurry``)."""
+
+    def __init__(self) -> None:
+        self.requested = threading.Event()
+        self.hurry = threading.Event()
+
+    def __call__(self, signum: int, _frame: object) -> None:
+        if self.requested.is_set():
+            self.hurry.set()
+        self.requested.set()
+
+    def install(self) -> None:
+        """(Re)install for SIGTERM and SIGINT, where something (``ray.init``) replaced it."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            if signal.getsignal(sig) is not self:
+                signal.signal(sig, self)
+
+
+def _shutdown_ray() -> None:
+    with contextlib.suppress(Exception):
+        if ray.is_initialized():
+            ray.shutdown()
+
+
+def _wait(system: System, stop: _StopSignals, say: Emit) -> int:
+    """0 once a signal asks to stop; 1 if the service exits on its own."""
     ticks = 0
-    while not stop.wait(0.5):
+    while not stop.requested.wait(0.5):
+        stop.install()
         if system.service is not None and system.service.poll() is not None:
             sys.stderr.write("hkv up: error: the metadata service exited\n")
             return 1
