@@ -55,11 +55,11 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lookup-memo-mib", type=int, default=64,
                    help="memory for answers to repeated long lookups, kept until their prefix "
                         "changes (the lookup memo; 0 = off; default 64)")
-    p.add_argument("--walk-segment-blocks", type=int, default=DEFAULT_SEGMENT_BLOCKS,
+    p.add_argument("--walk-segment-blocks", type=int, default=None,
                    help="blocks per walk segment: runs of this many blocks walked whole twice "
                         "are taken whole by later lookups through them (a multiple of the "
-                        "spec's period, 2 for the reference spec; 0 = off; default "
-                        f"{DEFAULT_SEGMENT_BLOCKS})")
+                        "spec's period, 2 for the reference spec; 0 = off; default: the "
+                        f"first multiple of the period from {DEFAULT_SEGMENT_BLOCKS})")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -28,7 +28,7 @@ import numpy as np
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from hkv_service.core.errors import HkvError
+from hkv_service.core.errors import HkvError, UnknownGroup, WrongSize
 from hkv_service.core.hashing import content_version
 from hkv_service.core.ids import BlockHash, ShardId
 from hkv_service.core.layout import Layout
@@ -38,7 +38,15 @@ from hkv_service.core.states import Event, Kind, Reason, State
 from hkv_service.core.transitions import Params
 
 from .pool import HandleBatch
-from .ports import BlockTag, Commit, ItemResult, MetadataPort, Outcome
+from .ports import (
+    BlockTag,
+    Commit,
+    ItemResult,
+    MetadataPort,
+    Outcome,
+    commit_bytes,
+    payload_bytes,
+)
 
 __all__ = ["DataPlane", "Recompute", "WriteReport"]
 
@@ -177,7 +185,10 @@ class DataPlane:
         """Allocate, write and commit every block of a prefix. ``blocks[(depth, column)]`` is
         the bytes of a COMPRESSED/SWA/INDEXER block; ``tails[(depth, "<group>.tail")]`` is
         ``(bytes, raw tokens held)``; ``swa_ranges`` optionally narrows an SWA block's
-        ``[lo, hi)``. Objects already present are left alone (``existing``). A COMPRESSED
+        ``[lo, hi)``. Each block is exactly its object's bytes (``Layout.object_bytes``: a
+        tail its raw tokens, an SWA block its range, any other block whole), else WrongSize
+        is raised before anything is allocated. Objects already present are left alone
+        (``existing``). A COMPRESSED
         block's KV version is its content version (``hashing.content_version``): a block
         rewritten with the same bytes keeps the indexers and disk copies synced to it."""
         data: dict[Slot, tuple[Any, Commit]] = {}
@@ -185,6 +196,7 @@ class DataPlane:
             data[slot] = (arr, self._commit_for(slot, arr, (swa_ranges or {}).get(slot)))
         for slot, (arr, n) in (tails or {}).items():
             data[slot] = (arr, Commit((Event.TAIL_DONE,), (Params(tail_len=n),)))
+        self._check_sizes(data)
         report = WriteReport()
         slots = sorted(data)
         try:
@@ -223,6 +235,19 @@ class DataPlane:
                 second.append(s)
         self._write(block_hashes, second, data, report)
         return report
+
+    def _check_sizes(self, data: Mapping[Slot, tuple[Any, Commit]]) -> None:
+        """Raise WrongSize (nothing allocated yet) unless every block is exactly its object's
+        bytes: a tail its ``n`` raw tokens, an SWA block its range, any other block whole."""
+        for (depth, name), (arr, commit) in sorted(data.items()):
+            col = self.layout.by_name.get(name)
+            if col is None:
+                raise UnknownGroup(f"unknown column {name!r}; the spec has "
+                                   f"{sorted(self.layout.by_name)}")
+            want = commit_bytes(self.layout, col, depth, commit)
+            got = payload_bytes(arr)
+            if want != got:
+                raise WrongSize(f"{name!r} at depth {depth}", want or 0, got)
 
     def _commit_for(self, slot: Slot, arr: Any, swa: tuple[int, int] | None) -> Commit:
         kind = self.layout.columns[self.layout.by_name[slot[1]]].kind

@@ -10,9 +10,11 @@ Per physical block the pool keeps the generation and object id the metadata serv
 with the handle, and a readiness token::
 
     write(block, gen, data)   gen < current -> StaleWrite (a late writer never clobbers reuse)
-                              sets (gen, object) first, then copies; block "written"
+                              sets (gen, object, length) first, then copies and zeroes the
+                              rest of the block: it never shows an earlier occupant's bytes
     ready event completes  -> block "readable" (CUDA: side-stream event; CPU: at once)
-    read(block, gen)          (gen, object) re-checked right before the copy -> StaleRead
+    read(block, gen)          (gen, object) re-checked right before the copy -> StaleRead;
+                              exactly the ``length`` bytes written, never more
 
 "Written" and "readable" are distinct: a read waits for the block's copy event, so a caller
 never sees a half-finished device copy. Bytes cross process boundaries as numpy arrays.
@@ -147,6 +149,7 @@ class BlockPool:
         self.tensor = _allocate(num_blocks * self.stride, device)
         self.generation = np.zeros(num_blocks, dtype=np.int64)
         self.object_id = np.full(num_blocks, _EMPTY, dtype=np.int64)
+        self.length = np.zeros(num_blocks, dtype=np.int64)  # bytes the occupant wrote
         self._ready = [_DONE] * num_blocks
         self._stream = _cuda.Stream(device) if device.type == "cuda" else None
         # Host pools are read and written through one numpy view (no torch on the hot path).
@@ -163,7 +166,9 @@ class BlockPool:
     # -- writes ---------------------------------------------------------------------------
 
     def write(self, block: int, generation: int, data: Any, object_id: int = 0) -> None:
-        """Copy ``data`` (bytes-like or array, at most ``nbytes``) into ``block``.
+        """Copy ``data`` (bytes-like or array, 1 to ``nbytes`` bytes) into ``block``; the rest
+        of the block is zeroed and reads return exactly these bytes. The caller checked that
+        the size is its object's (``Layout.object_bytes``).
 
         Idempotent: writing the same generation and bytes twice is harmless. Raises StaleWrite
         for a generation older than the block's, or a different object at the same generation.
@@ -172,8 +177,9 @@ class BlockPool:
         """
         self._check_block(block)
         src = _as_bytes(data)
-        if src.size > self.nbytes:
-            raise ValueError(f"{src.size} bytes do not fit a {self.name!r} block of {self.nbytes}")
+        if not 0 < src.size <= self.nbytes:
+            raise ValueError(f"{src.size} bytes cannot be a {self.name!r} object: a block "
+                             f"holds 1 to {self.nbytes}")
         current = int(self.generation[block])
         holder = int(self.object_id[block])
         if generation < current or (
@@ -185,11 +191,13 @@ class BlockPool:
             )
         self.generation[block] = generation  # claim first: a racing reader now sees stale
         self.object_id[block] = object_id
+        self.length[block] = src.size
         self._copy_in(block, src)
 
     def _copy_in(self, block: int, src: Bytes) -> None:
         if self._host is not None:
             self._host[block, : src.size] = src
+            self._host[block, src.size : self.nbytes] = 0  # no earlier occupant's bytes
             self._ready[block] = _DONE
             return
         assert self._stream is not None
@@ -201,6 +209,7 @@ class BlockPool:
         start = block * self.stride
         with _cuda.stream(self._stream):
             self.tensor[start : start + src.size].copy_(staged, non_blocking=True)
+            self.tensor[start + src.size : start + self.nbytes].zero_()
             event = _cuda.Event()
             event.record(self._stream)
         self._ready[block] = _Ready(event)
@@ -228,11 +237,12 @@ class BlockPool:
         self._check_block(block)
         self._ready[block].wait()  # readable = the write's copy completed
         self.check(block, generation, object_id)
+        n = int(self.length[block])
         if self._host is not None:
-            view = self._host[block, : self.nbytes]
+            view = self._host[block, :n]
             return view.copy() if copy else view
         start = block * self.stride
-        out = self.tensor[start : start + self.nbytes].to("cpu")
+        out = self.tensor[start : start + n].to("cpu")
         self.check(block, generation, object_id)  # a write that raced the device copy
         return out.numpy()
 

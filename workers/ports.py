@@ -28,6 +28,7 @@ import numpy as np
 from hkv_service.core.allocator import PoolConfig
 from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.ids import BlockHash, LeaseId, ObjectId, ShardId
+from hkv_service.core.layout import Layout
 from hkv_service.core.records import Handle
 from hkv_service.core.spec import CacheSpec
 from hkv_service.core.state_view import (
@@ -37,7 +38,7 @@ from hkv_service.core.state_view import (
     ObjectReport,
     TransitionResult,
 )
-from hkv_service.core.states import Event
+from hkv_service.core.states import Event, Kind
 from hkv_service.core.transitions import Params
 
 __all__ = [
@@ -48,8 +49,11 @@ __all__ = [
     "MetadataPort",
     "Outcome",
     "PackedRead",
+    "commit_bytes",
     "decode_tagged",
     "encode_tagged",
+    "payload_bytes",
+    "tag_bytes",
 ]
 
 
@@ -173,6 +177,42 @@ class Commit:
 
     def params_at(self, i: int) -> Params | None:
         return self.params[i] if i < len(self.params) else None
+
+
+def commit_bytes(layout: Layout, column: int, depth: int | None,
+                 commit: Commit | None) -> int | None:
+    """Exactly the bytes a write of ``column`` committed with ``commit`` must carry
+    (:meth:`Layout.object_bytes`: an SWA block's range and a tail's length come from the
+    commit's parameters, the last given wins). None where that cannot be told: a range or a
+    tail length that needs the block's depth, and no depth known."""
+    lo = hi = tail_len = None
+    for i in range(len(commit.events) if commit else 0):
+        p = commit.params_at(i) if commit else None
+        if p is not None:
+            lo = p.lo if p.lo is not None else lo
+            hi = p.hi if p.hi is not None else hi
+            tail_len = p.tail_len if p.tail_len is not None else tail_len
+    kind = layout.columns[column].kind
+    if kind is Kind.SWA and lo is None and hi is None:
+        return layout.columns[column].nbytes  # the whole block: no depth needed
+    if kind is Kind.TAIL and tail_len is not None:
+        return layout.object_bytes(column, 0, tail_len=tail_len)
+    if kind in (Kind.SWA, Kind.TAIL) and depth is None:
+        return None
+    return layout.object_bytes(column, depth or 0, lo, hi, tail_len)
+
+
+def payload_bytes(data: Any) -> int:
+    """Bytes in a block's data: a numpy array, a torch tensor or anything bytes-like."""
+    nbytes = getattr(data, "nbytes", None)
+    return nbytes if isinstance(nbytes, int) else memoryview(data).nbytes
+
+
+def tag_bytes(layout: Layout, column: int, tag: BlockTag) -> int:
+    """Exactly the bytes of the object a disk record's tag describes (its payload's size)."""
+    if layout.columns[column].kind is Kind.TAIL:
+        return layout.object_bytes(column, tag.depth, tail_len=tag.hi)
+    return layout.object_bytes(column, tag.depth, tag.lo, tag.hi)
 
 
 TAG = struct.Struct("<4sBBH16sII QQQ Q")

@@ -50,6 +50,7 @@ from hkv_service.core.errors import (
     ResourceExhausted,
     StaleHandle,
     UnknownOwner,
+    WrongSize,
 )
 from hkv_service.core.ids import BlockHash, ObjectId, ShardId
 from hkv_service.core.layout import Layout
@@ -69,8 +70,11 @@ from .ports import (
     MetadataPort,
     Outcome,
     PackedRead,
+    commit_bytes,
     decode_tagged,
     encode_tagged,
+    payload_bytes,
+    tag_bytes,
 )
 
 __all__ = ["PACK_BELOW", "ShardActor", "ShardConfig"]
@@ -216,12 +220,30 @@ class ShardActor:
             for i, (slot, oid, gen, block, _) in enumerate(batch.rows.tolist()):
                 tag = tags[i] if tags else None
                 commit = commits[i] if commits else None
-                res = self._copy_in(groups[slot], block, gen, oid, arrays[i])
+                res = self._sized(batch.columns[slot][1], groups[slot], tag, commit, arrays[i])
+                if res is None:
+                    res = self._copy_in(groups[slot], block, gen, oid, arrays[i])
                 if res.ok and (tag is not None or commit is not None):
                     res = self._after_write(batch[i], tag, commit)
                 out.append(res)
             self._bump("writes", len(out))
             return out
+
+    def _sized(self, column: int, group: str, tag: BlockTag | None, commit: Commit | None,
+               data: Any) -> ItemResult | None:
+        """None if ``data`` is exactly its object's bytes; else the refusal. A short write
+        would be committed over a block whose rest is another object's."""
+        if not 0 <= column < len(self.layout.columns) or \
+                self.layout.columns[column].name != group:
+            return ItemResult(Outcome.FAILED, f"bad handle: column {column} is not {group!r}")
+        want = commit_bytes(self.layout, column, tag.depth if tag else None, commit)
+        got = payload_bytes(data)
+        if want is None:
+            return ItemResult(Outcome.FAILED, f"{group}: the object's size depends on its depth "
+                                              "or range: pass its tag or its commit")
+        if got != want:
+            return ItemResult(Outcome.FAILED, str(WrongSize(f"write of {group!r}", want, got)))
+        return None
 
     def _copy_in(self, group: str, block: int, generation: int, oid: int,
                  data: Any) -> ItemResult:
@@ -371,10 +393,10 @@ class ShardActor:
             else:
                 buf, base = len(buffers), 0
                 buffers.append(data)
-            stride, nbytes = pool.stride, pool.nbytes
+            stride, length = pool.stride, pool.length
             for i, blk in zip(items[lo:hi], b[lo:hi].tolist(), strict=True):
-                if spans[i] is _UNREAD:
-                    spans[i] = (buf, base + (blk - first) * stride, nbytes)
+                if spans[i] is _UNREAD:  # exactly the object's bytes, never the block's rest
+                    spans[i] = (buf, base + (blk - first) * stride, int(length[blk]))
         return buffers
 
     def _stale(self, spans: list[tuple[int, int, int] | ItemResult], pool: BlockPool,
@@ -583,8 +605,9 @@ class ShardActor:
             if isinstance(record, Exception):
                 raise record
             tag, payload = decode_tagged(block_hash, record)
-            if len(payload) != mh.nbytes:
-                raise ValueError(f"payload is {len(payload)} bytes, object has {mh.nbytes}")
+            want = tag_bytes(self.layout, mh.column, tag)
+            if len(payload) != want:
+                raise ValueError(f"payload is {len(payload)} bytes, its object has {want}")
         except (CorruptEntry, ValueError) as exc:
             self._bump("corrupt")
             self._commit(mh.object_id, Event.MARK_CORRUPT)

@@ -10,7 +10,10 @@ document's memo answers), and a repeated lookup of an unchanged prefix answered 
 Baselines measured in the same run: a plain prefix walk over one group's ``dict`` of block
 hashes (what a single-group prefix cache does), the textbook chained-hash loop, and an
 unchained per-block xxh3 loop (the floor no chained hash can beat: chaining adds one 16-byte
-concatenation per block). Metadata bytes per object are measured with tracemalloc.
+concatenation per block). Metadata bytes per object and per cached token are measured with
+tracemalloc, beside the same fill in the layout that kept a TAIL per COMPRESSED group at every
+resume point even when it held nothing (``*_every_tail``); pool bytes per cached token are
+computed from both layouts' block sizes and strides.
 """
 
 from __future__ import annotations
@@ -25,7 +28,10 @@ import xxhash
 from ..core.funnel import LookupRequest, run_funnel, validate_request
 from ..core.hashing import ExtraKeys, hash_blocks, naive_hash_blocks
 from ..core.ids import BlockHash, PackedHashes, ShardId
+from ..core.layout import Layout
+from ..core.spec import CacheSpec, GroupKind, spec_from_dict
 from ..core.state_view import CacheState, StateConfig
+from ..core.states import Kind
 from ..specs import default_spec
 from ..testing import commit_prefix, pools_for, question
 from .timing import best_of
@@ -34,9 +40,10 @@ __all__ = ["run"]
 
 
 def _filled_state(
-    n_blocks: int, pool_blocks: int = 0, config: StateConfig | None = None
+    n_blocks: int, pool_blocks: int = 0, config: StateConfig | None = None,
+    spec: CacheSpec | None = None,
 ) -> tuple[CacheState, list[BlockHash]]:
-    spec = default_spec()
+    spec = spec or default_spec()
     st = CacheState(spec, config)
     st.register_owner(ShardId("s0"), pools_for(st.layout, max(pool_blocks, n_blocks + 8)))
     toks = np.random.default_rng(0).integers(0, 50_000, n_blocks * spec.hash_block_size)
@@ -88,7 +95,7 @@ def _lookup_figures(n_blocks: int, repeat: int, number: int) -> dict[str, float]
     assert st.memo.hits > hits, "the repeated lookup was not answered from the memo"
     # over certified runs: the same walk by segments (memo off)
     certified, _ = _filled_state(n_blocks, config=StateConfig(memo_capacity=0))
-    seg = certified.config.segment_blocks
+    seg = certified.segment_blocks
     for _ in range(2):
         certified.lookup(packed)  # the second whole walk certifies the runs
     assert all(run_funnel(certified.index, certified.layout, packed, limit, seg).runs)
@@ -124,7 +131,8 @@ def _hash_figures(n_blocks: int, repeat: int, number: int) -> dict[str, float]:
     }
 
 
-def _traced_bytes(n_blocks: int, pool_blocks: int) -> tuple[int, int]:
+def _traced_bytes(n_blocks: int, pool_blocks: int, spec: CacheSpec | None = None
+                  ) -> tuple[int, int]:
     # Records and entries form reference cycles: without a collection first, the previous
     # fill's garbage is freed at a random point inside this one and the figure swings by
     # hundreds of bytes per object between runs.
@@ -134,7 +142,7 @@ def _traced_bytes(n_blocks: int, pool_blocks: int) -> tuple[int, int]:
     # The transition log is a fixed-size ring: a small one is full in every fill, so it
     # cancels out of the slope like the pools do (the default 8,192 would not be full in a
     # quick run and would count as per-object bytes).
-    st, _ = _filled_state(n_blocks, pool_blocks, StateConfig(log_capacity=256))
+    st, _ = _filled_state(n_blocks, pool_blocks, StateConfig(log_capacity=256), spec)
     gc.collect()  # temporaries of the fill itself
     after = tracemalloc.take_snapshot()
     tracemalloc.stop()
@@ -159,14 +167,43 @@ def _segment_bytes_per_entry(n_blocks: int) -> float:
     return sum(s.size_diff for s in after.compare_to(before, "filename")) / len(st.index)
 
 
-def _bytes_per_object(n_blocks: int) -> float:
-    """Marginal metadata bytes per tracked object: the slope between two fill sizes, so the
-    fixed-size parts (bounded transition log, pools sized by capacity) do not count."""
+def _metadata_slopes(n_blocks: int, spec: CacheSpec | None = None) -> tuple[float, float]:
+    """Marginal metadata bytes per tracked object and per cached token: slopes between two
+    fill sizes, so the fixed-size parts (bounded transition log, pools sized by capacity) do
+    not count."""
     pools = n_blocks + 8  # the same capacity in both fills: pools cancel out
-    _traced_bytes(n_blocks // 4, pools)  # one-time costs (caches, classes) land here, unseen
-    small_bytes, small_objs = _traced_bytes(n_blocks // 2, pools)
-    big_bytes, big_objs = _traced_bytes(n_blocks, pools)
-    return (big_bytes - small_bytes) / (big_objs - small_objs)
+    _traced_bytes(n_blocks // 4, pools, spec)  # one-time costs (caches, classes) land here
+    small_bytes, small_objs = _traced_bytes(n_blocks // 2, pools, spec)
+    big_bytes, big_objs = _traced_bytes(n_blocks, pools, spec)
+    tokens = (n_blocks - n_blocks // 2) * (spec or default_spec()).hash_block_size
+    return (big_bytes - small_bytes) / (big_objs - small_objs), \
+        (big_bytes - small_bytes) / tokens
+
+
+def _with_every_tail(spec: CacheSpec) -> CacheSpec:
+    """The layout before empty tails were dropped: every COMPRESSED group keeps a TAIL object
+    at every resume point (a one-token overlap gives the overlap-free ones a TAIL column;
+    its records cost what an empty tail's did)."""
+    raw = spec.to_dict()
+    for g in raw["groups"]:
+        if g["kind"] == "COMPRESSED" and not g["overlap"]:
+            g["overlap"] = 1
+    return spec_from_dict(raw)
+
+
+def _pool_bytes_per_token(spec: CacheSpec, every_tail: bool) -> float:
+    """Pool bytes a shard sets aside per cached token: a block of each group per its block
+    size, a tail block per resume point. ``every_tail``: the layout before empty tails were
+    dropped, each COMPRESSED group's tail block sized for ``ratio - 1 + overlap`` tokens."""
+    layout = Layout(spec)
+    strides = {n: c.stride for n, c in pools_for(layout, 1).items()}
+    out = sum(strides[c.name] / c.group.block_size for c in layout.columns
+              if c.kind is not Kind.TAIL)
+    if every_tail:
+        old = [(g.ratio - 1 + g.overlap) * g.element_bytes for g in spec.groups
+               if g.kind is GroupKind.COMPRESSED]
+        return out + sum(max(256, -(-b // 256) * 256) for b in old) / layout.lcm
+    return out + sum(strides[c.name] for c in layout.columns if c.kind is Kind.TAIL) / layout.lcm
 
 
 def run(quick: bool = False) -> dict[str, Any]:
@@ -174,7 +211,10 @@ def run(quick: bool = False) -> dict[str, Any]:
     repeat, number = (3, 5) if quick else (7, 20)
     look = _lookup_figures(n, repeat, number)
     hashing = _hash_figures(n, repeat, number)
-    per_object = _bytes_per_object(n)
+    per_object, per_token = _metadata_slopes(n)
+    _, per_token_every_tail = _metadata_slopes(n, _with_every_tail(default_spec()))
+    pool_token = _pool_bytes_per_token(default_spec(), every_tail=False)
+    pool_token_every_tail = _pool_bytes_per_token(default_spec(), every_tail=True)
     per_entry_segments = _segment_bytes_per_entry(n)
     return {
         "name": "core",
@@ -191,6 +231,8 @@ def run(quick: bool = False) -> dict[str, Any]:
             "chained_hash_us": hashing["chained_hash_s"] * 1e6,
             "chained_hash_us_per_1k_blocks": hashing["chained_hash_s"] * 1e6 * 1000 / n,
             "metadata_bytes_per_object": per_object,
+            "metadata_bytes_per_cached_token": per_token,
+            "pool_bytes_per_cached_token": pool_token,
             # derived, not part of the per-object figure: what certified runs add per entry
             "segment_bytes_per_entry": per_entry_segments,
         },
@@ -198,6 +240,9 @@ def run(quick: bool = False) -> dict[str, Any]:
             "one_group_dict_walk_us": look["dict_walk_s"] * 1e6,
             "textbook_chained_hash_us": hashing["textbook_chained_s"] * 1e6,
             "unchained_xxh3_floor_us": hashing["unchained_floor_s"] * 1e6,
+            # the layout with a TAIL per COMPRESSED group at every resume point, empty or not
+            "metadata_bytes_per_cached_token_every_tail": per_token_every_tail,
+            "pool_bytes_per_cached_token_every_tail": pool_token_every_tail,
         },
         "ratios": {
             "lookup_vs_dict_walk": look["funnel_s"] / look["dict_walk_s"],
@@ -210,5 +255,7 @@ def run(quick: bool = False) -> dict[str, Any]:
             "hash_vs_textbook_chained": hashing["chained_hash_s"] / hashing["textbook_chained_s"],
             "hash_vs_unchained_floor": hashing["chained_hash_s"] / hashing["unchained_floor_s"],
             "metadata_bytes_vs_256B_budget": per_object / 256,
+            "metadata_per_token_vs_every_tail": per_token / per_token_every_tail,
+            "pool_per_token_vs_every_tail": pool_token / pool_token_every_tail,
         },
     }

@@ -7,12 +7,17 @@ and which record occupies each block. The shard holds the bytes; this is the met
 
 Eviction policies, chosen through ``EVICTION_POLICIES[kind]`` (lower key = evicted first):
 
-* SWA: blocks that left every live window (no resume point within one window after them)
-  go first, then least recently used.
-* COMPRESSED and INDEXER: leaves of the prefix tree before their parents (evicting a parent
-  makes every descendant unusable), then LRU. An INDEXER goes with its KV and vice versa: the
-  state view evicts both columns of the entry together.
-* TAIL: only complete tails; a tail being written (TAIL_PARTIAL) is never a candidate.
+* SWA: blocks that left every live window of their own group (no resume point within the
+  group's window after them: ``swa_need`` keeps one 32-bit count per SWA column) go first,
+  then least recently used.
+* COMPRESSED and INDEXER: least recently used, deepest first among equals. A lookup ages the
+  whole path it used (``CacheState._age``) and a write ages the path it wrote, so a block is
+  never more recent than its parent: a block with a deeper block of its column behind it
+  goes only after that one (evicting a parent makes every descendant unusable), a shared
+  root last. An INDEXER goes with its KV and vice versa: the state view evicts both columns
+  of the entry together.
+* TAIL: only complete tails (a tail being written, TAIL_PARTIAL, is never a candidate);
+  those at resume points no longer prompt extends first, then LRU.
 * DISK: LRU by bytes inside the disk tier itself (``storage``), not here.
 
 Candidates are examined exactly when the pool holds few blocks and by a fixed-size sample
@@ -30,7 +35,8 @@ from .checks import Holds
 from .records import ObjRecord
 from .states import Kind, State
 
-__all__ = ["EVICTION_POLICIES", "BlockPool", "PoolConfig"]
+__all__ = ["EVICTION_POLICIES", "SWA_LANE_BITS", "BlockPool", "Policy", "PoolConfig",
+           "swa_policy"]
 
 _SAMPLE = 48
 _EVICTABLE = frozenset(
@@ -81,9 +87,9 @@ class BlockPool:
         self.generation[block] += 1
         self.free.append(block)
 
-    def victim(self, kind: Kind, holds: Holds) -> ObjRecord | None:
-        """The best eviction candidate by ``kind``'s policy, or None if nothing may go
-        (leased or captured records never go)."""
+    def victim(self, kind: Kind, holds: Holds, key: Policy | None = None) -> ObjRecord | None:
+        """The best eviction candidate by ``kind``'s policy (or ``key``), or None if nothing
+        may go (leased or captured records never go)."""
         occupied = self.config.num_blocks - len(self.free)
         if occupied == 0:
             return None
@@ -100,24 +106,38 @@ class BlockPool:
         candidates = [r for r in pool if _evictable(r, holds)]
         if not candidates:
             return None
-        return min(candidates, key=EVICTION_POLICIES[kind])
+        return min(candidates, key=key or EVICTION_POLICIES[kind])
 
 
 def _evictable(rec: ObjRecord, holds: Holds) -> bool:
     return rec.state in _EVICTABLE and not holds.held(rec)
 
 
-def _swa_key(rec: ObjRecord) -> tuple[int, int]:
-    return (1 if rec.entry.swa_need else 0, rec.entry.last_used)
+Policy = Callable[[ObjRecord], tuple[int, int]]
+SWA_LANE_BITS = 32  # PrefixEntry.swa_need: one count of this many bits per SWA column
 
 
-def _tree_key(rec: ObjRecord) -> tuple[int, int]:
+def swa_policy(lane: int) -> Policy:
+    """The SWA policy of the ``lane``-th SWA column: its own window's count decides."""
+    shift, mask = lane * SWA_LANE_BITS, (1 << SWA_LANE_BITS) - 1
+
+    def key(rec: ObjRecord) -> tuple[int, int]:
+        return (1 if rec.entry.swa_need >> shift & mask else 0, rec.entry.last_used)
+
+    return key
+
+
+def _path_key(rec: ObjRecord) -> tuple[int, int]:
+    return (rec.entry.last_used, -rec.entry.depth)
+
+
+def _tail_key(rec: ObjRecord) -> tuple[int, int]:
     return (1 if rec.entry.children else 0, rec.entry.last_used)
 
 
-EVICTION_POLICIES: dict[Kind, Callable[[ObjRecord], tuple[int, int]]] = {
-    Kind.SWA: _swa_key,
-    Kind.COMPRESSED: _tree_key,
-    Kind.INDEXER: _tree_key,
-    Kind.TAIL: _tree_key,
+EVICTION_POLICIES: dict[Kind, Policy] = {
+    Kind.SWA: swa_policy(0),
+    Kind.COMPRESSED: _path_key,
+    Kind.INDEXER: _path_key,
+    Kind.TAIL: _tail_key,
 }

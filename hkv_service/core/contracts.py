@@ -30,6 +30,7 @@ __all__ = [
     "Verdict",
     "column_verdict",
     "record_verdict",
+    "served",
     "summarise",
     "swa_cover",
 ]
@@ -63,16 +64,6 @@ class RecoveryContract:
     validated: str
     fallback: str
     ready_states: frozenset[State]
-    extra_check: Callable[[ObjRecord, PrefixEntry, Layout], Reason | None] | None = None
-
-
-def _indexer_in_sync(rec: ObjRecord, entry: PrefixEntry, layout: Layout) -> Reason | None:
-    kv_col = layout.columns[rec.column].indexes
-    assert kv_col is not None, "INDEXER column without the column it indexes"
-    kv = entry.mem[kv_col]
-    kv_disk = entry.disk[kv_col] if entry.disk else None
-    kv_version = kv.version if kv is not None else (kv_disk.version if kv_disk else None)
-    return None if kv_version == rec.version else Reason.INDEXER_STALE
 
 
 CONTRACTS: dict[Kind, RecoveryContract] = {
@@ -99,11 +90,10 @@ CONTRACTS: dict[Kind, RecoveryContract] = {
     ),
     Kind.INDEXER: RecoveryContract(
         Kind.INDEXER,
-        "INDEXER_SYNCED at the version of the KV it indexes",
-        "synced version == KV version",
+        "INDEXER_SYNCED at the version of the KV copy served beside it (never 0)",
+        "synced version == the served KV's version: KV and indexer copies chosen together",
         "recompute the block (KV and index)",
         frozenset({State.INDEXER_SYNCED}),
-        _indexer_in_sync,
     ),
     Kind.DISK: RecoveryContract(
         Kind.DISK,
@@ -115,52 +105,115 @@ CONTRACTS: dict[Kind, RecoveryContract] = {
 }
 
 
+Served = tuple[ObjRecord | None, Verdict]  # the copy that serves a column, and its verdict
+
+
 def column_verdict(entry: PrefixEntry, column: int, layout: Layout) -> Verdict:
-    rec = entry.mem[column]
-    if rec is not None:
-        verdict = record_verdict(rec, entry, layout)
-        if verdict == READY:
-            return verdict
-    else:
-        verdict = Reason.MISSING_COMPONENT
-    disk = entry.disk[column] if entry.disk else None
-    return verdict if disk is None else _disk_verdict(disk, entry, layout)
+    return served(entry, column, layout)[1]
 
 
-def _disk_verdict(disk: ObjRecord, entry: PrefixEntry, layout: Layout) -> Verdict:
-    verdict = _DISK_VERDICT.get(disk.state, Reason.MISSING_COMPONENT)
-    contract = CONTRACTS[disk.inner or Kind.DISK]
-    if verdict in (READY, LOAD) and contract.extra_check is not None:
-        return contract.extra_check(disk, entry, layout) or verdict
-    return verdict
+def served(entry: PrefixEntry, column: int, layout: Layout) -> Served:
+    """The copy that serves ``column`` at ``entry`` (memory or disk) and its verdict. Layer 3
+    holds on the copies served: a COMPRESSED KV and the indexers of it are chosen together, a
+    pair of copies whose versions agree (never 0), so an indexer is never served beside a KV
+    of another version, and a disk KV and disk indexer synced to each other serve together
+    when the memory KV was rewritten. SWA blocks are chosen per resume point
+    (:func:`swa_cover`); this gives the best copy regardless of range."""
+    col = layout.columns[column]
+    if col.kind is Kind.INDEXER:
+        assert col.indexes is not None, "INDEXER column without the column it indexes"
+        got = _kv_and_indexers(entry, col.indexes, layout)[1].get(column)
+        if got is not None:
+            return got
+        # copies synced to another version than every KV copy here, or none at all
+        return None, Reason.INDEXER_STALE if _candidates(entry, column) else \
+            _unusable(entry, column)
+    if col.kind is Kind.COMPRESSED and layout.indexers_of[column]:
+        return _kv_and_indexers(entry, column, layout)[0]
+    cands = _candidates(entry, column)
+    return cands[0] if cands else (None, _unusable(entry, column))
 
 
-def swa_cover(entry: PrefixEntry, column: int, need_lo: int, need_hi: int,
-              layout: Layout) -> ObjRecord | None:
-    """The record that serves tokens ``[need_lo, need_hi)`` of this SWA block, or None: the
-    memory object when it is valid over them, else the disk copy (loaded, or at rest and
-    loadable) when that is. The funnel accepts the block with it and the handles point at the
-    same record, so a partly rewritten memory object never hides a whole disk copy."""
+def _candidates(entry: PrefixEntry, column: int) -> list[tuple[ObjRecord, Verdict]]:
+    """Usable copies at ``entry``/``column``, best first: memory, loaded disk, disk at rest."""
+    out: list[tuple[ObjRecord, Verdict]] = []
     mem = entry.mem[column]
-    if (mem is not None and record_verdict(mem, entry, layout) == READY
-            and mem.lo <= need_lo and mem.hi >= need_hi):
-        return mem
+    if mem is not None and mem.state in CONTRACTS[mem.kind].ready_states:
+        out.append((mem, READY))
     disk = entry.disk[column] if entry.disk else None
-    if (disk is not None and _disk_verdict(disk, entry, layout) in (READY, LOAD)
-            and disk.lo <= need_lo and disk.hi >= need_hi):
-        return disk
+    if disk is not None:
+        verdict = _DISK_VERDICT.get(disk.state, Reason.MISSING_COMPONENT)
+        if verdict in (READY, LOAD):
+            out.append((disk, verdict))
+    return out
+
+
+def _unusable(entry: PrefixEntry, column: int) -> Reason:
+    """Why no copy at ``entry``/``column`` can serve: the memory object's reason first (what
+    a writer can fix), else the disk copy's."""
+    mem = entry.mem[column]
+    if mem is not None:
+        if mem.state is State.TAIL_PARTIAL:
+            return Reason.TAIL_INCOMPLETE
+        if mem.state in (State.INDEXER_WRITTEN, State.INDEXER_SYNCED):
+            return Reason.INDEXER_STALE
+        reason = _NOT_YET.get(mem.state)
+        if reason is not None:
+            return reason
+    disk = entry.disk[column] if entry.disk else None
+    verdict = _DISK_VERDICT.get(disk.state) if disk is not None else None
+    return verdict if isinstance(verdict, Reason) else Reason.MISSING_COMPONENT
+
+
+def _kv_and_indexers(entry: PrefixEntry, kv: int, layout: Layout
+                     ) -> tuple[Served, dict[int, Served]]:
+    """A KV copy and one copy of each indexer of it, all at one version (never 0): of such
+    choices, the one with fewest loads, memory copies first. With none, the best KV copy
+    alone (its indexers are stale)."""
+    kv_cands = _candidates(entry, kv)
+    if not kv_cands:
+        return (None, _unusable(entry, kv)), {}
+    best: tuple[int, int, Served, dict[int, Served]] | None = None
+    for rank, (rec, verdict) in enumerate(kv_cands):
+        chosen: dict[int, Served] = {}
+        loads = int(verdict == LOAD)
+        for ix in layout.indexers_of[kv]:
+            match = [c for c in _candidates(entry, ix) if rec.version and c[0].version ==
+                     rec.version]
+            if not match:
+                break
+            chosen[ix] = match[0]
+            loads += match[0][1] == LOAD
+        else:
+            if best is None or (loads, rank) < best[:2]:
+                best = (loads, rank, (rec, verdict), chosen)
+    if best is None:
+        return kv_cands[0], {}
+    return best[2], best[3]
+
+
+def swa_cover(entry: PrefixEntry, column: int, need_lo: int, need_hi: int, layout: Layout,
+              align: int = 1, align_of: Callable[[ObjRecord], int] | None = None
+              ) -> ObjRecord | None:
+    """The record that serves tokens ``[need_lo, need_hi)`` of this SWA block, or None: the
+    memory object when it is valid over them (and, placed, aligned to ``align``), else the
+    disk copy (loaded, or at rest: placed by its load) when that is. The funnel accepts the
+    block with it and the handles point at the same record, so a partly rewritten memory
+    object never hides a whole disk copy, nor a misaligned copy an aligned one."""
+    for rec, _ in _candidates(entry, column):
+        if rec.lo <= need_lo and rec.hi >= need_hi and (
+                align == 1 or rec.block < 0 or align_of is None or align_of(rec) >= align):
+            return rec
     return None
 
 
 def record_verdict(rec: ObjRecord, entry: PrefixEntry, layout: Layout) -> Verdict:
-    contract = CONTRACTS[rec.kind]
-    if rec.state in contract.ready_states:
-        return (contract.extra_check(rec, entry, layout) if contract.extra_check else None) or READY
-    if rec.state is State.TAIL_PARTIAL:
-        return Reason.TAIL_INCOMPLETE
-    if rec.state is State.INDEXER_WRITTEN:
-        return Reason.INDEXER_STALE
-    return _NOT_YET.get(rec.state, Reason.MISSING_COMPONENT)
+    """Whether ``rec`` is the copy that serves its column at ``entry`` (READY/LOAD) or why
+    not: what a reader may rely on is the served copy, never just a ready state."""
+    got, verdict = served(entry, rec.column, layout)
+    if got is rec:
+        return verdict
+    return verdict if isinstance(verdict, Reason) else Reason.MISSING_COMPONENT
 
 
 _BITS = {
@@ -173,26 +226,26 @@ _BITS = {
 
 def summarise(entry: PrefixEntry, layout: Layout, align_of: Callable[[ObjRecord], int]) -> None:
     """Recompute ``entry.flags`` and ``entry.gate`` from its columns' verdicts; ``align_of``
-    gives a placed record's byte alignment (its pool knows it). Drops the entry's packed
-    handle row and lookup memos: every change to an entry's records passes through here."""
+    gives a placed record's byte alignment (its pool knows it). The gate folds in only the
+    monotone columns' served copies (needed by every reader past this block); a TAIL or SWA
+    block is needed only at some resume points, so the funnel checks its served copy there,
+    and a misaligned one never stops the walk. Drops the entry's packed handle row and
+    lookup memos: every change to an entry's records passes through here."""
     entry.row = None
     if entry.memos:
         drop_memos(entry)
     flags = F_MONO | F_TAIL | F_SWA
     align = 1 << 30
     for col in layout.attached[entry.depth % layout.period]:
-        ok_bit, load_bit = _BITS[layout.columns[col].kind]
-        verdict = column_verdict(entry, col, layout)
+        kind = layout.columns[col].kind
+        ok_bit, load_bit = _BITS[kind]
+        rec, verdict = served(entry, col, layout)
         if verdict == LOAD:
             flags |= load_bit  # at rest on disk: its block (and alignment) is not chosen yet
-            continue
-        if verdict != READY:
+        elif verdict != READY:
             flags &= ~ok_bit
-            continue
-        rec = entry.mem[col]
-        if rec is None or record_verdict(rec, entry, layout) != READY:
-            rec = entry.disk[col] if entry.disk else None  # a loaded disk copy serves it
-        assert rec is not None and rec.block >= 0, "a READY column without a memory block"
-        align = min(align, align_of(rec))
+        elif ok_bit == F_MONO:
+            assert rec is not None and rec.block >= 0, "a READY column without a memory block"
+            align = min(align, align_of(rec))
     entry.flags = flags
     entry.gate = align if flags & F_MONO else 0

@@ -12,7 +12,9 @@
     │   ├── BadHash                   empty or wrongly sized block hash
     │   ├── PositionBeyondHashes
     │   ├── UnknownGroup
-    │   └── FutureGeneration          a generation the owner never issued
+    │   ├── FutureGeneration          a generation the owner never issued
+    │   ├── WrongSize                 bytes that are not exactly the object's (carries sizes)
+    │   └── UnsetVersion              version 0 where a KV version is required
     ├── NotFound
     │   ├── UnknownObject
     │   ├── UnknownLease
@@ -60,8 +62,10 @@ __all__ = [
     "UnknownLease",
     "UnknownObject",
     "UnknownOwner",
+    "UnsetVersion",
     "VersionConflict",
     "WindowSmallerThanBlock",
+    "WrongSize",
     "ZeroBlockSize",
 ]
 
@@ -108,6 +112,21 @@ class UnknownGroup(InvalidInput):
 
 class FutureGeneration(InvalidInput):
     pass
+
+
+class WrongSize(InvalidInput):
+    """A write whose bytes are not exactly its object's: a short one would leave the block's
+    tail showing the previous occupant's bytes, a long one would not fit."""
+
+    def __init__(self, what: str, expected: int | None = None, got: int | None = None) -> None:
+        # (message) alone: as an edge rebuilds it from a status, sizes unknown
+        super().__init__(what if expected is None else
+                         f"{what}: {got} bytes given, the object is exactly {expected} bytes")
+        self.what, self.expected, self.got = what, expected, got
+
+
+class UnsetVersion(InvalidInput):
+    """Version 0 is what an unset proto field reads as: it never names a KV version."""
 
 
 class NotFound(HkvError):

@@ -6,7 +6,8 @@
    (COMPRESSED, INDEXER) need all blocks in ``[0, p)``; TAILs are checked at p itself; SWA needs
    only blocks meeting ``[p-W, p)``. SWA readiness is not monotone in p, so candidates shrink
    from the longest until every group accepts one (a fixed point), never a union/minimum.
-4. Byte alignment of every handle (folded into each entry's ``gate``).
+4. Byte alignment of every handle, on the copy served: the monotone columns' folded into each
+   entry's ``gate``, a TAIL's and an SWA block's checked at the resume point that needs it.
 
 ::
 
@@ -23,17 +24,17 @@ downgrades with a :class:`Reason`; the funnel never raises for an unusable hit.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from . import segments
-from .contracts import F_MONO, F_TAIL, LOAD, READY, column_verdict, swa_cover
+from .contracts import F_MONO, F_TAIL, LOAD, READY, column_verdict, served, swa_cover
 from .errors import BadHash, InvalidInput, PositionBeyondHashes, UnknownGroup
 from .ids import BlockHash, GroupName, PackedHashes, check_hash_lengths
 from .layout import Layout
-from .records import PrefixEntry
+from .records import ObjRecord, PrefixEntry
 from .segments import Segment
-from .states import Kind, Reason
+from .states import Kind, Reason, State
 
 __all__ = [
     "Downgrade", "FunnelResult", "LookupRequest", "check_hash_lengths", "run_funnel",
@@ -74,6 +75,8 @@ def validate_request(req: LookupRequest, layout: Layout, *, hash_lengths: bool =
     the funnel may pass ``hash_lengths=False`` and call :func:`check_hash_lengths` on the
     hashes the walk did not find (every key of the index is 16 bytes, so a found hash is)."""
     hashes = req.block_hashes
+    if not hashes:
+        raise BadHash("no block hashes given; a lookup needs at least one")
     if hash_lengths:
         check_hash_lengths(hashes)
     hashed = len(hashes) * layout.hash_block
@@ -102,13 +105,16 @@ def _abi_downgrades(req: LookupRequest, layout: Layout) -> tuple[Downgrade, ...]
     return tuple(out)
 
 
+AlignOf = Callable[[ObjRecord], int]  # a placed record's byte alignment (from its pool)
+
+
 def run_funnel(
     index: Mapping[BlockHash, PrefixEntry], layout: Layout, req: LookupRequest, limit: int,
-    segment_blocks: int = 0,
+    segment_blocks: int = 0, align_of: AlignOf | None = None,
 ) -> FunnelResult:
     """The funnel over ``index``. It changes no state; with ``segment_blocks`` > 0 the walk
     goes by certified runs of that many blocks where it can (core/segments.py) and certifies
-    the runs it walked whole twice."""
+    the runs it walked whole twice. ``align_of`` is needed for alignments above 1."""
     abi = _abi_downgrades(req, layout)
     if abi:
         return FunnelResult(0, 0, (), abi)
@@ -130,7 +136,7 @@ def run_funnel(
     downgrades: list[Downgrade] = []
     if n < max_entries:
         _stop_reason(index.get(hashes[n]), n, layout, need, downgrades)
-    usable = _shrink(entries, layout, downgrades)
+    usable = _shrink(entries, layout, downgrades, need, align_of)
     if usable < n * layout.hash_block and not downgrades:
         downgrades.append(Downgrade(Reason.PARTIAL_BLOCK, None, usable))
     return FunnelResult(
@@ -165,16 +171,22 @@ def _stop_reason(
                 return
 
 
-def _shrink(entries: list[PrefixEntry], layout: Layout, out: list[Downgrade]) -> int:
-    """Largest L-aligned p <= len(entries)*H at which tails and SWA windows are ready."""
+def _shrink(entries: list[PrefixEntry], layout: Layout, out: list[Downgrade], align: int,
+            align_of: AlignOf | None) -> int:
+    """Largest L-aligned p <= len(entries)*H at which tails and SWA windows are ready (and
+    their served copies aligned)."""
     hb, lcm = layout.hash_block, layout.lcm
     seen: set[Reason] = set()
     for k in range(len(entries) * hb // lcm, 0, -1):
         p = k * lcm
         e = entries[p // hb - 1]
-        reason = _tail_reason(e, layout) if not e.flags & F_TAIL else None
+        reason: tuple[Reason, GroupName | None] | None
+        if not e.flags & F_TAIL:
+            reason = _tail_reason(e, layout)
+        else:
+            reason = _tail_misaligned(e, layout, align, align_of) if align > 1 else None
         if reason is None:
-            reason = _swa_reason(entries, p, layout)
+            reason = _swa_reason(entries, p, layout, align, align_of)
         if reason is None:
             return p
         if reason[0] not in seen:
@@ -193,8 +205,25 @@ def _tail_reason(e: PrefixEntry, layout: Layout) -> tuple[Reason, GroupName | No
     raise AssertionError("F_TAIL clear but every tail column is ready")
 
 
+def _tail_misaligned(e: PrefixEntry, layout: Layout, align: int, align_of: AlignOf | None
+                     ) -> tuple[Reason, GroupName | None] | None:
+    for col in layout.attached[e.depth % layout.period]:
+        if layout.columns[col].kind is Kind.TAIL:
+            rec = served(e, col, layout)[0]
+            if rec is not None and rec.block >= 0 and _aligned(rec, align, align_of) < align:
+                return Reason.MISALIGNED, layout.columns[col].name
+    return None
+
+
+def _aligned(rec: ObjRecord, align: int, align_of: AlignOf | None) -> int:
+    if align_of is None:
+        raise ValueError("an alignment above 1 needs align_of")
+    return align_of(rec)
+
+
 def _swa_reason(
-    entries: list[PrefixEntry], p: int, layout: Layout
+    entries: list[PrefixEntry], p: int, layout: Layout, align: int = 1,
+    align_of: AlignOf | None = None,
 ) -> tuple[Reason, GroupName | None] | None:
     hb = layout.hash_block
     for col in layout.swa_columns:
@@ -207,6 +236,23 @@ def _swa_reason(
             start, end = layout.block_range(col, depth)
             if end <= lo_needed:
                 continue
-            if swa_cover(entries[depth], col, max(start, lo_needed), end, layout) is None:
-                return Reason.SWA_WINDOW_INCOMPLETE, column.name
+            need_lo = max(start, lo_needed)
+            e = entries[depth]
+            if swa_cover(e, col, need_lo, end, layout, align, align_of) is None:
+                return _swa_miss(e, col, need_lo, end, layout), column.name
     return None
+
+
+def _swa_miss(e: PrefixEntry, col: int, need_lo: int, need_hi: int, layout: Layout) -> Reason:
+    """Why no copy serves an SWA block: a copy that covers the need but is misaligned, a copy
+    still in flight, else the window is incomplete."""
+    if swa_cover(e, col, need_lo, need_hi, layout) is not None:
+        return Reason.MISALIGNED
+    disk = e.disk[col] if e.disk else None
+    if disk is not None and disk.state in _IN_FLIGHT and disk.lo <= need_lo and \
+            disk.hi >= need_hi:
+        return Reason.DISK_INFLIGHT
+    return Reason.SWA_WINDOW_INCOMPLETE
+
+
+_IN_FLIGHT = frozenset({State.OFFLOADING, State.ON_DISK_INFLIGHT})

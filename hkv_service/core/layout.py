@@ -1,6 +1,8 @@
 """Columns of a prefix entry, derived once from a :class:`CacheSpec`.
 
-Every spec group is a column; every COMPRESSED group also gets a TAIL column. A group's
+Every spec group is a column; every COMPRESSED group with an ``overlap`` also gets a TAIL
+column (without one, its tail holds no token at any resume point: see
+:attr:`GroupSpec.tail_tokens_max`). A group's
 block ``k`` covers tokens ``[k*bs, (k+1)*bs)`` and lives at the entry whose hash block ends at
 token ``(k+1)*bs``, i.e. at ``depth = (k+1)*bs/H - 1``. Tails live at resume points: entries
 whose end is a multiple of the LCM block size ``L``::
@@ -9,7 +11,7 @@ whose end is a multiple of the LCM block size ``L``::
     tokens:     [0,64)[64,128)[128,192)[192,256)
     c4  (bs 64)   x     x     x     x
     c128(bs128)         x           x
-    tails               x           x        <- resume points p = 128, 256
+    c4.tail             x           x        <- resume points p = 128, 256 (c128: no tail)
 """
 
 from __future__ import annotations
@@ -62,7 +64,9 @@ class Layout:
             for i, g in enumerate(spec.groups)
         ]
         for g in spec.groups:
-            if g.kind is GroupKind.COMPRESSED:
+            if g.kind is GroupKind.COMPRESSED and g.tail_tokens_max:
+                # a tail with nothing in it (no overlap: e.g. c128) is no object: never
+                # allocated, written, required or a reason for a downgrade
                 cols.append(_column(len(cols), Kind.TAIL, g, g.tail_bytes))
         by_name: dict[str, int] = {c.name: c.index for c in cols}
         self.columns: tuple[Column, ...] = tuple(
@@ -78,6 +82,11 @@ class Layout:
         self.mono_columns = tuple(
             c.index for c in self.columns if c.kind in (Kind.COMPRESSED, Kind.INDEXER)
         )
+        # COMPRESSED column -> the INDEXER columns indexing it (served at its version)
+        self.indexers_of: dict[int, tuple[int, ...]] = {
+            c.index: tuple(x.index for x in self.columns if x.indexes == c.index)
+            for c in self.columns
+        }
         self.max_window = max(
             (c.group.window for c in self.columns if c.kind is Kind.SWA), default=0
         )
@@ -114,6 +123,22 @@ class Layout:
     def tail_tokens(self, column: int, depth: int) -> int:
         """Raw tokens the TAIL ``column`` at ``depth`` holds when complete (its boundary's)."""
         return self.columns[column].tail_tokens_at((depth + 1) * self.hash_block)
+
+    def object_bytes(self, column: int, depth: int, lo: int | None = None,
+                     hi: int | None = None, tail_len: int | None = None) -> int:
+        """Exactly the bytes an object of ``column`` at ``depth`` holds: a COMPRESSED or
+        INDEXER block whole; an SWA block's valid tokens ``[lo, hi)`` (default: the whole
+        block); a TAIL's ``tail_len`` raw tokens (default: what its boundary needs). A write
+        of any other size is refused and a read returns exactly this many bytes."""
+        col = self.columns[column]
+        if col.kind is Kind.SWA:
+            start, end = self.block_range(column, depth)
+            lo, hi = start if lo is None else lo, end if hi is None else hi
+            return max(0, hi - lo) * col.group.element_bytes
+        if col.kind is Kind.TAIL:
+            n = self.tail_tokens(column, depth) if tail_len is None else tail_len
+            return n * col.group.element_bytes
+        return col.nbytes
 
     def block_range(self, column: int, depth: int) -> tuple[int, int]:
         """Token range [start, end) covered by the block of ``column`` ending at ``depth``."""

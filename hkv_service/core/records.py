@@ -251,7 +251,9 @@ class PrefixEntry:
     flags: int = 0
     gate: int = 0  # align if every monotone column is usable, else 0: the walk's one test
     children: int = 0
-    swa_need: int = 0  # resume points within one window after this block
+    # resume points within one window after this block, per SWA column: 32 bits per column,
+    # its own window (allocator.swa_policy)
+    swa_need: int = 0
     last_used: int = 0
     # Packed handles (HANDLE_DTYPE, one per monotone column, zeros where a column does not
     # live at this depth) built by the first lookup through this entry; summarise drops it

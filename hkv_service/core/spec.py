@@ -104,8 +104,11 @@ class GroupSpec:
 
     @property
     def tail_tokens_max(self) -> int:
-        """Raw tokens a TAIL may carry: up to ratio-1 uncompressed plus the overlap state."""
-        return self.ratio - 1 + self.overlap if self.kind is GroupKind.COMPRESSED else 0
+        """Raw tokens a TAIL carries at most at a resume point. Resume points are multiples of
+        the LCM block size, hence of ``ratio`` (which divides ``block_size``): no token waits
+        uncompressed there, and a tail holds only the ``overlap`` its next pooled entry reads
+        (``min(overlap, p)``). A group without overlap has nothing to carry: no TAIL at all."""
+        return self.overlap if self.kind is GroupKind.COMPRESSED else 0
 
     @property
     def tail_bytes(self) -> int:

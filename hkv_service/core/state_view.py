@@ -32,7 +32,7 @@ import numpy as np
 
 from . import contracts
 from .admission import AdmissionCap, AdmissionGate, Ticket
-from .allocator import BlockPool, PoolConfig
+from .allocator import SWA_LANE_BITS, BlockPool, Policy, PoolConfig, swa_policy
 from .checks import Capture, LeaseBook
 from .counters import Counters
 from .errors import (
@@ -48,6 +48,7 @@ from .errors import (
     UnknownLease,
     UnknownObject,
     UnknownOwner,
+    UnsetVersion,
 )
 from .funnel import (
     Downgrade,
@@ -85,6 +86,7 @@ __all__ = [
     "StateConfig",
     "TransitionEvent",
     "TransitionResult",
+    "segment_blocks_for",
 ]
 
 
@@ -103,8 +105,9 @@ class StateConfig:
     memo_max_bytes: int = 64 << 20
     memo_min_blocks: int = 32
     # Walk segments (core/segments.py): runs of this many blocks, certified once walked whole
-    # twice, are taken whole by later walks of any prompt through them. 0: off.
-    segment_blocks: int = DEFAULT_SEGMENT_BLOCKS
+    # twice, are taken whole by later walks of any prompt through them. 0: off; None: the
+    # multiple of the layout's period nearest above DEFAULT_SEGMENT_BLOCKS (any spec works).
+    segment_blocks: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,10 +234,7 @@ class CacheState:
         self._ordinals: dict[ShardId, int] = {}  # shard name -> index in _shard_names
         self._shard_names: tuple[ShardId, ...] = ()
         self._mono_slot = {c: j for j, c in enumerate(self.layout.mono_columns)}
-        seg = self.config.segment_blocks
-        if seg < 0 or seg % self.layout.period:  # runs must start where the layout repeats
-            raise InvalidInput(f"segment_blocks must be 0 (off) or a positive multiple of "
-                               f"{self.layout.period} (the layout's period), got {seg}")
+        self.segment_blocks = segment_blocks_for(self.layout, self.config.segment_blocks)
         self._row_struct = struct.Struct("<" + "QQiH" * len(self.layout.mono_columns))
         self._lock: AbstractContextManager[Any] = lock if lock is not None else threading.RLock()
         # KV versions: unique for this view's lifetime *and* above every version an owner
@@ -243,6 +243,15 @@ class CacheState:
         self._next_version = 1
         self._log_seq = 0
         self._tick = 0
+        # per SWA column (its lane in swa_need): its own policy, and the increments a complete
+        # tail adds to the entries within each window above it (step 0: its own entry)
+        lanes = {c: i for i, c in enumerate(self.layout.swa_columns)}
+        self._policies: dict[int, Policy] = {c: swa_policy(i) for c, i in lanes.items()}
+        hb = self.layout.hash_block
+        reach = {c: -(-self.layout.columns[c].group.window // hb) for c in lanes}
+        self._swa_steps = tuple(
+            sum(1 << (SWA_LANE_BITS * i) for c, i in lanes.items() if reach[c] > step)
+            for step in range(max(reach.values(), default=0)))
         self.memo = LookupMemo(self.config.memo_capacity, self.config.memo_max_bytes,
                                self.config.memo_min_blocks)
         self._owners_epoch = 0  # moves on whenever the owner table does (memo keys carry it)
@@ -385,7 +394,7 @@ class CacheState:
         return [s for s, _ in live]
 
     def _evict_from(self, pool: BlockPool, col: int) -> bool:
-        victim = pool.victim(self.layout.columns[col].kind, self.holds)
+        victim = pool.victim(self.layout.columns[col].kind, self.holds, self._policies.get(col))
         if victim is None:
             return False
         self.evict(victim.object_id)
@@ -437,6 +446,9 @@ class CacheState:
             if generation is not None:
                 self._check_generation(rec, generation)
             p = params or Params()
+            if p.version is not None and p.version < 1:
+                raise UnsetVersion(f"version {p.version} for object {object_id}: a KV version "
+                                   "is at least 1 (0 is an unset field)")
             if rec.kind is Kind.COMPRESSED and event is Event.WRITE_DONE and p.version is None:
                 p = Params(self._next_version, p.lo, p.hi, p.tail_len, p.expect_seq)
             if p.version is not None:
@@ -519,16 +531,16 @@ class CacheState:
             entry = parent
 
     def _track_resume_point(self, rec: ObjRecord, before: State) -> None:
-        """Keep ``swa_need`` = resume points within one window after each block (SWA policy)."""
+        """Keep ``swa_need`` = resume points within one window after each block, per SWA
+        column and its own window (SWA policy)."""
         delta = (rec.state is State.TAIL_COMPLETE) - (before is State.TAIL_COMPLETE)
         if not delta:
             return
-        reach = -(-self.layout.max_window // self.layout.hash_block)
         e: PrefixEntry | None = rec.entry
-        for _ in range(reach):
+        for step in self._swa_steps:
             if e is None:
                 break
-            e.swa_need += delta
+            e.swa_need += delta * step
             e = e.parent
 
     # ---- disk tier ----------------------------------------------------------------------
@@ -538,7 +550,7 @@ class CacheState:
         with self._lock:
             src = self._object(object_id)
             self._owner(disk_owner)
-            if contracts.column_verdict(src.entry, src.column, self.layout) != contracts.READY:
+            if src.kind is not Kind.DISK and src.state not in _READABLE[src.kind]:
                 raise IllegalTransition(
                     f"object {object_id} is {src.state.value}; only readable objects are offloaded"
                 )
@@ -613,8 +625,8 @@ class CacheState:
                 result = memo.result
                 self.counters.events["lookup_memo_hit"] += 1
             else:
-                result = run_funnel(self.index, self.layout, req, limit,
-                                    self.config.segment_blocks)  # changes no state
+                result = run_funnel(self.index, self.layout, req, limit, self.segment_blocks,
+                                    self._align_of)  # changes no state
                 # The walk found the first matched/H hashes in the index, whose keys are all 16
                 # bytes (allocate and confirm check them): only the rest can be malformed.
                 check_hash_lengths(req.block_hashes,
@@ -622,13 +634,13 @@ class CacheState:
                 stop_key = self._stop_key(req, result, limit) if key is not None else None
             self._count_lookup(result.usable_tokens, limit, result.downgrades)
             usable, entries = result.usable_tokens, result.entries
-            if usable and entries:
-                entries[-1].last_used = self._tick
+            if usable:
+                self._age(entries)
             records = memo.records if memo is not None else None
             lease_id = None
             if req.lease_ttl_s > 0 and usable:
                 if records is None:
-                    records = self._resolve(entries, usable)
+                    records = self._resolve(entries, usable, req.alignment)
                     if memo is not None:
                         memo.records = records
                 pinned = [r for recs in records.values() for r in recs]
@@ -696,8 +708,8 @@ class CacheState:
             self.memo.touch(memo)
             self.counters.events["lookup_memo_hit"] += 1
             self._count_lookup(result.usable_tokens, memo.key[2], result.downgrades)
-            if result.usable_tokens and result.entries:
-                result.entries[-1].last_used = self._tick
+            if result.usable_tokens:
+                self._age(result.entries)
             return True
 
     def _columns(
@@ -712,8 +724,22 @@ class CacheState:
         if not self._disk_records:
             return self._packed_columns(entries, usable, result.runs)
         if records is None:
-            records = self._resolve(entries, usable)
+            records = self._resolve(entries, usable, req.alignment)
         return {name: self._snapshot(recs) for name, recs in records.items()}
+
+    def _age(self, entries: Sequence[PrefixEntry]) -> None:
+        """Age the whole path a lookup used (or a write made), root first: an entry is then
+        never more recent than its parent, which is what eviction's order rests on. A path
+        whose last entry was aged within ``_AGE_SLACK`` lookups was aged whole then: skipped,
+        so a hot long prefix costs a walk of its path once per that many lookups."""
+        if not entries:
+            return
+        last = entries[-1].last_used
+        if last and last + _AGE_SLACK >= self._tick:
+            return
+        tick = self._tick
+        for e in entries:
+            e.last_used = tick
 
     def _count_lookup(self, usable: int, limit: int, downgrades: Iterable[Downgrade]) -> None:
         self._tick += 1
@@ -723,9 +749,11 @@ class CacheState:
             self.counters.downgrades[d.reason] += 1
 
     def _resolve(
-        self, entries: Sequence[PrefixEntry], usable: int
+        self, entries: Sequence[PrefixEntry], usable: int, align: int
     ) -> dict[str, tuple[ObjRecord, ...]]:
-        """The records a reader resuming at ``usable`` needs, per column, in token order.
+        """The records a reader resuming at ``usable`` needs, per column, in token order: the
+        copies the funnel accepted (``contracts.served``; SWA: the one covering the window,
+        aligned to ``align``).
 
         Fast path: with no disk copy anywhere, every entry the funnel accepted has a READY
         memory record in each needed column, so no verdict is recomputed."""
@@ -736,7 +764,7 @@ class CacheState:
             c = column.index
             depths = self.layout.needed_depths(c, usable)
             if self._disk_records:
-                found = [self._readable_record(entries[d], c, usable) for d in depths]
+                found = [self._readable_record(entries[d], c, usable, align) for d in depths]
                 recs = tuple(r for r in found if r is not None)
             else:  # the funnel accepted these entries: each has a READY memory record here
                 at = entries[depths.start : depths.stop : depths.step]  # needed depths: a range
@@ -801,7 +829,7 @@ class CacheState:
         """The monotone columns' packed records for ``[0, usable)`` in pieces, in depth order,
         each piece one bytes per column: a certified run's as its segment keeps them, the
         blocks between packed from rows."""
-        size = self.config.segment_blocks
+        size = self.segment_blocks
         n = usable // self.layout.hash_block
         pieces: list[tuple[bytes, ...]] = []
         done = 0
@@ -872,19 +900,18 @@ class CacheState:
             out.append(pool.config.stride if pool is not None else 0)
         return tuple(out)
 
-    def _readable_record(self, e: PrefixEntry, col: int, usable: int) -> ObjRecord | None:
-        """The record a reader resuming at ``usable`` reads for ``col`` at ``e``: the memory
-        object when it is ready, else the disk copy; for SWA, the one whose range covers what
-        the window needs (the funnel accepted the block with that one)."""
+    def _readable_record(self, e: PrefixEntry, col: int, usable: int, align: int
+                         ) -> ObjRecord | None:
+        """The record a reader resuming at ``usable`` reads for ``col`` at ``e``: the copy
+        that serves it (``contracts.served``: a KV and its indexers at one version); for SWA,
+        the one whose range covers what the window needs, aligned (the funnel accepted the
+        block with that one)."""
         column = self.layout.columns[col]
         if column.kind is Kind.SWA:
             start, end = self.layout.block_range(col, e.depth)
             need_lo = max(start, usable - column.group.window)
-            return contracts.swa_cover(e, col, need_lo, end, self.layout)
-        rec = e.mem[col]
-        if rec is not None and contracts.record_verdict(rec, e, self.layout) == contracts.READY:
-            return rec
-        return e.disk[col] if e.disk else None
+            return contracts.swa_cover(e, col, need_lo, end, self.layout, align, self._align_of)
+        return contracts.served(e, col, self.layout)[0]
 
     # ---- leases, reads, captures --------------------------------------------------------
 
@@ -1015,6 +1042,11 @@ class CacheState:
         if r.state is not State.ON_DISK and r.state not in _READABLE[column.kind]:
             raise InvalidInput(f"report for {column.name!r} at depth {r.depth}: "
                                f"{r.state.value} is not a state of a {column.kind.value} object")
+        if column.kind in (Kind.COMPRESSED, Kind.INDEXER) and r.version < 1:
+            # an unset proto field reads 0: a KV or indexer vouched for at "version 0" could
+            # pair with any other unset one
+            raise UnsetVersion(f"report for {column.name!r} at depth {r.depth}: version "
+                               f"{r.version}; a KV version is at least 1")
         if column.kind is Kind.SWA:
             start, end = self.layout.block_range(col, r.depth)
             if not start <= r.lo <= r.hi <= end:
@@ -1083,6 +1115,7 @@ class CacheState:
         for depth in range(last + 1):
             parent = self._entry_under(hashes[depth], parent, depth)
             out.append(parent)
+        self._age(out)  # a written block is as recent as a looked-up one, its path with it
         return out
 
     def _check_path(self, hashes: Sequence[BlockHash], last: int) -> None:
@@ -1264,6 +1297,21 @@ _CONFIRMABLE = frozenset(
     {State.ON_DISK} | {st for c in contracts.CONTRACTS.values() for st in c.ready_states}
 ) - {State.ON_DISK_READY}
 _MAX_POOL_BLOCKS = 1 << 24
+_AGE_SLACK = 64  # lookups: LRU order is kept to this precision (see CacheState._age)
+
+
+def segment_blocks_for(layout: Layout, asked: int | None) -> int:
+    """The walk segment size: ``asked`` if the layout can take it (0 = off, else a multiple
+    of its period: runs must start where the layout repeats), else InvalidInput; None: the
+    smallest multiple of the period from DEFAULT_SEGMENT_BLOCKS up (a spec's period need not
+    divide 64: block sizes 64 and 96 repeat every 6 hash blocks of 32)."""
+    period = layout.period
+    if asked is None:
+        return -(-DEFAULT_SEGMENT_BLOCKS // period) * period
+    if asked < 0 or asked % period:
+        raise InvalidInput(f"segment_blocks must be 0 (off) or a positive multiple of "
+                           f"{period} (the layout's period), got {asked}")
+    return asked
 
 
 def _checked_pool(name: str, cfg: PoolConfig) -> PoolConfig:

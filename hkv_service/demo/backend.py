@@ -560,7 +560,8 @@ class InProcessBackend:
             self.events["corrupt_load"] += 1
             self._drain()
             return Reason.CORRUPT.value
-        data = np.frombuffer(raw, np.float32).reshape(self._shape(got.group)).copy()
+        shape = self._shape(got.group)
+        data = np.frombuffer(raw, np.float32).reshape(-1, *shape[1:]).copy()
         self._put_slot(got, data, key, self.on_disk[key].good, State.ON_DISK_READY, disk=True)
         self.state.transition(ObjectId(oid), Event.LOAD_VERIFIED)
         return None

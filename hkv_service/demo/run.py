@@ -50,8 +50,9 @@ def _shapes(model: RefModel) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {}
     for g in model.spec.groups:
         shapes[g.name] = model.block_shape(g.name)
-        if g.kind.value == "COMPRESSED":
-            shapes[f"{g.name}.tail"] = model.tail_shape(g.name)
+        if g.kind.value == "COMPRESSED" and g.tail_tokens_max:
+            # a TAIL object at a resume point: its overlap rows (groups without one have none)
+            shapes[f"{g.name}.tail"] = (g.tail_tokens_max, *g.abi.head_shape)
     return shapes
 
 

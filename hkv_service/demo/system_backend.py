@@ -329,7 +329,8 @@ class SystemBackend:
                 return ReadResult(reason=Reason.MISSING_COMPONENT.value)
             shape = self.shapes[name]
             # views of the shard's bytes; place_column copies each column once
-            views = [np.ascontiguousarray(arr).view(np.float32).reshape(shape) for arr in arrays]
+            views = [np.ascontiguousarray(arr).view(np.float32).reshape(-1, *shape[1:])
+                     for arr in arrays]  # a tail: exactly its rows
             place_column(blocks, tails, lay, col, depths, views, lk.usable)
         return ReadResult(blocks, tails)
 
@@ -360,15 +361,14 @@ class SystemBackend:
                 data[(d, name)] = _as_bytes(t)
         for d, tcols in tails.items():
             for g, (t, n) in tcols.items():
-                tail_data[(d, f"{g}.tail")] = (_as_bytes(t), n)
+                tail_data[(d, f"{g}.tail")] = (_as_bytes(t[:n]), n)  # exactly its rows
         special: dict[Slot, tuple[np.ndarray, Commit, str]] = {}
         # a stalled c4 tail writer: half the rows, TAIL_APPEND, never TAIL_DONE
         slot = (first_tail, "c4.tail")
         if opts.partial_tail and slot in tail_data and tail_data[slot][1] >= 2:
             arr, n = tail_data.pop(slot)
             half = n // 2
-            rows = tails[first_tail]["c4"][0].numpy().astype(np.float32, copy=True)
-            rows[half:] = 0.0
+            rows = tails[first_tail]["c4"][0].numpy()[:half].astype(np.float32, copy=True)
             special[slot] = (_as_bytes(rows), Commit((Event.TAIL_APPEND,),
                                                      (Params(tail_len=half),)), "partial_tail")
         # an indexer whose keys are old bytes: WRITE_DONE, never INDEXER_SYNC

@@ -17,6 +17,7 @@ import torch
 
 from hkv_service.core.hashing import ExtraKeys, hash_blocks
 from hkv_service.core.layout import Layout
+from hkv_service.core.states import Kind
 from hkv_service.refmodel import LOGITS_ATOL, LOGITS_RTOL, RefModel
 from hkv_service.refmodel.cache import ModelCache
 
@@ -80,7 +81,9 @@ def _segments(model: RefModel, cache: ModelCache, tokens: torch.Tensor, lcm: int
     outs: list[torch.Tensor] = []
     tails: dict[int, dict[str, tuple[torch.Tensor, int]]] = {}
     start, pos = 0, cache.length
-    groups = [g.name for g in model.spec.groups if g.kind.value == "COMPRESSED"]
+    # the groups whose tails are objects (a group without overlap carries nothing at a
+    # resume point: it has no TAIL column, and import needs none)
+    groups = [c.group.name for c in Layout(model.spec).columns if c.kind is Kind.TAIL]
     while start < tokens.shape[0]:
         end = min(tokens.shape[0], start + lcm - pos % lcm)
         logits, cache = model.extend(cache, tokens[start:end])

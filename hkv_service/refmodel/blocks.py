@@ -8,8 +8,9 @@ tokens for swa, entries for c4/c128/idx); block k covers tokens [k*bs, (k+1)*bs)
     idx   (16, 1, di)   rows = indexer keys of the same c4 entries
     c128  (1, 2, dh)    row  = entry k                    (pools tokens [128k, 128k+128))
 
-A tail is a COMPRESSED group's raw tokens [tail_start(L), L) zero-padded to
-``(tail_tokens_max, 2, dh)``, with the count of valid rows.
+A tail is a COMPRESSED group's raw tokens [tail_start(L), L), exactly its ``count`` rows (at
+most :func:`tail_shape`'s), with that count. At a resume point a group without overlap has
+none: its tail may be left out.
 
 Import at L (a multiple of the LCM block size) needs, and validates, exactly what continuing
 at L reads: every c4/idx/c128 block before L, the swa blocks meeting [max(0, L - W), L), and
@@ -84,7 +85,7 @@ def tail_shape(geo: Geometry, group: str) -> tuple[int, ...]:
     g = _group(geo, group)
     if g not in (geo.sparse, geo.heavy):
         raise ValueError(f"group {group!r} is not COMPRESSED and has no tail")
-    return (g.tail_tokens_max, *g.abi.head_shape)
+    return (g.ratio - 1 + g.overlap, *g.abi.head_shape)  # the most at any length
 
 
 def _group(geo: Geometry, group: str) -> GroupSpec:
@@ -121,11 +122,9 @@ def export_block(cache: ModelCache, geo: Geometry, group: str, k: int) -> torch.
 
 
 def export_tail(cache: ModelCache, geo: Geometry, group: str) -> tuple[torch.Tensor, int]:
-    shape = tail_shape(geo, group)
+    tail_shape(geo, group)  # names a group without a tail
     tail = (cache.sparse if group == geo.sparse.name else cache.heavy).tail
-    out = torch.zeros(shape, dtype=torch.float32, device=tail.device)
-    out[: tail.shape[0]] = tail
-    return out, tail.shape[0]
+    return tail.clone(), tail.shape[0]
 
 
 def _checked(t: torch.Tensor | None, what: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -154,16 +153,18 @@ def _tail(
     tails: Tails, geo: Geometry, group: str, length: int, device: torch.device
 ) -> torch.Tensor:
     g = _group(geo, group)
+    want = length - tail_start(length, g.ratio, g.overlap)
     if group not in tails:
+        if want == 0:  # nothing to carry: no tail object exists for it
+            return torch.zeros((0, *g.abi.head_shape), dtype=torch.float32, device=device)
         raise ValueError(f"the tail of group {group!r} at length {length} is missing")
     tensor, count = tails[group]
-    want = length - tail_start(length, g.ratio, g.overlap)
     if count != want:
         raise ValueError(
             f"the tail of group {group!r} at length {length} must hold {want} tokens, got {count}"
         )
-    tensor = _checked(tensor, f"the tail of group {group!r}", tail_shape(geo, group))
-    return tensor[:count].to(device)
+    tensor = _checked(tensor, f"the tail of group {group!r}", (count, *g.abi.head_shape))
+    return tensor.to(device)
 
 
 def import_cache(

@@ -142,7 +142,8 @@ class RefModel:
         return blk.export_block(cache, self.geometry, group, block_index)
 
     def export_tail(self, cache: ModelCache, group: str) -> tuple[torch.Tensor, int]:
-        """``group``'s raw tokens still needed at ``cache.length``, padded, and their count."""
+        """``group``'s raw tokens still needed at ``cache.length`` (exactly those rows), and
+        their count."""
         return blk.export_tail(cache, self.geometry, group)
 
     def import_cache(

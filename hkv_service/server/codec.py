@@ -316,8 +316,9 @@ def decode_event(msg: Any) -> TransitionEvent:
 
 
 def decode_allocations(msg: Any) -> list[Allocation]:
-    return [Allocation(decode_handle(h), bool(e), STATES.decode(s, "allocation"))
-            for h, e, s in zip(msg.handles, msg.existing, msg.states, strict=True)]
+    versions = list(msg.versions) or [0] * len(msg.handles)  # absent from an older server
+    return [Allocation(decode_handle(h), bool(e), STATES.decode(s, "allocation"), v)
+            for h, e, s, v in zip(msg.handles, msg.existing, msg.states, versions, strict=True)]
 
 
 # ---- confirm --------------------------------------------------------------------------------

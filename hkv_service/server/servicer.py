@@ -124,6 +124,7 @@ class MetadataServicer(pb_grpc.MetadataServiceServicer):
         for a in allocations:
             codec.encode_handle(a.handle, out.handles.add())
         out.existing.extend([a.existing for a in allocations])
+        out.versions.extend([a.version for a in allocations])
         states: Any = out.states
         states.extend([codec.STATES.to_pb[a.state] for a in allocations])
         return out

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from hkv_service.core.allocator import PoolConfig
 from hkv_service.core.errors import PoolExhausted
 from hkv_service.core.funnel import LookupRequest
+from hkv_service.core.hashing import ExtraKeys, hash_blocks
 from hkv_service.core.ids import ShardId
 from hkv_service.core.state_view import AllocRequest, CacheState
 from hkv_service.core.states import Event, State
@@ -93,3 +95,68 @@ def test_allocate_is_all_or_nothing(spec, clock) -> None:
         st.allocate(hs, [AllocRequest(d, "c4") for d in range(4)])  # 4 blocks, pool of 2
     assert len(st.objects) == 0
     assert len(st.owners[ShardId("s0")].pools[0].free) == 2  # nothing leaked
+
+
+def _pools(st: CacheState, **sizes: int) -> dict[str, PoolConfig]:
+    pools = pools_for(st.layout, 32)
+    for name, n in sizes.items():
+        pools[name] = PoolConfig(n, pools[name].stride, pools[name].base_align)
+    return pools
+
+
+def test_a_block_goes_before_the_blocks_of_its_column_it_leads_to(spec, clock) -> None:
+    """Regression (issue 15, item 6): an entry was a leaf only without child entries, so
+    c128 at depth 3 (whose child holds c4 only) tied with c128 at depth 1, and the one at
+    depth 1 went: every prompt through it lost all of its c128 reuse."""
+    st = CacheState(spec, clock=clock)
+    st.register_owner(ShardId("s0"), _pools(st, c128=2))
+    hs = prompt_hashes(spec, 5)  # c128 at depths 1 and 3
+    ids = commit_prefix(st, hs)
+    assert st.lookup(LookupRequest(hs)).usable_tokens == 256
+    st.allocate(prompt_hashes(spec, 2, seed=3), [AllocRequest(1, "c128")])  # pool full
+    assert st.objects.get(ids[(1, "c128")]) is not None
+    assert st.objects.get(ids[(3, "c128")]) is None
+    assert st.lookup(LookupRequest(hs)).usable_tokens == 128
+
+
+def test_a_shared_root_goes_last(spec, clock) -> None:
+    """Regression (issue 15, item 6): last use was set on a lookup's last entry only, so the
+    interior entries tied at 0 and the shared root went first once the leaves were gone."""
+    st = CacheState(spec, clock=clock)
+    st.register_owner(ShardId("s0"), _pools(st, c4=6))
+    toks = np.random.default_rng(1).integers(0, 50_000, 4 * 64)
+    toks_b = np.concatenate([toks[:128], np.random.default_rng(2).integers(0, 50_000, 128)])
+    a, b = (hash_blocks(t, 64, ExtraKeys(spec.model_id)) for t in (toks, toks_b))  # share 2
+    ids_a, ids_b = commit_prefix(st, a), commit_prefix(st, b)
+    st.lookup(LookupRequest(a))
+    st.lookup(LookupRequest(b))
+    for seed in (5, 6, 7):  # three more blocks: three evictions
+        st.allocate(prompt_hashes(spec, 1, seed=seed), [AllocRequest(0, "c4")])
+    live = {d for d in range(4) if st.objects.get(ids_a[(d, "c4")]) is not None}
+    assert live == {0, 1}, live  # A's own blocks, then B's deepest: the shared two stay
+    assert st.objects.get(ids_b[(2, "c4")]) is not None
+    assert st.objects.get(ids_b[(3, "c4")]) is None
+
+
+def test_each_swa_group_is_protected_by_its_own_window(clock) -> None:
+    """Regression (issue 15, item 7): resume points protected ceil(max_window / H) entries
+    for every SWA column, so with windows 128 and 512 every block of the narrow group looked
+    needed, and a block its live window needs could go first."""
+    from hkv_service.core.spec import spec_from_dict
+    from hkv_service.specs import default_spec
+
+    raw = default_spec().to_dict()
+    wide = next(dict(g) for g in raw["groups"] if g["name"] == "swa")
+    raw["groups"].append({**wide, "name": "swa_wide", "window": 512})
+    spec = spec_from_dict(raw)
+    st = CacheState(spec, clock=clock)
+    st.register_owner(ShardId("s0"), _pools(st, swa=8))
+    hs = prompt_hashes(spec, 8)
+    (first,) = st.allocate(hs, [AllocRequest(7, "swa")])  # the narrow window's, block 0
+    st.transition(first.handle.object_id, Event.WRITE_DONE)
+    no_tails = frozenset((d, "c4.tail") for d in (1, 3, 5))  # one resume point: 512
+    ids = commit_prefix(st, hs, skip=no_tails)
+    st.allocate(prompt_hashes(spec, 1, seed=3), [AllocRequest(0, "swa")])  # pool full
+    gone = [d for d in range(8) if st.objects.get(ids[(d, "swa")]) is None]
+    assert len(gone) == 1 and gone[0] < 6, gone  # [384, 512) is what the window needs
+    assert st.lookup(LookupRequest(hs)).usable_tokens == 512

@@ -68,5 +68,5 @@ def test_rows_identical_to_the_general_path(spec) -> None:
     assert {h.shard for hs_ in fast.handles.values() for h in hs_} == {"a", "b"}
     entries = [state.index[h] for h in hs]
     rows = state._packed_columns(entries, N * 64)
-    recs = state._resolve(entries, N * 64)
+    recs = state._resolve(entries, N * 64, 1)
     assert rows == {name: state._snapshot(r) for name, r in recs.items()}

@@ -40,7 +40,7 @@ from hkv_service.testing import commit_prefix, pools_for, prompt_hashes
 
 S0 = ShardId("s0")
 _LAYOUT = Layout(default_spec())
-COLUMNS = tuple(c.name for c in _LAYOUT.columns)  # c4, c128, swa, idx, c4.tail, c128.tail
+COLUMNS = tuple(c.name for c in _LAYOUT.columns)  # c4, c128, swa, idx, c4.tail
 KIND_OF = {c.name: c.kind for c in _LAYOUT.columns}
 
 # At rest: the readable state of each memory kind, and a disk copy whose LMDB write committed.
@@ -297,19 +297,20 @@ _REFUSED: dict[str, tuple[Build, type[HkvError]]] = {
                                      block=63),
         BadHash),
     "root with a parent": (
-        lambda a, b, x: ObjectReport(x, a[0], 0, "c4", State.COMPRESSED_READY, block=63),
+        lambda a, b, x: ObjectReport(x, a[0], 0, "c4", State.COMPRESSED_READY, block=63, version=1),
         InvalidInput),
     "child without a parent": (
-        lambda a, b, x: ObjectReport(x, None, 1, "c4", State.COMPRESSED_READY, block=63),
+        lambda a, b, x: ObjectReport(x, None, 1, "c4", State.COMPRESSED_READY, block=63, version=1),
         InvalidInput),
     "parent known at another depth": (
-        lambda a, b, x: ObjectReport(x, a[0], 3, "c4", State.COMPRESSED_READY, block=63),
+        lambda a, b, x: ObjectReport(x, a[0], 3, "c4", State.COMPRESSED_READY, block=63, version=1),
         BadHash),
     "hash known at another depth": (
-        lambda a, b, x: ObjectReport(a[1], x, 2, "c4", State.COMPRESSED_READY, block=63),
+        lambda a, b, x: ObjectReport(a[1], x, 2, "c4", State.COMPRESSED_READY, block=63, version=1),
         BadHash),
     "hash known with another parent": (
-        lambda a, b, x: ObjectReport(a[2], b[1], 2, "c4", State.COMPRESSED_READY, block=63),
+        lambda a, b, x: ObjectReport(a[2], b[1], 2, "c4", State.COMPRESSED_READY, block=63,
+                                     version=1),
         BadHash),
     "a ready state of another kind": (
         lambda a, b, x: ObjectReport(x, None, 0, "swa", State.COMPRESSED_READY, block=63),

@@ -23,7 +23,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from hkv_service.core.errors import IllegalTransition, StaleHandle
+from hkv_service.core.errors import IllegalTransition, StaleHandle, UnsetVersion
 from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.hashing import ExtraKeys, hash_blocks
 from hkv_service.core.ids import ShardId
@@ -41,7 +41,7 @@ _rng = np.random.default_rng(1)
 _a = _rng.integers(0, 1000, DEPTHS * H)
 _b = np.concatenate([_a[: 4 * H], _rng.integers(1000, 2000, 4 * H)])  # shares 4 blocks with A
 CHAINS = [hash_blocks(t, H, ExtraKeys(SPEC.model_id)) for t in (_a, _b)]
-COLUMNS = ("c4", "c128", "swa", "idx", "c4.tail", "c128.tail")
+COLUMNS = tuple(c.name for c in CacheState(SPEC).layout.columns)  # c128 has no tail
 
 
 def lives_at(col: str, depth: int) -> bool:
@@ -97,18 +97,17 @@ class Oracle:
     def slot(self, h: bytes, col: str) -> Slot:
         return self.slots.setdefault((h, col), Slot())
 
-    def kv_version(self, h: bytes) -> int | None:
-        kv = self.slot(h, "c4")
-        if kv.status is not None:
-            return kv.version
-        return kv.disk_version if kv.disk is not None else None
+    def versions(self, h: bytes, col: str, ready: str) -> set[int]:
+        """Versions of the usable copies (memory in state ``ready``, disk at rest or loaded)."""
+        s = self.slot(h, col)
+        out = {s.version} if s.status == ready else set()
+        return out | ({s.disk_version} if s.disk in ("rest", "ready") else set())
 
     def usable(self, h: bytes, col: str) -> bool:
         s = self.slot(h, col)
-        if col == "idx":
-            mem_ok = s.status == "synced" and s.version == self.kv_version(h)
-            disk_ok = s.disk in ("rest", "ready") and s.disk_version == self.kv_version(h)
-            return mem_ok or disk_ok
+        if col in ("idx", "c4"):  # a KV and its indexer serve together, copies at one version
+            both = self.versions(h, "c4", "ready") & self.versions(h, "idx", "synced")
+            return bool(both - {0})
         return s.status == "ready" or (s.disk in ("rest", "ready") and not s.disk_partial)
 
     def safe_prefix(self, chain: list[bytes], resume: int) -> int:
@@ -124,7 +123,7 @@ class Oracle:
                     return False
             if (d + 1) * H > p - W and not self.usable(chain[d], "swa"):
                 return False
-        return all(self.usable(chain[p // H - 1], t) for t in ("c4.tail", "c128.tail"))
+        return all(self.usable(chain[p // H - 1], t) for t in COLUMNS if t.endswith(".tail"))
 
 
 class FunnelMachine(RuleBasedStateMachine):
@@ -205,9 +204,9 @@ class FunnelMachine(RuleBasedStateMachine):
             self.state.transition(slot.oid, Event.INDEXER_SYNC, Params(version=v))
             slot.status, slot.version = "synced", v
         else:
-            try:
+            try:  # a KV never written has no version: 0 is refused as unset
                 self.state.transition(slot.oid, Event.INDEXER_SYNC, Params(version=kv.version))
-            except IllegalTransition:
+            except (IllegalTransition, UnsetVersion):
                 return
             raise AssertionError("indexer synced although its KV is not COMPRESSED_READY")
 
@@ -258,11 +257,7 @@ class FunnelMachine(RuleBasedStateMachine):
         mem_ready = (
             slot.status == "ready"
             or (col == "swa" and slot.status == "partial")  # SWA_VALID with a short range
-            or (
-                col == "idx"
-                and slot.status == "synced"
-                and slot.version == self.oracle.kv_version(h)
-            )
+            or (col == "idx" and slot.status == "synced")  # its copy keeps its version
         )
         if slot.oid is None or slot.disk is not None:
             return

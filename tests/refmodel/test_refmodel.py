@@ -377,7 +377,8 @@ def test_import_names_what_is_missing_or_misshapen(short: Scenario) -> None:
         ({**b, "swa": {6: b["swa"][6]}}, t, "'swa' block 7 is missing"),
         ({**b, "idx": {**b["idx"], 0: torch.zeros(16, 2, 8)}}, t, "'idx' block 0 must be"),
         ({**b, "c128": {**b["c128"], 1: b["c128"][1].double()}}, t, "'c128' block 1 must be"),
-        (b, {"c4": t["c4"]}, "'c128' at length 512 is missing"),
+        (b, {"c128": t["c128"]}, "'c4' at length 512 is missing"),
+        (b, {**t, "c4": (t["c4"][0][:3], 4)}, "'c4' must be float32"),
         (b, {**t, "c4": (t["c4"][0], 3)}, "must hold 4 tokens, got 3"),
     ]
     for blocks, tails, message in cases:

@@ -47,6 +47,16 @@ def test_allocate_is_idempotent_and_commit_makes_a_hit(client: MetadataClient) -
     assert len(m.handles["c4"]) == 8 and all(h.kind is Kind.COMPRESSED for h in m.handles["c4"])
 
 
+def test_allocate_returns_an_existing_kvs_version(live: Live, client: MetadataClient) -> None:
+    """Regression: AllocateResponse dropped the version of an existing COMPRESSED object, so
+    a writer syncing an indexer to it over gRPC sent version 0 (refused as unset)."""
+    register(client)
+    hs = hashes(2)
+    commit_remote(client, hs)
+    (kv,) = client.allocate(hs, [AllocRequest(0, "c4")])
+    assert kv.existing and kv.version == live.state.objects[kv.handle.object_id].version > 0
+
+
 def test_match_equals_in_process_lookup(live: Live, client: MetadataClient) -> None:
     register(client)
     hs = hashes(16)

@@ -194,6 +194,28 @@ def test_bad_spec_exits_2(tmp_path: Path) -> None:
     assert out.returncode == 2 and "--spec" in out.stderr
 
 
+def test_a_spec_whose_period_does_not_divide_64_serves_with_the_default(
+        procs: list[Proc], tmp_path: Path) -> None:
+    """Regression (issue 15, item 10): block sizes 64 and 96 (hash blocks of 32) repeat every
+    6 hash blocks, and the default segment size 64 made ``hkv serve --spec`` exit 2. The
+    default adapts to the period; only an explicit size it cannot take is an error."""
+    import json
+
+    abi = {"dtype": "float16", "head_shape": [2, 8]}
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"model_id": "m", "hash_block_size": 32, "groups": [
+        {"name": "kv", "kind": "COMPRESSED", "block_size": 64, "ratio": 4, "overlap": 4,
+         "abi": abi},
+        {"name": "win", "kind": "SWA", "block_size": 96, "window": 192, "abi": abi}]}))
+    p = start_serve("--port", "0", "--spec", str(spec))
+    procs.append(p)
+    with MetadataClient(f"127.0.0.1:{p.port}") as c:
+        assert c.get_spec().lcm_block_size == 192
+    assert p.stop() == 0
+    out = _run("--port", "0", "--spec", str(spec), "--walk-segment-blocks", "64")
+    assert out.returncode == 2 and "multiple of 6" in out.stderr
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -39,7 +39,7 @@ def prefix_payload(layout: Layout, n_blocks: int, seed: int = 0
     for d in range(n_blocks):
         for c in layout.attached[d % layout.period]:
             col = layout.columns[c]
-            data = rng.integers(0, 256, col.nbytes, dtype=np.uint8)
+            data = rng.integers(0, 256, layout.object_bytes(c, d), dtype=np.uint8)
             if col.kind.value == "TAIL":
                 tails[(d, col.name)] = (data, col.tail_tokens_at((d + 1) * layout.hash_block))
             else:

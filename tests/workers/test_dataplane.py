@@ -82,7 +82,7 @@ def test_write_commit_lookup_read_round_trip(system: Any, w: Any) -> None:
     assert match.usable_tokens == 256 and not match.needs_load
     out = dp.read(match, hashes)
     check_bytes(dp, match, out, payload)
-    assert set(out) == {"c4", "c128", "swa", "idx", "c4.tail", "c128.tail"}
+    assert set(out) == {"c4", "c128", "swa", "idx", "c4.tail"}  # c128: no overlap, no tail
 
 
 @pytest.mark.parametrize("same_kv_bytes", [True, False])
@@ -258,3 +258,33 @@ def test_inflight_call_to_killed_shard_fails_within_deadline(service: Any, endpo
     assert isinstance(out, Recompute) and out.reason.value == "OWNER_LOST"
     assert time.monotonic() - start < 3.0 + 2.0
 
+
+
+@pytest.mark.parametrize("what", ["short block", "long block", "empty block", "padded tail",
+                                  "short SWA range"])
+def test_write_prefix_refuses_a_wrong_size_before_allocating(system: Any, w: Any,
+                                                              what: str) -> None:
+    """Regression (issue 15, item 1): a block of any other size than its object's is refused
+    with WrongSize naming the slot and both sizes, and nothing is allocated or readable."""
+    from hkv_service.core.errors import WrongSize
+
+    dp, _, meta = system
+    hashes = w.prompt(2, seed=40 + len(what))
+    blocks, tails = w.prefix_payload(dp.layout, 2, 3)
+    swa = None
+    if what == "short block":
+        blocks[(1, "c4")] = blocks[(1, "c4")][:16]
+    elif what == "long block":
+        blocks[(1, "c128")] = np.concatenate([blocks[(1, "c128")], blocks[(1, "c128")]])
+    elif what == "empty block":
+        blocks[(0, "idx")] = blocks[(0, "idx")][:0]
+    elif what == "padded tail":
+        arr, n = tails[(1, "c4.tail")]
+        tails[(1, "c4.tail")] = (np.concatenate([arr, arr]), n)
+    else:
+        swa = {(1, "swa"): (64 + 16, 128)}  # 48 tokens, but the whole block's bytes given
+    before = len(meta.state.objects)
+    with pytest.raises(WrongSize, match="exactly"):
+        dp.write_prefix(hashes, blocks, tails, swa_ranges=swa)
+    assert len(meta.state.objects) == before
+    assert meta.lookup(LookupRequest(hashes)).usable_tokens == 0

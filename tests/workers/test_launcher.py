@@ -94,4 +94,7 @@ def test_config_file_values_apply_and_flags_win(tmp_path: Path) -> None:
     assert config.serve_args == ("--grace-s", "2.5") and config.lookup_memo_mib == 0
     argv = serve_argv(config)  # the spawned service and the --address actor both get it
     assert argv[argv.index("--lookup-memo-mib") + 1] == "0"
-    assert argv[argv.index("--walk-segment-blocks") + 1] == "64"
+    assert "--walk-segment-blocks" not in argv  # unset: the service picks its spec's default
+    args = build_parser().parse_args(["up", "--walk-segment-blocks", "6"])
+    argv = serve_argv(config_from_args(args))
+    assert argv[argv.index("--walk-segment-blocks") + 1] == "6"

@@ -315,14 +315,16 @@ class AllocateRequest(_message.Message):
     def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., slots: _Optional[_Iterable[_Union[AllocSlot, _Mapping]]] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class AllocateResponse(_message.Message):
-    __slots__ = ("handles", "existing", "states")
+    __slots__ = ("handles", "existing", "states", "versions")
     HANDLES_FIELD_NUMBER: _ClassVar[int]
     EXISTING_FIELD_NUMBER: _ClassVar[int]
     STATES_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
     handles: _containers.RepeatedCompositeFieldContainer[Handle]
     existing: _containers.RepeatedScalarFieldContainer[bool]
     states: _containers.RepeatedScalarFieldContainer[State]
-    def __init__(self, handles: _Optional[_Iterable[_Union[Handle, _Mapping]]] = ..., existing: _Optional[_Iterable[bool]] = ..., states: _Optional[_Iterable[_Union[State, str]]] = ...) -> None: ...
+    versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, handles: _Optional[_Iterable[_Union[Handle, _Mapping]]] = ..., existing: _Optional[_Iterable[bool]] = ..., states: _Optional[_Iterable[_Union[State, str]]] = ..., versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TransitionItem(_message.Message):
     __slots__ = ("object_id", "event", "version", "lo", "hi", "tail_len", "expect_seq", "generation")
