@@ -160,3 +160,18 @@ def test_each_swa_group_is_protected_by_its_own_window(clock) -> None:
     gone = [d for d in range(8) if st.objects.get(ids[(d, "swa")]) is None]
     assert len(gone) == 1 and gone[0] < 6, gone  # [384, 512) is what the window needs
     assert st.lookup(LookupRequest(hs)).usable_tokens == 512
+
+
+def test_a_fresh_write_is_as_recent_as_a_lookup(spec, clock) -> None:
+    """A prefix written after another was last looked up is the more recent one: the write
+    ages the path it made, so the older prefix's deepest block goes first."""
+    st = CacheState(spec, clock=clock)
+    st.register_owner(ShardId("s0"), _pools(st, c4=8))
+    a, b = prompt_hashes(spec, 4, seed=1), prompt_hashes(spec, 4, seed=2)
+    ids_a = commit_prefix(st, a)
+    for _ in range(3):
+        st.lookup(LookupRequest(a))
+    ids_b = commit_prefix(st, b)
+    st.allocate(prompt_hashes(spec, 1, seed=3), [AllocRequest(0, "c4")])  # pool full
+    assert st.objects.get(ids_a[(3, "c4")]) is None
+    assert all(st.objects.get(ids_b[(d, "c4")]) is not None for d in range(4))

@@ -187,3 +187,16 @@ def test_a_group_without_overlap_has_no_tail(st: CacheState, spec) -> None:
     commit_prefix(st, hs, S0)
     m = st.lookup(LookupRequest(hs))
     assert m.usable_tokens == 512 and set(m.handles) == {"c4", "c128", "swa", "idx", "c4.tail"}
+
+
+def test_a_misaligned_tail_at_the_resume_point_is_never_served(st: CacheState, spec) -> None:
+    """The tail a reader resuming at 512 reads lives in s1: that resume point is refused, the
+    one before it (its tail aligned) is taken."""
+    hs = prompt_hashes(spec, N)
+    (a,) = st.allocate(hs, [AllocRequest(7, "c4.tail")], S1)
+    st.transition(a.handle.object_id, Event.TAIL_DONE, Params(tail_len=4))
+    commit_prefix(st, hs, S0)
+    m = st.lookup(LookupRequest(hs, alignment=ALIGN))
+    assert m.usable_tokens == 384 and Reason.MISALIGNED in reasons(m)
+    assert_every_handle_aligned(m, ALIGN)
+    assert st.lookup(LookupRequest(hs)).usable_tokens == 512
