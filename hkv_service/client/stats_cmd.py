@@ -14,13 +14,14 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from hkv_service.core.errors import HkvError
+from hkv_service.core.errors import HkvError, Unavailable
 
 from .client import MetadataClient
 
@@ -96,7 +97,9 @@ def _print_table(stats: Mapping[str, object], rates: Mapping[str, float],
         for key in sorted(values):
             print(f"  {key:<40} {values[key]:>12}")
     print("transition rate per kind (last interval):")
-    for kind in sorted(rates):
+    if not any(rates.values()):
+        print("  (no transitions: idle)")
+    for kind in sorted(k for k, r in rates.items() if r):
         mark = "  <-- JUMP" if kind in flagged else ""
         print(f"  {kind:<40} {rates[kind]:>10.1f}/s{mark}")
 
@@ -118,14 +121,22 @@ def run_stats(args: argparse.Namespace) -> int:
                     time.sleep(SAMPLE_GAP_S)
                 stats, totals = _sample(client)
                 samples.append((time.monotonic(), totals))
+    except Unavailable:
+        sys.stderr.write(f"hkv stats: cannot read stats from {args.endpoint}: no hkv service "
+                         "answers there (is it running, and is this its host:port?)\n")
+        return 1
     except HkvError as err:
         sys.stderr.write(f"hkv stats: cannot read stats from {args.endpoint}: {err}\n")
         return 1
     jumps = rate_jumps(samples)
     rates = {k: r[-1] for k in samples[-1][1] if (r := _rates(samples, k))}
-    if args.json:
-        print(json.dumps({"endpoint": args.endpoint, "stats": stats, "rates_per_s": rates,
-                          "rate_jumps": [asdict(j) for j in jumps]}, sort_keys=True))
-    else:
-        _print_table(stats, rates, jumps)
+    try:
+        if args.json:
+            print(json.dumps({"endpoint": args.endpoint, "stats": stats, "rates_per_s": rates,
+                              "rate_jumps": [asdict(j) for j in jumps]}, sort_keys=True))
+        else:
+            _print_table(stats, rates, jumps)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `hkv stats | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0

@@ -68,15 +68,56 @@ def _alignment(address: int, nbytes: int, base_align: int) -> int:
 
 
 class BlockPool:
+    """Per-block metadata grows with the blocks used, not the blocks declared: blocks
+    ``[len(owner), num_blocks)`` were never handed out (free, generation 0) and cost nothing,
+    so a registration declaring millions of blocks costs nothing until they are used.
+    Released blocks wait in ``free`` (a deque, oldest first) and ``_free`` (membership): a
+    block claimed by a restart's re-confirm leaves the set at once and is skipped when the
+    deque reaches it, so every operation is O(1) amortized."""
+
     def __init__(self, config: PoolConfig, seed: int = 0) -> None:
         self.config = config
-        self.free: deque[int] = deque(range(config.num_blocks))
-        self.generation = [0] * config.num_blocks
-        self.owner: list[ObjRecord | None] = [None] * config.num_blocks
+        self.free: deque[int] = deque()
+        self._free: set[int] = set()
+        self.generation: list[int] = []
+        self.owner: list[ObjRecord | None] = []
         self._rng = random.Random(seed)
 
+    def free_count(self) -> int:
+        return len(self._free) + self.config.num_blocks - len(self.owner)
+
     def take(self) -> int | None:
-        return self.free.popleft() if self.free else None
+        while self.free:
+            block = self.free.popleft()
+            if block in self._free:
+                self._free.discard(block)
+                return block
+        return self._fresh()
+
+    def _fresh(self) -> int | None:
+        block = len(self.owner)
+        if block >= self.config.num_blocks:
+            return None
+        self.owner.append(None)
+        self.generation.append(0)
+        return block
+
+    def claim(self, block: int) -> bool:
+        """Take the free ``block`` itself (an owner re-confirms what it still holds there);
+        False if it is not free or outside the pool."""
+        if not 0 <= block < self.config.num_blocks:
+            return False
+        if block < len(self.owner):
+            if block not in self._free:
+                return False
+            self._free.discard(block)
+            return True
+        while len(self.owner) < block:  # the blocks before it were never used: free
+            fresh = self._fresh()
+            assert fresh is not None
+            self.free.append(fresh)
+            self._free.add(fresh)
+        return self._fresh() == block
 
     def alignment_of(self, block: int, nbytes: int) -> int:
         return _alignment(block * self.config.stride, nbytes, self.config.base_align)
@@ -86,11 +127,13 @@ class BlockPool:
         self.owner[block] = None
         self.generation[block] += 1
         self.free.append(block)
+        self._free.add(block)
 
     def victim(self, kind: Kind, holds: Holds, key: Policy | None = None) -> ObjRecord | None:
         """The best eviction candidate by ``kind``'s policy (or ``key``), or None if nothing
         may go (leased or captured records never go)."""
-        occupied = self.config.num_blocks - len(self.free)
+        used = len(self.owner)
+        occupied = used - len(self._free)
         if occupied == 0:
             return None
         if occupied <= _SAMPLE:
@@ -99,7 +142,7 @@ class BlockPool:
             pool = [
                 r
                 for r in (
-                    self.owner[self._rng.randrange(self.config.num_blocks)] for _ in range(_SAMPLE)
+                    self.owner[self._rng.randrange(used)] for _ in range(_SAMPLE)
                 )
                 if r is not None
             ]

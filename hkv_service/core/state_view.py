@@ -42,6 +42,7 @@ from .errors import (
     InvalidInput,
     LeaseExpired,
     PoolExhausted,
+    ResourceExhausted,
     StaleHandle,
     UnknownCapture,
     UnknownGroup,
@@ -99,6 +100,9 @@ class StateConfig:
     max_lease_ttl_s: float = 60.0
     heartbeat_timeout_s: float = 10.0
     log_capacity: int = 8192  # bounded: Watch streams recent history only
+    # owners registered at once (RegisterOwner beyond it: RESOURCE_EXHAUSTED); an owner's
+    # per-block metadata grows with the blocks it uses, not the blocks it declares
+    max_owners: int = 1024
     # Lookup memo (core/memo.py): results of lookups of >= memo_min_blocks hashes, kept until
     # anything on their path changes; bounded by count and bytes. 0 capacity or bytes: off.
     memo_capacity: int = 1024
@@ -270,10 +274,25 @@ class CacheState:
             }  # validate before touching anything
             if owner in self.owners:
                 self.mark_owner_lost(owner)
+            else:
+                self._make_room_for_owner(owner)
             self._owners_epoch += 1
             inc = next(self._incarnations)
             self.owners[owner] = _Owner(inc, self.clock(), built)
             return inc
+
+    def _make_room_for_owner(self, owner: ShardId) -> None:
+        """Owners declared lost hold nothing any more (their objects ended with them): their
+        entries go when the table is full. Live ones are never dropped: over the bound, a new
+        name is refused."""
+        if len(self.owners) < self.config.max_owners:
+            return
+        for name in [s for s, o in self.owners.items() if not o.alive]:
+            del self.owners[name]
+        if len(self.owners) >= self.config.max_owners:
+            raise ResourceExhausted(
+                f"cannot register owner {owner!r}: {len(self.owners)} owners are registered, "
+                f"the most this service takes (max_owners); retire owners or raise it")
 
     def heartbeat(self, owner: ShardId, incarnation: int) -> None:
         with self._lock:
@@ -390,7 +409,7 @@ class CacheState:
 
     def _owners_by_free(self, col: int) -> list[ShardId]:
         live = [(s, o) for s, o in self.owners.items() if o.alive and col in o.pools]
-        live.sort(key=lambda so: -len(so[1].pools[col].free))
+        live.sort(key=lambda so: -so[1].pools[col].free_count())
         return [s for s, _ in live]
 
     def _evict_from(self, pool: BlockPool, col: int) -> bool:
@@ -1068,11 +1087,8 @@ class CacheState:
             self._after_change(self._add_disk_record(entry, col, State.ON_DISK, owner, r))
             return 1
         pool = o.pools.get(col)
-        if pool is None or entry.mem[col] is not None or not 0 <= r.block < len(pool.owner):
+        if pool is None or entry.mem[col] is not None or not pool.claim(r.block):
             return 0
-        if pool.owner[r.block] is not None or r.block not in pool.free:
-            return 0
-        pool.free.remove(r.block)
         pool.generation[r.block] = max(pool.generation[r.block], r.generation)
         rec = new_record(
             column.kind, col, self.objects.new_id(), entry, r.state, owner, r.block,

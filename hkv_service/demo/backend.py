@@ -779,7 +779,7 @@ class InProcessBackend:
         """The regular shard with the most free blocks (never the misaligned one)."""
         return max(
             self.shard_ids,
-            key=lambda s: min(len(p.free) for p in self.state.owners[s].pools.values()),
+            key=lambda s: min(p.free_count() for p in self.state.owners[s].pools.values()),
         )
 
     def _disk_copy(self, d: int, hashes: Sequence[BlockHash], col: Column) -> bool:

@@ -17,7 +17,7 @@ import queue
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 
@@ -260,6 +260,17 @@ def _summary(rep: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _json_stdout() -> TextIO:
+    """With ``--json`` stdout carries exactly one JSON object: from here on file descriptor 1
+    points at stderr, so whatever else writes there (Ray's log lines, from this process or
+    the ones it starts, which inherit it, until the very end) goes to stderr. Returns the
+    real stdout, for the object."""
+    sys.stdout.flush()
+    real = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    return real
+
+
 def run_demo(args: argparse.Namespace) -> int:
     def note(msg: str) -> None:
         sys.stderr.write(f"hkv demo: {msg}\n")
@@ -276,6 +287,7 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.requests < 1 or args.workers < 1:
         sys.stderr.write("hkv: error: --requests and --workers must be at least 1.\n")
         return 2
+    out = _json_stdout() if args.json else sys.stdout
     try:
         rep = run_workload(args.requests, args.seed, rates, args.check, args.workers,
                            args.duration, note, backend="system")
@@ -283,9 +295,7 @@ def run_demo(args: argparse.Namespace) -> int:
         sys.stderr.write(f"hkv: error: {err}.\n")
         return 2
     rep.pop("per_request", None)
-    if args.json:
-        print(json.dumps(rep, sort_keys=True))
-    else:
-        print(_summary(rep))
-    sys.stdout.flush()  # before interpreter teardown (ray/grpc threads) can lose a pipe buffer
+    text = json.dumps(rep, sort_keys=True) if args.json else _summary(rep)
+    out.write(text + "\n")
+    out.flush()  # before interpreter teardown (ray/grpc threads) can lose a pipe buffer
     return 1 if args.check and rep["silent_errors"] else 0

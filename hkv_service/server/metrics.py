@@ -14,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from hkv_service.core.state_view import CacheState
+from hkv_service.core.states import State
 
 __all__ = ["StateCollector", "make_registry", "start_metrics"]
 
@@ -26,6 +27,7 @@ _GAUGES = {
     "captures": "Live graph captures",
     "topology_epoch": "Topology epoch (bumps when a captured block had to change)",
     "owners_alive": "Registered owners currently alive",
+    "in_transit_peak_objects": "Most objects in transit at once since the service started",
 }
 
 
@@ -53,6 +55,17 @@ class StateCollector(Collector):
         gauges = _section(stats, "gauges")
         for name, doc in _GAUGES.items():
             yield GaugeMetricFamily(f"hkv_{name}", doc, value=gauges.get(name, 0))
+        # what hkv stats shows beside the gauges: refusals (monotone) and who holds tickets
+        yield CounterMetricFamily("hkv_admission_refused", "Transfers refused by the "
+                                  "in-transit admission cap",
+                                  value=gauges.get("admission_refused", 0))
+        held = GaugeMetricFamily("hkv_in_transit_by_state", "In-transit objects holding an "
+                                 "admission ticket, by state", labels=["state"])
+        for state in State:
+            n = gauges.get(f"in_transit_{state.value.lower()}")
+            if n is not None:
+                held.add_metric([state.value], n)
+        yield held
 
     @staticmethod
     def _counter(stats: Mapping[str, object], section: str, label: str, doc: str) -> Metric:

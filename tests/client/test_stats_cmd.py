@@ -70,3 +70,30 @@ def test_stats_unreachable_exits_1() -> None:
         [sys.executable, "-m", "hkv_service.cli", "stats", "--endpoint", "127.0.0.1:1"],
         capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 1 and "cannot read stats" in out.stderr
+
+
+def test_stats_piped_into_head_and_idle_rates(tmp_path: Path) -> None:
+    """Regressions (issue 17, item 8): ``hkv stats | head`` printed a BrokenPipeError
+    traceback, and an idle service's rate section listed nothing, saying nothing."""
+    state = CacheState(default_spec())
+    service = build_service(ServerConfig(port=0), state)
+    service.server.start()
+    cmd = f"{sys.executable} -m hkv_service.cli stats --endpoint 127.0.0.1:{service.port}"
+    try:
+        # `true` exits at once: every line stats writes meets a closed pipe, as past `head`
+        piped = subprocess.run(f"{cmd} | true", shell=True, capture_output=True, text=True,
+                               timeout=60, cwd=ROOT)
+        whole = subprocess.run(cmd.split(), capture_output=True, text=True, timeout=60,
+                               cwd=ROOT)
+    finally:
+        service.stop(0).wait(10)
+    assert piped.stderr == "", piped.stderr
+    assert whole.returncode == 0 and "(no transitions: idle)" in whole.stdout
+
+
+def test_stats_dead_endpoint_is_one_sentence() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "hkv_service.cli", "stats", "--endpoint", "127.0.0.1:1"],
+        capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 1 and "no hkv service answers there" in out.stderr
+    assert out.stderr.count("\n") == 1

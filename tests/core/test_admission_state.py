@@ -66,7 +66,7 @@ def _burst(st: CacheState, oids: list[ObjectId]) -> tuple[list[Handle], list[Bas
 
 
 def _free_c4(st: CacheState) -> int:
-    return len(st.owners[S0].pools[st.layout.by_name["c4"]].free)
+    return st.owners[S0].pools[st.layout.by_name["c4"]].free_count()
 
 
 @pytest.mark.parametrize(
