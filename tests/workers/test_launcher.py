@@ -98,3 +98,17 @@ def test_config_file_values_apply_and_flags_win(tmp_path: Path) -> None:
     args = build_parser().parse_args(["up", "--walk-segment-blocks", "6"])
     argv = serve_argv(config_from_args(args))
     assert argv[argv.index("--walk-segment-blocks") + 1] == "6"
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--port", "70000"], "--port must be between 0 and 65535"),
+    (["--host", "0.0.0.0"], "refusing to bind non-loopback address"),
+    (["--lookup-memo-mib", "-1"], "--lookup-memo-mib must not be negative"),
+])
+def test_bad_service_flags_exit_2_before_ray_starts(flags: list[str], needle: str) -> None:
+    """Regression (issue 17, item 8): hkv up started Ray, then waited a minute for a service
+    that had refused its flags, and exited 1."""
+    res = subprocess.run([sys.executable, "-m", "hkv_service.cli", "up", *flags],
+                         capture_output=True, text=True, env=_env(), timeout=60)
+    assert res.returncode == 2, res.stderr
+    assert needle in res.stderr and res.stderr.count("\n") == 1 and "ray:" not in res.stderr
