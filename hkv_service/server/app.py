@@ -27,7 +27,7 @@ from .auth import (
     TokenInterceptor,
     server_credentials,
 )
-from .servicer import MetadataServicer
+from .servicer import MetadataServicer, undecodable_abort
 
 __all__ = ["SERVICE_NAME", "ServerConfig", "Service", "build_service", "create_server"]
 
@@ -90,7 +90,7 @@ def _add_servicer(servicer: MetadataServicer, server: grpc.Server) -> None:
     capture = _Capture()
     hkv_pb2_grpc.add_MetadataServiceServicer_to_server(  # type: ignore[no-untyped-call]
         servicer, capture)
-    handlers = dict(capture.handlers)
+    handlers = {name: _decoding(name, h) for name, h in capture.handlers.items()}
     # Lookup takes the request's bytes and answers bytes (servicer.py says why).
     handlers["Lookup"] = grpc.unary_unary_rpc_method_handler(
         servicer.LookupRaw, response_serializer=_as_is)
@@ -99,6 +99,26 @@ def _add_servicer(servicer: MetadataServicer, server: grpc.Server) -> None:
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
+def _decoding(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """``handler`` taking the request's bytes and parsing them itself
+    (``servicer.undecodable_abort``): INVALID_ARGUMENT and one log line for bytes that are
+    not its message. Request-streaming handlers are replaced whole (see above)."""
+    decode = handler.request_deserializer
+    message = getattr(decode, "__self__", None)  # the generated Message.FromString
+    if message is None or handler.request_streaming:
+        return handler
+    if handler.unary_unary is not None:
+        unary = handler.unary_unary
+        return grpc.unary_unary_rpc_method_handler(
+            lambda raw, ctx: unary(undecodable_abort(message, method, raw, ctx), ctx),
+            response_serializer=handler.response_serializer)
+    assert handler.unary_stream is not None
+    stream = handler.unary_stream
+    return grpc.unary_stream_rpc_method_handler(
+        lambda raw, ctx: stream(undecodable_abort(message, method, raw, ctx), ctx),
+        response_serializer=handler.response_serializer)
 
 
 def _as_is(reply: bytes) -> bytes:

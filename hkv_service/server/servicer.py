@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn, TypeVar
@@ -27,6 +28,23 @@ from hkv_service.proto_gen.hkv.v1 import hkv_pb2_grpc as pb_grpc
 from . import codec, validation
 from .replies import ReplyCache
 from .status_map import map_error
+
+log = logging.getLogger(__name__)
+
+
+def undecodable_abort(message: Any, method: str, raw: bytes, context: grpc.ServicerContext
+                      ) -> Any:
+    """``message`` parsed from ``raw``; bytes that are no such message end the call with
+    INVALID_ARGUMENT and one log line (grpcio's own deserializer logs a traceback per call
+    and answers INTERNAL)."""
+    try:
+        return message.FromString(raw)
+    except DecodeError:
+        log.warning("%s: undecodable request (%d bytes) from %s: INVALID_ARGUMENT", method,
+                    len(raw), context.peer())
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"cannot decode the {method} request: not a valid hkv.v1 "
+                      f"{message.DESCRIPTOR.name}")
 
 __all__ = ["MetadataServicer"]
 
@@ -190,10 +208,7 @@ class MetadataServicer(pb_grpc.MetadataServiceServicer):
             if self.state.replay(memo):
                 return reply
             self.replies.discard(raw)  # something on the path changed: look it up afresh
-        try:
-            request = pb.LookupBatchRequest.FromString(raw)
-        except DecodeError:
-            context.abort(grpc.StatusCode.INTERNAL, "cannot decode LookupBatchRequest")
+        request = undecodable_abort(pb.LookupBatchRequest, "Lookup", raw, context)
         matches = self._lookups(request.requests)
         reply = codec.batch_reply(matches)
         if len(matches) == 1 and matches[0].memo is not None and matches[0].repeatable:
@@ -203,13 +218,10 @@ class MetadataServicer(pb_grpc.MetadataServiceServicer):
     def LookupStreamRaw(self, raw_iterator: Iterator[bytes],
                         context: grpc.ServicerContext) -> Iterator[bytes]:
         """LookupStream over undecoded messages (see ``app._add_servicer``): undecodable
-        bytes end the stream with INTERNAL, as grpcio does for unary calls."""
+        bytes end the stream with INVALID_ARGUMENT, as every method answers them."""
         for raw in raw_iterator:
-            try:
-                request = pb.LookupStreamRequest.FromString(raw)
-            except DecodeError:
-                context.abort(grpc.StatusCode.INTERNAL, "cannot decode LookupStreamRequest")
-            yield self._stream_batch(request)
+            yield self._stream_batch(
+                undecodable_abort(pb.LookupStreamRequest, "LookupStream", raw, context))
 
     def _stream_batch(self, request: Any) -> bytes:
         """A serialized LookupStreamResponse: the tag, then the matches or the error."""

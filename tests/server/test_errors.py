@@ -299,3 +299,28 @@ def test_storage_errors_reach_the_client_with_their_code() -> None:
                    C.NOT_FOUND, "", "UnknownObject")  # the real path still answers
     finally:
         lv.service.stop(0).wait()
+
+
+def test_an_undecodable_request_is_one_log_line_and_invalid_argument(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Regression (issue 17, item 8): grpcio's deserializer logged a traceback per call and
+    answered INTERNAL."""
+    import logging
+
+    from hkv_service.server.app import ServerConfig, build_service
+
+    svc = build_service(ServerConfig(port=0), CacheState(default_spec()))
+    svc.server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{svc.port}") as ch, \
+                caplog.at_level(logging.WARNING):
+            for method in ("Allocate", "Lookup", "Stats"):
+                call = ch.unary_unary(f"/hkv.v1.MetadataService/{method}")
+                with pytest.raises(grpc.RpcError) as err:
+                    call(b"\xff" * 11, timeout=10)
+                assert err.value.code() is C.INVALID_ARGUMENT
+                assert "cannot decode" in (err.value.details() or "")
+    finally:
+        svc.stop(0).wait(10)
+    lines = [r for r in caplog.records if "undecodable" in r.getMessage()]
+    assert len(lines) == 3 and not any(r.exc_info for r in caplog.records)

@@ -3,11 +3,10 @@ Transition. Only proper status codes come back, the server keeps serving, and a 
 request leaves the state unchanged.
 
 Random bytes are judged by whether they parse as the method's request message: bytes that do
-not parse get INTERNAL (grpcio's answer when a request does not deserialize; LookupRaw and
-LookupStreamRaw, which parse themselves, answer the same), bytes that parse get OK or a
-domain status. No call may end on its deadline (that would be a hang), except Watch, a long
-poll whose deadline is its normal end: it must first have sent exactly the events past
-``from_seq``.
+not parse get INVALID_ARGUMENT (every method parses its request's bytes itself, see
+``app._decoding``), bytes that parse get OK or a domain status. No call may end on its
+deadline (that would be a hang), except Watch, a long poll whose deadline is its normal end:
+it must first have sent exactly the events past ``from_seq``.
 """
 
 from __future__ import annotations
@@ -144,7 +143,8 @@ def _judge(fz: Fuzz, method: str, payload: bytes, out: Outcome) -> bool:
     """Check the status against the payload; True when the request was rejected."""
     request = _decoded(method, payload)
     if request is None:
-        assert out.code is C.INTERNAL and not out.replies, (method, out.code, out.details)
+        assert out.code is C.INVALID_ARGUMENT and not out.replies, (method, out.code, out.details)
+        assert "cannot decode" in (out.details or ""), (method, out.details)
         return True
     if method == "Watch":
         _check_watch(fz, request, out)
@@ -211,10 +211,11 @@ UNDECODABLE = b"\xff" * 11  # a varint tag longer than 10 bytes: no message pars
 @pytest.mark.parametrize("method", METHODS)
 def test_every_method_both_ways(fuzz_live: Fuzz, method: str) -> None:
     """Both branches for every method, whatever hypothesis draws: bytes that do not parse
-    (INTERNAL, state unchanged) and the empty message, which always parses."""
+    (INVALID_ARGUMENT, state unchanged) and the empty message, which always parses."""
     assert _decoded(method, UNDECODABLE) is None and _decoded(method, b"") is not None
-    assert _send(fuzz_live, method, UNDECODABLE).code is C.INTERNAL
-    assert _send(fuzz_live, method, b"").code is not C.INTERNAL
+    assert _send(fuzz_live, method, UNDECODABLE).code is C.INVALID_ARGUMENT
+    empty = _send(fuzz_live, method, b"")
+    assert "cannot decode" not in (empty.details or ""), (method, empty.code, empty.details)
 
 
 def test_watch_sends_the_events_past_from_seq(fuzz_live: Fuzz) -> None:
