@@ -68,23 +68,28 @@ def _alignment(address: int, nbytes: int, base_align: int) -> int:
 
 
 class BlockPool:
-    """Per-block metadata grows with the blocks used, not the blocks declared: blocks
-    ``[len(owner), num_blocks)`` were never handed out (free, generation 0) and cost nothing,
-    so a registration declaring millions of blocks costs nothing until they are used.
-    Released blocks wait in ``free`` (a deque, oldest first) and ``_free`` (membership): a
-    block claimed by a restart's re-confirm leaves the set at once and is skipped when the
-    deque reaches it, so every operation is O(1) amortized."""
+    """Per-block metadata grows with the blocks used, not the blocks declared: a block has a
+    ``generation`` (and ``owner``) entry only once it was handed out, so a registration
+    declaring millions of blocks, or a re-confirm naming its last block, costs nothing for
+    the blocks in between. Blocks ``>= _next`` never handed out are free (generation 0),
+    except those a re-confirm claimed ahead (``_ahead``). Released blocks wait in ``free``
+    (a deque, oldest first) and ``_free`` (membership): a block claimed by a restart's
+    re-confirm leaves the set at once and is skipped when the deque reaches it, so every
+    operation is O(1) amortized."""
 
     def __init__(self, config: PoolConfig, seed: int = 0) -> None:
         self.config = config
         self.free: deque[int] = deque()
         self._free: set[int] = set()
-        self.generation: list[int] = []
-        self.owner: list[ObjRecord | None] = []
+        self.generation: dict[int, int] = {}  # every block ever handed out
+        self.owner: dict[int, ObjRecord | None] = {}
+        self._next = 0  # blocks [_next, num_blocks) were never handed out, but _ahead's
+        self._ahead: set[int] = set()
+        self._span = 0  # 1 + the highest block ever handed out (eviction samples below it)
         self._rng = random.Random(seed)
 
     def free_count(self) -> int:
-        return len(self._free) + self.config.num_blocks - len(self.owner)
+        return len(self._free) + self.config.num_blocks - len(self.generation)
 
     def take(self) -> int | None:
         while self.free:
@@ -92,32 +97,33 @@ class BlockPool:
             if block in self._free:
                 self._free.discard(block)
                 return block
-        return self._fresh()
-
-    def _fresh(self) -> int | None:
-        block = len(self.owner)
-        if block >= self.config.num_blocks:
+        while self._next in self._ahead:
+            self._next += 1
+        if self._next >= self.config.num_blocks:
             return None
-        self.owner.append(None)
-        self.generation.append(0)
+        block, self._next = self._next, self._next + 1
+        self._hand_out(block)
         return block
+
+    def _hand_out(self, block: int) -> None:
+        self.owner[block] = None
+        self.generation[block] = 0
+        self._span = max(self._span, block + 1)
 
     def claim(self, block: int) -> bool:
         """Take the free ``block`` itself (an owner re-confirms what it still holds there);
         False if it is not free or outside the pool."""
         if not 0 <= block < self.config.num_blocks:
             return False
-        if block < len(self.owner):
+        if block in self.generation:
             if block not in self._free:
                 return False
             self._free.discard(block)
             return True
-        while len(self.owner) < block:  # the blocks before it were never used: free
-            fresh = self._fresh()
-            assert fresh is not None
-            self.free.append(fresh)
-            self._free.add(fresh)
-        return self._fresh() == block
+        if block >= self._next:
+            self._ahead.add(block)  # take() steps over it
+        self._hand_out(block)
+        return True
 
     def alignment_of(self, block: int, nbytes: int) -> int:
         return _alignment(block * self.config.stride, nbytes, self.config.base_align)
@@ -132,20 +138,15 @@ class BlockPool:
     def victim(self, kind: Kind, holds: Holds, key: Policy | None = None) -> ObjRecord | None:
         """The best eviction candidate by ``kind``'s policy (or ``key``), or None if nothing
         may go (leased or captured records never go)."""
-        used = len(self.owner)
-        occupied = used - len(self._free)
+        occupied = len(self.generation) - len(self._free)
         if occupied == 0:
             return None
         if occupied <= _SAMPLE:
-            pool = [r for r in self.owner if r is not None]
-        else:
-            pool = [
-                r
-                for r in (
-                    self.owner[self._rng.randrange(used)] for _ in range(_SAMPLE)
-                )
-                if r is not None
-            ]
+            pool = [r for r in self.owner.values() if r is not None]
+        else:  # sampled over the block numbers in use (claimed ones ahead may be sparse)
+            get = self.owner.get
+            pool = [r for r in (get(self._rng.randrange(self._span)) for _ in range(_SAMPLE))
+                    if r is not None]
         candidates = [r for r in pool if _evictable(r, holds)]
         if not candidates:
             return None

@@ -101,8 +101,8 @@ def _view(st: CacheState) -> tuple[object, ...]:
         for h, e in st.index.items()
     )
     pools = {
-        (s, c): (tuple(p.free), tuple(p.generation),
-                 tuple(r.object_id if r is not None else None for r in p.owner))
+        (s, c): (tuple(p.free), sorted(p.generation.items()),
+                 sorted((b, r.object_id if r is not None else None) for b, r in p.owner.items()))
         for s, o in st.owners.items() for c, p in o.pools.items()
     }
     owners = {s: (o.incarnation, o.alive) for s, o in st.owners.items()}
@@ -506,7 +506,7 @@ def test_exactly_the_reconfirmed_objects_are_reused(spec: CacheSpec, data: st.Da
         assert rec.generation == r.generation
     for column, pool in pool_of.items():  # and no other block is taken
         taken = {r.block for (_, c), r in by_key.items() if c == column}
-        assert {b for b, o in enumerate(pool.owner) if o is not None} == taken
+        assert {b for b, o in pool.owner.items() if o is not None} == taken
 
     safe = [p for p in range(0, _N_BLOCKS * 64 + 1, _L)
             if p == 0 or _needed(new.layout, p) <= set(by_key)]

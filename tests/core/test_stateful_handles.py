@@ -178,7 +178,7 @@ def copy_problem(state: CacheState, entry: PrefixEntry, c: int, rec: ObjRecord, 
         pool = owner.pools.get(c) if owner is not None else None
         if owner is None or not owner.alive or pool is None:
             return f"placed at owner {rec.shard!r}, which is gone"
-        if not 0 <= rec.block < len(pool.owner) or pool.owner[rec.block] is not rec:
+        if pool.owner.get(rec.block) is not rec:
             return f"block {rec.block} is not this record's"
         if pool.generation[rec.block] != rec.generation:
             return "generation moved on"
@@ -658,7 +658,7 @@ class HandleMachine(RuleBasedStateMachine):
         for k in cols:
             kind = self.layout.columns[k].kind
             state = State.ON_DISK if disk else _MEM_READY[kind]
-            block = -1 if disk or not pools[k].free else pools[k].free[0]
+            block = -1 if disk else (pools[k].free[0] if pools[k].free else 0)
             reports.append(ObjectReport(hashes[d], hashes[d - 1] if d else None, d,
                                         self.layout.columns[k].name, state, block, 0, 0))
         with suppress(HkvError):
