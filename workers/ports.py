@@ -178,6 +178,17 @@ class Commit:
     def params_at(self, i: int) -> Params | None:
         return self.params[i] if i < len(self.params) else None
 
+    def merged(self) -> Params:
+        """Every parameter the commit sets, the last given of each (what the object ends
+        with: its version, SWA range, tail length)."""
+        out = Params()
+        for p in self.params:
+            if p is not None:
+                out = Params(*(new if new is not None else old for new, old in zip(
+                    (p.version, p.lo, p.hi, p.tail_len, p.expect_seq),
+                    (out.version, out.lo, out.hi, out.tail_len, out.expect_seq), strict=True)))
+        return out
+
 
 def commit_bytes(layout: Layout, column: int, depth: int | None,
                  commit: Commit | None) -> int | None:
@@ -185,13 +196,8 @@ def commit_bytes(layout: Layout, column: int, depth: int | None,
     (:meth:`Layout.object_bytes`: an SWA block's range and a tail's length come from the
     commit's parameters, the last given wins). None where that cannot be told: a range or a
     tail length that needs the block's depth, and no depth known."""
-    lo = hi = tail_len = None
-    for i in range(len(commit.events) if commit else 0):
-        p = commit.params_at(i) if commit else None
-        if p is not None:
-            lo = p.lo if p.lo is not None else lo
-            hi = p.hi if p.hi is not None else hi
-            tail_len = p.tail_len if p.tail_len is not None else tail_len
+    m = commit.merged() if commit else Params()
+    lo, hi, tail_len = m.lo, m.hi, m.tail_len
     kind = layout.columns[column].kind
     if kind is Kind.SWA and lo is None and hi is None:
         return layout.columns[column].nbytes  # the whole block: no depth needed

@@ -278,13 +278,10 @@ class ShardActor:
         column = self.layout.columns[h.column]
         if column.kind is Kind.SWA and not hi:
             lo, hi = self.layout.block_range(h.column, tag.depth)
-        for i in range(len(commit.events) if commit else 0):
-            p = commit.params_at(i) if commit else None
-            if p is None:
-                continue
-            lo = p.lo if p.lo is not None else lo
-            hi = p.hi if p.hi is not None else (p.tail_len if p.tail_len is not None else hi)
-            version = p.version if p.version is not None else version
+        m = commit.merged() if commit else Params()
+        lo = m.lo if m.lo is not None else lo
+        hi = m.hi if m.hi is not None else (m.tail_len if m.tail_len is not None else hi)
+        version = m.version if m.version is not None else version
         return BlockTag(tag.block_hash, tag.parent_hash, tag.depth, version or tag.version, lo, hi)
 
     def _commit_all(self, h: Handle, commit: Commit) -> ItemResult:

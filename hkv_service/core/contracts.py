@@ -202,8 +202,8 @@ def swa_cover(entry: PrefixEntry, column: int, need_lo: int, need_hi: int, layou
     object never hides a whole disk copy, nor a misaligned copy an aligned one."""
     for rec, _ in _candidates(entry, column):
         if rec.lo <= need_lo and rec.hi >= need_hi and (
-                align == 1 or rec.block < 0 or align_of is None or align_of(rec) >= align):
-            return rec
+                align == 1 or rec.block < 0 or (align_of is not None and align_of(rec) >= align)):
+            return rec  # fail closed: with no way to tell a placed copy's alignment, not it
     return None
 
 
