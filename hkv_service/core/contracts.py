@@ -29,7 +29,6 @@ __all__ = [
     "RecoveryContract",
     "Verdict",
     "column_verdict",
-    "record_verdict",
     "served",
     "summarise",
     "swa_cover",
@@ -205,15 +204,6 @@ def swa_cover(entry: PrefixEntry, column: int, need_lo: int, need_hi: int, layou
                 align == 1 or rec.block < 0 or (align_of is not None and align_of(rec) >= align)):
             return rec  # fail closed: with no way to tell a placed copy's alignment, not it
     return None
-
-
-def record_verdict(rec: ObjRecord, entry: PrefixEntry, layout: Layout) -> Verdict:
-    """Whether ``rec`` is the copy that serves its column at ``entry`` (READY/LOAD) or why
-    not: what a reader may rely on is the served copy, never just a ready state."""
-    got, verdict = served(entry, rec.column, layout)
-    if got is rec:
-        return verdict
-    return verdict if isinstance(verdict, Reason) else Reason.MISSING_COMPONENT
 
 
 _BITS = {
