@@ -1,0 +1,78 @@
+"""The connector's settings: ``kv_connector_extra_config`` read and checked once.
+
+Two ways to reach hkv, exactly one of them:
+
+* ``endpoint`` (``host:port`` of ``hkv up`` / ``hkv serve``), with ``auth_token_file`` and
+  ``tls_*`` as the service needs, and ``ray_address`` / ``ray_namespace`` of the Ray cluster
+  whose shard actors hold the bytes (``shards`` names them; default: every ``shard-*`` actor
+  in the namespace);
+* ``system``: the name an in-process hkv was published under
+  (:func:`hkv_service.connectors.systems.publish`): tests and ``hkv bench vllm``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from .errors import BadConnectorConfig
+
+__all__ = ["ConnectorConfig"]
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorConfig:
+    model_id: str | None = None  # default: vLLM's served model name
+    endpoint: str | None = None
+    auth_token_file: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_server_name: str | None = None
+    ray_address: str = "auto"
+    ray_namespace: str = "hkv"
+    shards: tuple[str, ...] = ()
+    system: str | None = None
+    lease_ttl_s: float = 30.0  # a lease pins the loaded objects from alloc to the read
+    timeout_s: float = 10.0  # per call to the service or a shard
+    spec_out: str | None = None  # write the spec this engine needs here (YAML)
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        raw = dict(extra or {})
+        known = {f.name: f for f in fields(cls)}
+        for key in raw:
+            if key not in known:
+                raise BadConnectorConfig(key, f"unknown key; the keys are {sorted(known)}")
+        values: dict[str, Any] = {}
+        for key, value in raw.items():
+            values[key] = _coerce(key, value, getattr(cls(), key))
+        cfg = cls(**values)
+        cfg._check()
+        return cfg
+
+    def _check(self) -> None:
+        if (self.endpoint is None) == (self.system is None):
+            raise BadConnectorConfig("endpoint", "give exactly one of 'endpoint' (a running "
+                                     "hkv service) and 'system' (an in-process hkv)")
+        if self.lease_ttl_s <= 0 or self.timeout_s <= 0:
+            raise BadConnectorConfig("lease_ttl_s", "lease_ttl_s and timeout_s must be > 0")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise BadConnectorConfig("tls_cert", "tls_cert and tls_key go together (mTLS)")
+
+
+def _coerce(key: str, value: Any, default: Any) -> Any:
+    if isinstance(default, tuple):
+        if isinstance(value, str):
+            return tuple(v.strip() for v in value.split(",") if v.strip())
+        if isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
+            return tuple(value)
+        raise BadConnectorConfig(key, f"must be a list of names, got {value!r}")
+    if isinstance(default, float):
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        raise BadConnectorConfig(key, f"must be a number, got {value!r}")
+    if not isinstance(value, str) or not value:
+        raise BadConnectorConfig(key, f"must be a non-empty string, got {value!r}")
+    return value

@@ -1,0 +1,248 @@
+"""The connector's scheduler side: what hkv certifies for a request, and what to move.
+
+A request's life, as vLLM drives it::
+
+    get_num_new_matched_tokens   probe: a match-only lookup (no lease, no side effect), any
+                                 number of times; answers usable - local (tokens hkv's funnel
+                                 certifies beyond vLLM's own hit), loaded asynchronously
+    update_state_after_alloc     the leased lookup at exactly local + what vLLM took; shorter
+                                 than that (something changed since the probe) is a load error
+    build_connector_meta         the step's LoadJobs, and a SaveJob per scheduled request for
+                                 the blocks this step completes (saved after the forward: a
+                                 sliding window's blocks are freed once it moves past them)
+    update_connector_output      a failed load caps the request's next probe (it recomputes)
+    request_finished_all_groups  a SaveJob for any whole block still unsaved; vLLM keeps the
+                                 blocks until the worker says that save is done
+
+A request whose hkv answer is refused is never given a partial one it cannot check: multimodal
+and prompt-embedding requests are not looked up (their tokens do not name their KV).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from hkv_service.core.funnel import Downgrade, LookupRequest
+from hkv_service.core.hashing import ExtraKeys, hash_blocks
+from hkv_service.core.ids import BlockHash
+from hkv_service.core.layout import Layout
+from hkv_service.core.state_view import Match
+from workers.ports import MetadataPort
+
+from .geometry import Geometry
+from .plan import LoadJob, SaveJob, load_copies, save_items
+from .stats import Counters
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+__all__ = ["Probe", "SchedulerSide"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    hashes: tuple[BlockHash, ...]
+    local: int  # vLLM's own hit, as it told the probe
+    usable: int  # what hkv certified
+    downgrades: tuple[Downgrade, ...]
+
+
+class SchedulerSide:
+    def __init__(self, geo: Geometry, meta: MetadataPort, model_id: str,
+                 lease_ttl_s: float) -> None:
+        self.geo = geo
+        self.layout = Layout(geo.spec)
+        self.meta = meta
+        self.model_id = model_id
+        self.lease_ttl_s = lease_ttl_s
+        self.abi = geo.reader_abi()
+        self.stats = Counters()
+        self.null_block = 0  # vLLM's null block id (set from the block pool when bound)
+        self._probes: dict[str, Probe] = {}
+        self._caps: dict[str, int] = {}  # request -> most tokens its next probe may answer
+        self._known: dict[str, int] = {}  # request -> tokens hkv holds for it (not re-saved)
+        self._requests: dict[str, Request] = {}
+        self._sources: dict[str, str] = {}
+        self._loads: list[LoadJob] = []
+        self._saves: list[SaveJob] = []
+        self.block_errors = geo.block_errors
+
+    # -- probe ----------------------------------------------------------------------------
+
+    def added(self, request: Request) -> None:
+        self._requests[request.request_id] = request
+
+    def extra_keys(self, request: Request) -> ExtraKeys:
+        lora = request.lora_request
+        return ExtraKeys(self.model_id, lora.lora_name if lora is not None else "",
+                         request.cache_salt or "")
+
+    def matched(self, request: Request, local: int) -> tuple[int, bool]:
+        """``get_num_new_matched_tokens``: (tokens to load beyond ``local``, async)."""
+        req_id = request.request_id
+        self._probes.pop(req_id, None)
+        if request.mm_features or request.prompt_embeds is not None:
+            return 0, False
+        tokens = list(request.all_token_ids)
+        lcm = self.geo.lcm
+        limit = min((len(tokens) - 1) // lcm * lcm, self._caps.get(req_id, len(tokens)))
+        if limit <= local or local % lcm:
+            return 0, False
+        hashes = tuple(hash_blocks(tokens[:limit], self.geo.hash_block_size,
+                                   self.extra_keys(request)))
+        match = self._lookup(LookupRequest(hashes, limit, self.abi, handles=False))
+        if match is None:
+            return 0, False
+        self.stats.add("probes")
+        for d in match.downgrades:
+            self.stats.add(f"downgrade.{d.reason.value}")
+        usable = match.usable_tokens
+        if usable <= local:
+            return 0, False
+        self._probes[req_id] = Probe(hashes, local, usable, match.downgrades)
+        self.stats.add("probe_tokens", usable - local)
+        return usable - local, True
+
+    def _lookup(self, req: LookupRequest) -> Match | None:
+        start = time.perf_counter()
+        try:
+            return self.meta.lookup(req)
+        except Exception as exc:  # hkv unreachable or refusing: vLLM computes, never waits
+            log.warning("hkv lookup failed (%s): computing instead", exc)
+            self.stats.add("lookup_failed")
+            return None
+        finally:
+            self.stats.add("lookup_s", time.perf_counter() - start)
+
+    # -- alloc ------------------------------------------------------------------------------
+
+    def allocated(self, request: Request, block_ids: Sequence[Sequence[int]],
+                  num_external: int) -> None:
+        """``update_state_after_alloc``: lease what vLLM took, plan its copies."""
+        probe = self._probes.pop(request.request_id, None)
+        if num_external <= 0 or probe is None:
+            return
+        target = probe.local + num_external
+        hashes = probe.hashes[: target // self.geo.hash_block_size]
+        match = self._lookup(LookupRequest(hashes, target, self.abi,
+                                           lease_ttl_s=self.lease_ttl_s))
+        job = self._plan(request.request_id, hashes, probe.local, target, match, block_ids)
+        self._loads.append(job)
+        if match is not None and job.match is not match and match.lease_id is not None:
+            self._release(match)
+        if job.match is not None:
+            self._known[request.request_id] = probe.local + job.tokens
+            self._sources[request.request_id] = "disk" if job.match.needs_load else "host"
+
+    def _plan(self, req_id: str, hashes: tuple[BlockHash, ...], local: int, target: int,
+              match: Match | None, block_ids: Sequence[Sequence[int]]) -> LoadJob:
+        if match is None:
+            return self._fail(req_id, hashes, local, target, 0, "the leased lookup failed",
+                              block_ids)
+        usable = match.usable_tokens
+        if usable < target:
+            why = ", ".join(f"{d.reason.value}@{d.position}" for d in match.downgrades)
+            return self._fail(req_id, hashes, local, target, usable,
+                              f"hkv certifies {usable} of {target} tokens now ({why})", block_ids,
+                              match)
+        copies = load_copies(self.geo, self.layout, match, local, target, block_ids,
+                             self.null_block)
+        if isinstance(copies, str):
+            return self._fail(req_id, hashes, local, target, 0, copies, block_ids)
+        return LoadJob(req_id, hashes, match, copies, target - local)
+
+    def _fail(self, req_id: str, hashes: tuple[BlockHash, ...], local: int, target: int,
+              usable: int, why: str, block_ids: Sequence[Sequence[int]],
+              match: Match | None = None) -> LoadJob:
+        """The leased answer fell short of ``target``: the difference becomes load errors.
+        One full-attention group keeps ``[local, usable)`` and reports the blocks past it;
+        any other layout fails the whole load (vLLM recomputes it) and caps the next probe
+        at ``usable``."""
+        self.stats.add("alloc_shortfall")
+        self._caps[req_id] = usable
+        if self.block_errors and match is not None and usable > local:
+            g = self.geo.groups[0]
+            ids = block_ids[g.vllm_group]
+            errors = tuple(ids[k] for k in range(usable // g.block_size, target // g.block_size))
+            copies = load_copies(self.geo, self.layout, match, local, usable, block_ids,
+                                 self.null_block)
+            if not isinstance(copies, str):
+                return LoadJob(req_id, hashes, match, copies, usable - local, why, errors)
+        if self.block_errors:
+            g = self.geo.groups[0]
+            ids = block_ids[g.vllm_group]
+            errors = tuple(ids[k] for k in range(local // g.block_size, target // g.block_size))
+            return LoadJob(req_id, hashes, None, (), 0, why, errors)
+        return LoadJob(req_id, hashes, None, (), 0, why)
+
+    def _release(self, match: Match) -> None:
+        try:
+            assert match.lease_id is not None
+            self.meta.release_lease(match.lease_id)
+        except Exception as exc:  # it expires on its own
+            log.debug("lease release failed: %s", exc)
+
+    # -- step -------------------------------------------------------------------------------
+
+    def take_jobs(self, scheduled: Mapping[str, int],
+                  block_ids_of: Callable[[str], Sequence[Sequence[int]]]
+                  ) -> tuple[tuple[LoadJob, ...], tuple[SaveJob, ...]]:
+        """This step's jobs. ``scheduled`` maps each scheduled request to the tokens whose KV
+        this step computes for sure (speculative ones left out)."""
+        for req_id, n in scheduled.items():
+            request = self._requests.get(req_id)
+            if request is not None and n > 0:
+                self._save(request, block_ids_of(req_id), request.num_computed_tokens + n)
+        loads, saves = tuple(self._loads), tuple(self._saves)
+        self._loads.clear()
+        self._saves.clear()
+        return loads, saves
+
+    def _save(self, request: Request, block_ids: Sequence[Sequence[int]], end: int,
+              held: bool = False) -> bool:
+        """A SaveJob for the whole blocks of ``[known, end)`` vLLM holds; True if any."""
+        req_id = request.request_id
+        if request.mm_features or request.prompt_embeds is not None:
+            return False
+        tokens = list(request.all_token_ids)
+        end = min(end, len(tokens))
+        known = self._known.get(req_id, 0)
+        items = save_items(self.geo, block_ids, end, known, self.null_block)
+        self._known[req_id] = max(known, end // self.geo.hash_block_size
+                                  * self.geo.hash_block_size)
+        if not items:
+            return False
+        hashes = tuple(hash_blocks(tokens[:end], self.geo.hash_block_size,
+                                   self.extra_keys(request)))
+        self._saves.append(SaveJob(req_id, hashes, items, held))
+        return True
+
+    def failed(self, req_ids: set[str]) -> None:
+        """Loads the worker reported failed: recompute, and do not offer them again."""
+        for req_id in req_ids:
+            self._caps.setdefault(req_id, 0)
+            self._known.pop(req_id, None)
+
+    def source(self, req_id: str) -> str | None:
+        return self._sources.pop(req_id, None)
+
+    # -- finish -----------------------------------------------------------------------------
+
+    def finished(self, request: Request, block_ids: Sequence[Sequence[int]]
+                 ) -> tuple[bool, dict[str, Any] | None]:
+        """``request_finished_all_groups``: save what is still unsaved; hold the blocks until
+        the worker is done with them."""
+        req_id = request.request_id
+        self._probes.pop(req_id, None)
+        self._caps.pop(req_id, None)
+        self._sources.pop(req_id, None)
+        self._requests.pop(req_id, None)
+        held = self._save(request, block_ids, request.num_computed_tokens, held=True)
+        self._known.pop(req_id, None)
+        return held, None

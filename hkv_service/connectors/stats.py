@@ -1,0 +1,55 @@
+"""The connector's counters, reported through vLLM's ``KVConnectorStats`` hook.
+
+Plain ``{name: number}`` so they cross from the worker to vLLM's logger process as is, and two
+snapshots add up key by key. Names: ``probes``, ``probe_tokens`` (tokens hkv certified beyond
+vLLM's own hit), ``downgrade.<REASON>`` (hkv's reasons for answering less than the hashes
+matched), ``source.host`` / ``source.disk`` (tokens served from shard memory or loaded from a
+disk tier first), ``load_ok``, ``load_failed``, ``load_failed.<why>``, ``loaded_tokens``,
+``saved_blocks``, ``existing_blocks``, ``save_failed``, ``lookup_s``, ``read_s``, ``write_s``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+__all__ = ["Counters", "HkvStats"]
+
+
+class HkvStats(KVConnectorStats):  # type: ignore[misc, unused-ignore]
+    def reset(self) -> None:
+        self.data = dict[str, Any]()
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        out = Counter(self.data)
+        out.update(other.data)
+        return HkvStats(dict(out))
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(sorted(self.data.items()))
+
+    def is_empty(self) -> bool:
+        return not self.data
+
+
+class Counters:
+    """Thread-safe counters one side of the connector adds to; ``take`` empties them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._data: Counter[str] = Counter()
+        self.total: Counter[str] = Counter()  # since start, never taken: for tests and benches
+
+    def add(self, name: str, n: float = 1) -> None:
+        with self._lock:
+            self._data[name] += n  # type: ignore[assignment]
+            self.total[name] += n  # type: ignore[assignment]
+
+    def take(self) -> HkvStats | None:
+        with self._lock:
+            data: dict[str, Any] = dict(self._data)
+            self._data.clear()
+        return HkvStats(data) if data else None

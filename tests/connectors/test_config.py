@@ -1,0 +1,93 @@
+"""The connector's settings and the setups it refuses to start with, each with a sentence."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, supports_hma
+from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+from vllm_harness import engine_config, hybrid_specs, write_tiny_config
+
+from hkv_service.connectors import systems
+from hkv_service.connectors.config import ConnectorConfig
+from hkv_service.connectors.errors import BadConnectorConfig, ConnectorError, SpecMismatch
+from hkv_service.connectors.vllm import HkvConnector, engine_geometry
+from hkv_service.specs import default_spec
+from workers.inprocess import InProcessSystem
+
+# The README's --kv-transfer-config, as written there.
+README_KV_TRANSFER = (
+    '{"kv_connector": "HkvConnector", "kv_connector_module_path": "hkv_service.connectors.vllm",'
+    ' "kv_role": "kv_both", "kv_load_failure_policy": "recompute",'
+    ' "kv_connector_extra_config": {"endpoint": "127.0.0.1:50051",'
+    ' "ray_address": "auto", "spec_out": "vllm-spec.yaml"}}'
+)
+
+
+def test_the_readme_config_loads_the_connector_class_with_hma() -> None:
+    tc = KVTransferConfig(**json.loads(README_KV_TRANSFER))
+    cls = KVConnectorFactory.get_connector_class(tc)
+    assert cls is HkvConnector and supports_hma(cls)
+    cfg = ConnectorConfig.from_extra(tc.kv_connector_extra_config)
+    assert (cfg.endpoint, cfg.ray_address, cfg.ray_namespace) == ("127.0.0.1:50051", "auto", "hkv")
+
+
+@pytest.mark.parametrize(("extra", "key"), [
+    ({}, "endpoint"),
+    ({"endpoint": "h:1", "system": "x"}, "endpoint"),
+    ({"endpoint": "h:1", "colour": "red"}, "colour"),
+    ({"endpoint": "h:1", "lease_ttl_s": "long"}, "lease_ttl_s"),
+    ({"endpoint": "h:1", "lease_ttl_s": 0}, "lease_ttl_s"),
+    ({"endpoint": "h:1", "tls_cert": "c.pem"}, "tls_cert"),
+    ({"endpoint": "h:1", "shards": 3}, "shards"),
+])
+def test_bad_extra_config_is_refused_naming_the_key(extra: dict[str, object], key: str) -> None:
+    with pytest.raises(BadConnectorConfig) as err:
+        ConnectorConfig.from_extra(extra)
+    assert err.value.key == key
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    return write_tiny_config(tmp_path / "tiny")
+
+
+def test_a_fail_policy_is_refused(model: Path) -> None:
+    cfg = engine_config(model, "none")
+    assert cfg.kv_transfer_config is not None
+    cfg.kv_transfer_config.kv_load_failure_policy = "fail"
+    kvc = get_kv_cache_configs(cfg, [hybrid_specs()], [16 << 20])[0]
+    with pytest.raises(ConnectorError, match="kv_load_failure_policy 'recompute'"):
+        HkvConnector(cfg, KVConnectorRole.SCHEDULER, kvc)
+
+
+def test_a_service_running_another_spec_is_refused_and_the_needed_spec_written(
+        model: Path, tmp_path: Path) -> None:
+    cfg = engine_config(model, "other")
+    assert cfg.kv_transfer_config is not None
+    out = tmp_path / "needed.yaml"
+    cfg.kv_transfer_config.kv_connector_extra_config["spec_out"] = str(out)
+    kvc = get_kv_cache_configs(cfg, [hybrid_specs()], [16 << 20])[0]
+    system = InProcessSystem(default_spec(), tmp_path / "hkv")
+    systems.publish("other", system)
+    try:
+        with pytest.raises(SpecMismatch) as err:
+            HkvConnector(cfg, KVConnectorRole.SCHEDULER, kvc)
+        assert err.value.service_model_id == "hkv-reference-v1"
+        from hkv_service.core.spec import load_spec
+
+        assert load_spec(out) == engine_geometry(cfg, kvc).spec  # what `hkv up --spec` takes
+    finally:
+        systems.withdraw("other")
+        system.close()
+
+
+def test_an_unpublished_system_is_refused(model: Path) -> None:
+    cfg = engine_config(model, "nobody")
+    kvc = get_kv_cache_configs(cfg, [hybrid_specs()], [16 << 20])[0]
+    with pytest.raises(BadConnectorConfig, match="no in-process hkv is published"):
+        HkvConnector(cfg, KVConnectorRole.WORKER, kvc)

@@ -1,0 +1,240 @@
+"""vLLM's real Scheduler and the connector's both roles over a real in-process hkv, no model.
+
+:class:`Harness` builds a ``KVCacheConfig`` with vLLM's own grouping from per-layer specs, an
+``InProcessSystem`` (real shards, real LMDB tiers) running the spec the connector derives from
+it, vLLM's ``Scheduler`` (which builds the scheduler-side connector itself) and a worker-side
+connector over KV tensors allocated by vLLM's own allocator. :meth:`Harness.step` is one engine
+step: schedule, a stand-in forward that writes each scheduled block's bytes as a function of
+the tokens up to its end (so equal prefixes have equal KV, as in a model), the worker
+connector's load / save / results, and ``update_from_output``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+from vllm.config import KVTransferConfig, VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.engine.arg_utils import EngineArgs
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import (
+    generate_scheduler_kv_cache_config,
+    get_kv_cache_configs,
+    get_request_block_hasher,
+    init_none_hash,
+    resolve_kv_cache_block_sizes,
+)
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheSpec,
+    MLAAttentionSpec,
+    SlidingWindowMLASpec,
+    SlidingWindowSpec,
+    SparseCacheRole,
+)
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.worker.utils import allocate_kv_cache
+
+from hkv_service.connectors import systems
+from hkv_service.connectors.vllm import HkvConnector, HkvConnectorMetadata, engine_geometry
+from workers.inprocess import InProcessConfig, InProcessSystem
+
+TINY = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
+    "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 32, "num_hidden_layers": 4, "vocab_size": 512,
+    "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "torch_dtype": "float32", "sliding_window": 128, "tie_word_embeddings": False,
+    "layer_types": ["sliding_attention", "full_attention"] * 2,
+    "bos_token_id": 1, "eos_token_id": 2, "initializer_range": 0.1,
+}
+LAYER = "model.layers.{}.self_attn.attn"
+F32 = torch.float32
+
+
+def write_tiny_config(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(TINY))
+    return path
+
+
+def transfer_config(system: str, **extra: Any) -> KVTransferConfig:
+    return KVTransferConfig(
+        kv_connector="HkvConnector", kv_connector_module_path="hkv_service.connectors.vllm",
+        kv_role="kv_both", kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"system": system, **extra})
+
+
+def engine_config(model: Path, system: str, block_size: int = 16) -> VllmConfig:
+    cfg = EngineArgs(model=str(model), skip_tokenizer_init=True, enforce_eager=True,
+                     block_size=block_size, max_model_len=2048,
+                     kv_transfer_config=transfer_config(system),
+                     enable_prefix_caching=True).create_engine_config()
+    cfg.cache_config.kv_cache_layout = "LBHNC"  # what the engine core would resolve
+    return cfg
+
+
+def hybrid_specs() -> dict[str, KVCacheSpec]:
+    """The tiny Llama's layers: sliding window 128 and full attention, alternating."""
+    out: dict[str, KVCacheSpec] = {}
+    for i in range(4):
+        if i % 2 == 0:
+            out[LAYER.format(i)] = SlidingWindowSpec(block_size=16, num_kv_heads=2,
+                                                     head_size=32, dtype=F32, sliding_window=128)
+        else:
+            out[LAYER.format(i)] = FullAttentionSpec(block_size=16, num_kv_heads=2,
+                                                     head_size=32, dtype=F32)
+    return out
+
+
+def full_specs() -> dict[str, KVCacheSpec]:
+    return {LAYER.format(i): FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32,
+                                               dtype=F32) for i in range(2)}
+
+
+def reference_specs() -> dict[str, KVCacheSpec]:
+    """hkv's reference spec as DeepSeek-V4-style vLLM groups: compressed ratio 4 (block 64),
+    its indexer, compressed ratio 128 (block 128), sliding window 128 (block 64). Widths are
+    chosen so every page is 2048 bytes: vLLM then keeps these block sizes."""
+    return {
+        "model.layers.0.attn.c4": MLAAttentionSpec(
+            block_size=64, num_kv_heads=1, head_size=32, dtype=F32, tokens_per_state=4),
+        "model.layers.0.attn.indexer": MLAAttentionSpec(
+            block_size=64, num_kv_heads=1, head_size=32, dtype=F32, tokens_per_state=4,
+            cache_role=SparseCacheRole.INDEXER),
+        "model.layers.1.attn.c128": MLAAttentionSpec(
+            block_size=128, num_kv_heads=1, head_size=512, dtype=F32, tokens_per_state=128),
+        "model.layers.2.attn.swa": SlidingWindowMLASpec(
+            block_size=64, num_kv_heads=1, head_size=8, dtype=F32, sliding_window=128),
+    }
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 500) for _ in range(n)]
+
+
+def block_content(view: torch.Tensor, tokens: list[int], group: int, layer: int
+                  ) -> torch.Tensor:
+    """The stand-in forward's bytes for a block: a function of the tokens up to its end."""
+    seed = xxhash.xxh64_intdigest(bytes(str(tokens), "ascii")) % 100_003
+    base = torch.arange(view[0].numel(), dtype=torch.float64).reshape(view[0].shape) * 1e-3
+    return (base + seed + group * 0.25 + layer * 0.125).to(view.dtype)
+
+
+class Harness:
+    def __init__(self, model: Path, data_dir: Path, specs: dict[str, KVCacheSpec],
+                 name: str, block_size: int = 16, pool_blocks: int = 1024) -> None:
+        self.name = name
+        self.cfg = engine_config(model, name, block_size)
+        self.kvc = get_kv_cache_configs(self.cfg, [specs], [48 << 20])[0]
+        self.cfg.cache_config.num_gpu_blocks = self.kvc.num_blocks
+        self.geo = engine_geometry(self.cfg, self.kvc)
+        self.system = InProcessSystem(self.geo.spec, data_dir,
+                                      InProcessConfig(shards=2, blocks_per_group=pool_blocks))
+        systems.publish(name, self.system)
+        sb, hb = resolve_kv_cache_block_sizes(self.kvc, self.cfg)
+        self.sched = Scheduler(self.cfg, generate_scheduler_kv_cache_config([self.kvc]),
+                               StructuredOutputManager(self.cfg), block_size=sb,
+                               hash_block_size=hb)
+        self.worker = HkvConnector(self.cfg, KVConnectorRole.WORKER, self.kvc)
+        self.caches = allocate_kv_cache(self.kvc, torch.device("cpu"),
+                                        self.cfg.cache_config.get_resolved_kv_cache_layout())
+        self.worker.register_kv_caches(self.caches)
+        init_none_hash(sha256)
+        self.hasher = get_request_block_hasher(hb, sha256)
+        self.outputs: list[SchedulerOutput] = []
+
+    @property
+    def connector(self) -> HkvConnector:
+        c = self.sched.connector
+        assert isinstance(c, HkvConnector)
+        return c
+
+    def close(self) -> None:
+        systems.withdraw(self.name)
+        self.system.close()
+
+    def add(self, req_id: str, tokens: list[int], max_tokens: int = 1) -> Request:
+        req = Request(req_id, tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                      None, block_hasher=self.hasher)
+        self.sched.add_request(req)
+        return req
+
+    def forget_local(self) -> None:
+        """Drop vLLM's own prefix cache: a fresh engine, as far as its hits go."""
+        assert self.sched.reset_prefix_cache()
+
+    def step(self) -> SchedulerOutput:
+        out = self.sched.schedule()
+        self.outputs.append(out)
+        self._forward(out)
+        w = self.worker
+        w.bind_connector_metadata(out.kv_connector_metadata)
+        w.start_load_kv(None)  # type: ignore[arg-type]
+        w.wait_for_save()
+        res = w.get_transfer_results(out.finished_req_ids)
+        errors = w.get_block_ids_with_load_errors()
+        w.clear_connector_metadata()
+        ids = list(out.num_scheduled_tokens)
+        kco = KVConnectorOutput(finished_sending=res.finished_sending,
+                                finished_recving=res.finished_recving,
+                                failed_recving=res.failed_recving, invalid_block_ids=errors)
+        mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                sampled_token_ids=[[7] for _ in ids], kv_connector_output=kco)
+        self.sched.update_from_output(out, mro)
+        return out
+
+    def run(self, max_steps: int = 50) -> list[SchedulerOutput]:
+        start = len(self.outputs)
+        for _ in range(max_steps):
+            if not self.sched.has_requests():
+                break
+            self.step()
+        assert not self.sched.has_requests(), "requests still running"
+        return self.outputs[start:]
+
+    def _forward(self, out: SchedulerOutput) -> None:
+        for req_id, n in out.num_scheduled_tokens.items():
+            req = self.sched.requests[req_id]
+            end = req.num_computed_tokens  # already advanced by schedule()
+            tokens = list(req.all_token_ids)
+            block_ids = self.sched.kv_cache_manager.get_block_ids(req_id)
+            for g in self.geo.groups:
+                bs = g.block_size
+                for k in range((end - n) // bs, (end + bs - 1) // bs):
+                    b = block_ids[g.vllm_group][k]
+                    if b == 0:
+                        continue
+                    upto = tokens[: min((k + 1) * bs, len(tokens))]
+                    for li, layer in enumerate(g.layers):
+                        view = self.caches[layer]
+                        view[b].copy_(block_content(view, upto, g.vllm_group, li))
+
+    def scheduled(self, req_id: str) -> int:
+        """Tokens vLLM computed for ``req_id`` in its first step that computed any."""
+        for out in self.outputs:
+            n = out.num_scheduled_tokens.get(req_id, 0)
+            if n:
+                return n
+        raise AssertionError(f"{req_id} was never scheduled")
+
+    def loads(self, req_id: str) -> list[Any]:
+        return [job for out in self.outputs
+                if isinstance(out.kv_connector_metadata, HkvConnectorMetadata)
+                for job in out.kv_connector_metadata.loads if job.req_id == req_id]
+
+    def expected(self, tokens: list[int], group: int, k: int, layer_index: int) -> torch.Tensor:
+        g = self.geo.groups[group]
+        view = self.caches[g.layers[layer_index]]
+        return block_content(view, tokens[: (k + 1) * g.block_size], group, layer_index)
