@@ -18,23 +18,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    import sys
+    from .up import run_up
 
-    from workers.launcher import ConfigError, config_from_args, run_up, serve_argv
-
-    from .cli import build_parser
-    from .server.serve import UsageError
-    from .server.serve import config_from_args as serve_config
-
-    # The service's own flags are checked before Ray starts, exactly as the service will
-    # get them (serve_argv: the spawned process and the --address actor alike): a bad
-    # --port or --host is exit 2 with its sentence, not exit 1 after a minute.
-    try:
-        argv = serve_argv(config_from_args(args))
-        serve_config(build_parser().parse_args(argv[argv.index("serve"):]))
-    except (ConfigError, UsageError) as exc:
-        sys.stderr.write(f"hkv up: error: {exc}\n")
-        return 2
     return run_up(args)
 
 

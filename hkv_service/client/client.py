@@ -39,6 +39,7 @@ from hkv_service.proto_gen.hkv.v1 import hkv_pb2 as pb
 from hkv_service.proto_gen.hkv.v1 import hkv_pb2_grpc as pb_grpc
 from hkv_service.server import codec
 from hkv_service.server.status_map import ERROR_CLASS_KEY, RETRY_AFTER_KEY, error_class
+from hkv_service.settings import TlsConfig  # the client's TLS: defined with the settings
 
 __all__ = ["MetadataClient", "RetryPolicy", "RpcFailed", "TlsConfig", "TransitionItem"]
 
@@ -51,14 +52,6 @@ class RpcFailed(HkvError):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
-
-
-@dataclass(frozen=True, slots=True)
-class TlsConfig:
-    ca: bytes | None = None  # PEM roots; None: the system's
-    cert: bytes | None = None  # client certificate chain (mTLS)
-    key: bytes | None = None  # client private key (mTLS)
-    server_name: str | None = None  # override the name checked against the certificate
 
 
 @dataclass(frozen=True, slots=True)

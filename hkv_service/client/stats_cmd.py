@@ -19,9 +19,9 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 from hkv_service.core.errors import HkvError, Unavailable
+from hkv_service.settings import ClientSettings, SettingsError
 
 from .client import MetadataClient
 
@@ -105,25 +105,24 @@ def _print_table(stats: Mapping[str, object], rates: Mapping[str, float],
 
 
 def run_stats(args: argparse.Namespace) -> int:
-    token = None
-    if args.auth_token_file:
-        path = Path(args.auth_token_file)
-        if not path.is_file():
-            sys.stderr.write(f"hkv stats: error: --auth-token-file {path} is not a readable "
-                             "file\n")
-            return 2
-        token = path.read_text().strip()
+    try:
+        creds = ClientSettings.from_args(args).load()
+    except SettingsError as err:
+        sys.stderr.write(f"hkv stats: error: {err}\n")
+        return 2
     samples: list[tuple[float, dict[str, int]]] = []
     try:
-        with MetadataClient(args.endpoint, token=token, timeout_s=3.0) as client:
+        with MetadataClient(args.endpoint, token=creds.token, tls=creds.tls,
+                            timeout_s=3.0) as client:
             for i in range(SAMPLES):
                 if i:
                     time.sleep(SAMPLE_GAP_S)
                 stats, totals = _sample(client)
                 samples.append((time.monotonic(), totals))
     except Unavailable:
+        tls = "do --tls-* match its TLS" if creds.tls else "does it want TLS (--tls-ca)"
         sys.stderr.write(f"hkv stats: cannot read stats from {args.endpoint}: no hkv service "
-                         "answers there (is it running, and is this its host:port?)\n")
+                         f"answers there (is it running, is this its host:port, {tls}?)\n")
         return 1
     except HkvError as err:
         sys.stderr.write(f"hkv stats: cannot read stats from {args.endpoint}: {err}\n")

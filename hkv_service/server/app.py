@@ -24,6 +24,7 @@ from .auth import (
     DEFAULT_EXEMPT,
     CommonNameInterceptor,
     TlsFiles,
+    TlsPem,
     TokenInterceptor,
     server_credentials,
 )
@@ -42,7 +43,7 @@ class ServerConfig:
     port: int = 0  # 0: pick a free port
     max_workers: int = 16
     auth_token: str | None = None
-    tls: TlsFiles | None = None
+    tls: TlsFiles | TlsPem | None = None
     auth_exempt: tuple[str, ...] = DEFAULT_EXEMPT
     allowed_cns: tuple[str, ...] = ()  # mTLS: client certificate CNs allowed (empty: any)
     max_receive_bytes: int = MAX_RECEIVE_BYTES

@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 
 __all__ = [
-    "DEFAULT_EXEMPT", "CommonNameInterceptor", "TlsFiles", "TokenInterceptor",
+    "DEFAULT_EXEMPT", "CommonNameInterceptor", "TlsFiles", "TlsPem", "TokenInterceptor",
     "server_credentials",
 ]
 
@@ -29,18 +29,31 @@ DEFAULT_EXEMPT: tuple[str, ...] = (
 
 
 @dataclass(frozen=True, slots=True)
+class TlsPem:
+    """A server's certificate and key, and the CA its clients' certificates must chain to."""
+
+    cert: bytes
+    key: bytes
+    ca: bytes | None = None  # given: client certificates are required (mTLS)
+
+
+@dataclass(frozen=True, slots=True)
 class TlsFiles:
     cert: Path
     key: Path
     ca: Path | None = None  # given: client certificates are required (mTLS)
 
+    def read(self) -> TlsPem:
+        return TlsPem(self.cert.read_bytes(), self.key.read_bytes(),
+                      self.ca.read_bytes() if self.ca is not None else None)
 
-def server_credentials(tls: TlsFiles) -> grpc.ServerCredentials:
-    ca = tls.ca.read_bytes() if tls.ca is not None else None
+
+def server_credentials(tls: TlsFiles | TlsPem) -> grpc.ServerCredentials:
+    pem = tls.read() if isinstance(tls, TlsFiles) else tls
     return grpc.ssl_server_credentials(
-        [(tls.key.read_bytes(), tls.cert.read_bytes())],
-        root_certificates=ca,
-        require_client_auth=ca is not None,
+        [(pem.key, pem.cert)],
+        root_certificates=pem.ca,
+        require_client_auth=pem.ca is not None,
     )
 
 

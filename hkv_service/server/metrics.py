@@ -27,6 +27,7 @@ _GAUGES = {
     "captures": "Live graph captures",
     "topology_epoch": "Topology epoch (bumps when a captured block had to change)",
     "owners_alive": "Registered owners currently alive",
+    "owners_lost": "Owners registered once and lost since (silent, dead, or replaced)",
     "in_transit_peak_objects": "Most objects in transit at once since the service started",
 }
 

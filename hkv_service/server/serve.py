@@ -1,185 +1,184 @@
-"""``hkv serve``: flags -> config, then the server, metrics, owner expiry and signal handling.
+"""The metadata service from its settings; ``hkv serve`` around it (flags, signals).
 
-Exit codes: 0 after a clean shutdown, 2 for bad flags (one sentence on stderr), 1 when the
-port cannot be bound. Once bound it prints ``hkv serve: listening on HOST:PORT`` (flushed),
-which launchers and tests wait for. SIGTERM/SIGINT: health NOT_SERVING first, then
-``server.stop(grace)``.
+:func:`start_service` is the one way a service starts from a
+:class:`~hkv_service.settings.ServiceSettings`: ``hkv serve`` (and so the process ``hkv up``
+spawns) runs it in its own process, ``hkv up --address`` inside its service actor
+(``workers.launcher._ServiceHost``). Every setting therefore does the same on every path:
+bind, auth guard, TLS/mTLS, allowed CNs, metrics, owner expiry, grace, the state's caps::
+
+    ServiceSettings --load()--> ServiceInputs (token, TLS bytes, spec)
+        --start_service()--> RunningService: gRPC server + /metrics + expiry thread
+        --drain()--> health NOT_SERVING --close(grace)--> stopped
+
+``hkv serve`` exit codes: 0 after a clean shutdown, 2 for bad flags (one sentence on
+stderr), 1 when the port cannot be bound. Once bound it prints ``hkv serve: listening on
+HOST:PORT`` (flushed), which launchers and tests wait for. SIGTERM/SIGINT: health NOT_SERVING
+first, then ``server.stop(grace)``.
 """
 
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import logging
 import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
 from typing import Any
 
-from hkv_service.core.admission import AdmissionCap
-from hkv_service.core.errors import InvalidInput, SpecError
-from hkv_service.core.state_view import CacheState, StateConfig
-from hkv_service.specs import resolve_spec
+from grpc_health.v1 import health_pb2
+from prometheus_client import start_http_server
+from prometheus_client.core import InfoMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from hkv_service.core.state_view import CacheState
+from hkv_service.settings import ServiceInputs, ServiceSettings, SettingsError
 
 from .app import ServerConfig, Service, build_service
-from .auth import TlsFiles
-from .metrics import start_metrics
+from .auth import TlsPem
+from .metrics import make_registry
 
-__all__ = ["UsageError", "config_from_args", "run_serve"]
+__all__ = ["RunningService", "run_serve", "server_config", "start_service"]
 
 log = logging.getLogger("hkv.serve")
 EXPIRE_EVERY_S = 1.0
+OWNER_HEALTH_PREFIX = "hkv.v1.Shard/"  # + owner id: a per-shard health status
 DRAIN_S = 0.5  # NOT_SERVING is visible this long before new RPCs are refused
 
 
-class UsageError(Exception):
-    """A flag value that cannot work; the message is one sentence for the user."""
+def server_config(settings: ServiceSettings, inputs: ServiceInputs) -> ServerConfig:
+    tls = None
+    if inputs.tls_cert is not None and inputs.tls_key is not None:
+        tls = TlsPem(inputs.tls_cert, inputs.tls_key, inputs.tls_ca)
+    return ServerConfig(host=settings.host, port=settings.port, auth_token=inputs.token,
+                        tls=tls, allowed_cns=settings.tls_allowed_cn)
 
 
-@dataclass(frozen=True, slots=True)
-class ServeConfig:
-    server: ServerConfig
-    state: StateConfig
-    spec_path: str | None
-    metrics_port: int
-    grace_s: float
+class SettingsInfo(Collector):
+    """``hkv_settings_info{...} 1``: the settings this service runs with, the walk segment
+    size as the state resolved it."""
+
+    def __init__(self, settings: ServiceSettings, state: CacheState) -> None:
+        self.settings, self.state = settings, state
+
+    def collect(self) -> Iterator[Metric]:
+        labels = {f.name: _label(getattr(self.settings, f.name))
+                  for f in fields(ServiceSettings)}
+        labels["walk_segment_blocks"] = str(self.state.segment_blocks)
+        yield InfoMetricFamily("hkv_settings", "Settings of this metadata service",
+                               value=labels)
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
+def _label(value: object) -> str:
+    if isinstance(value, tuple):
+        return ",".join(value)
+    return "" if value is None else str(value)
+
+
+@dataclass(slots=True)
+class RunningService:
+    settings: ServiceSettings
+    service: Service
+    metrics: Any  # the /metrics HTTP server, or None
+    stop_expiry: threading.Event
+
+    @property
+    def address(self) -> str:
+        """What the server is bound to, ``HOST:PORT`` (the port as bound: 0 picks one)."""
+        return f"{self.settings.host}:{self.service.port}"
+
+    def drain(self) -> None:
+        """Health NOT_SERVING; RPCs are still answered until :meth:`close`."""
+        self.service.set_serving(False)
+
+    def close(self, grace_s: float | None = None) -> threading.Event:
+        """Stop: in-flight RPCs get ``grace_s`` (default: the settings' ``grace_s``)."""
+        self.stop_expiry.set()
+        done = self.service.stop(self.settings.grace_s if grace_s is None else grace_s)
+        if self.metrics is not None:
+            self.metrics.shutdown()
+            self.metrics.server_close()
+        return done
+
+
+def start_service(settings: ServiceSettings, inputs: ServiceInputs | None = None
+                  ) -> RunningService:
+    """Bind and start. Raises SettingsError (from ``load``), or RuntimeError/OSError when a
+    port cannot be bound."""
+    inputs = inputs if inputs is not None else settings.load()
+    settings = settings.service()
+    state = CacheState(inputs.spec, settings.state_config())
+    service = build_service(server_config(settings, inputs), state)
+    metrics = None
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-def _port(value: int, flag: str) -> int:
-    if not 0 <= value <= 65535:
-        raise UsageError(f"{flag} must be between 0 and 65535, got {value}")
-    return value
-
-
-def _readable(path: str | None, flag: str) -> Path | None:
-    if path is None:
-        return None
-    p = Path(path)
-    if not p.is_file():
-        raise UsageError(f"{flag} {path} is not a readable file")
-    return p
-
-
-def _tls(args: argparse.Namespace) -> TlsFiles | None:
-    cert, key = _readable(args.tls_cert, "--tls-cert"), _readable(args.tls_key, "--tls-key")
-    ca = _readable(args.tls_ca, "--tls-ca")
-    if (cert is None) != (key is None):
-        raise UsageError("--tls-cert and --tls-key must be given together")
-    if cert is None or key is None:
-        if ca is not None:
-            raise UsageError("--tls-ca (mTLS) needs --tls-cert and --tls-key as well")
-        return None
-    return TlsFiles(cert, key, ca)
-
-
-def _token(path: str | None) -> str | None:
-    p = _readable(path, "--auth-token-file")
-    if p is None:
-        return None
-    token = p.read_text().strip()
-    if not token:
-        raise UsageError(f"--auth-token-file {path} is empty")
-    return token
-
-
-def config_from_args(args: argparse.Namespace) -> ServeConfig:
-    """Validate every flag; raises UsageError with one sentence."""
-    port = _port(args.port, "--port")
-    metrics_port = _port(args.metrics_port, "--metrics-port")
-    if args.grace_s < 0:
-        raise UsageError(f"--grace-s must not be negative, got {args.grace_s}")
-    if not args.heartbeat_timeout_s > 0:
-        raise UsageError(f"--heartbeat-timeout-s must be > 0, got {args.heartbeat_timeout_s}")
-    tls, token = _tls(args), _token(args.auth_token_file)
-    if not _is_loopback(args.host) and tls is None and token is None:
-        if not args.insecure:
-            raise UsageError(
-                f"refusing to bind non-loopback address {args.host} without TLS or an auth "
-                "token; give --tls-cert/--tls-key or --auth-token-file, or --insecure")
+        if settings.metrics_port:
+            registry = make_registry(state)
+            registry.register(SettingsInfo(settings, state))
+            metrics, _thread = start_http_server(settings.metrics_port, addr=settings.host,
+                                                 registry=registry)
+        service.server.start()
+    except BaseException:
+        service.server.stop(0)
+        if metrics is not None:
+            metrics.shutdown()
+        raise
+    if not settings.guarded:
         log.warning("binding %s without TLS or auth token (--insecure): anyone who can reach "
-                    "it can change cache state", args.host)
-    cns = tuple(n.strip() for n in (args.tls_allowed_cn or "").split(",") if n.strip())
-    if cns and (tls is None or tls.ca is None):
-        raise UsageError("--tls-allowed-cn needs mTLS: give --tls-ca with --tls-cert/--tls-key")
-    server = ServerConfig(host=args.host, port=port, auth_token=token, tls=tls, allowed_cns=cns)
-    if args.max_inflight_objects < 1 or args.max_inflight_bytes < 1:
-        raise UsageError("--max-inflight-objects and --max-inflight-bytes must be at least 1")
-    if args.lookup_memo_mib < 0:
-        raise UsageError(f"--lookup-memo-mib must not be negative, got {args.lookup_memo_mib}")
-    state = StateConfig(
-        admission=AdmissionCap(args.max_inflight_objects, args.max_inflight_bytes),
-        heartbeat_timeout_s=args.heartbeat_timeout_s,
-        memo_max_bytes=args.lookup_memo_mib << 20,
-        segment_blocks=args.walk_segment_blocks,
-    )
-    return ServeConfig(server, state, args.spec, metrics_port, args.grace_s)
+                    "it can change cache state", settings.host)
+    stop = threading.Event()
+    threading.Thread(target=_expire_loop, args=(state, stop, service), daemon=True,
+                     name="hkv-expire").start()
+    return RunningService(settings, service, metrics, stop)
 
 
-def _expire_loop(state: CacheState, stop: threading.Event) -> None:
+def _expire_loop(state: CacheState, stop: threading.Event, service: Service) -> None:
     while not stop.wait(EXPIRE_EVERY_S):
         lost = state.expire_owners()
         if lost:
             log.warning("owners silent past the heartbeat timeout, marked lost: %s", lost)
+        publish_owner_health(service, state)
 
 
-def _start(cfg: ServeConfig) -> tuple[Service, Any]:
-    try:
-        spec = resolve_spec(cfg.spec_path)
-    except SpecError as err:
-        raise UsageError(f"--spec: {err}") from None
-    try:
-        state = CacheState(spec, cfg.state)
-    except InvalidInput as err:  # a setting the spec cannot take (the segment size)
-        raise UsageError(f"--walk-segment-blocks: {err}") from None
-    service = build_service(cfg.server, state)
-    metrics = (start_metrics(service.state, cfg.server.host, cfg.metrics_port)
-               if cfg.metrics_port else None)
-    service.server.start()
-    return service, metrics
+def publish_owner_health(service: Service, state: CacheState) -> None:
+    """Per owner, the standard health service's per-service status: ``hkv.v1.Shard/<id>``
+    SERVING while the owner is alive, NOT_SERVING once it is lost (``grpc_health_probe
+    -service hkv.v1.Shard/shard-...``)."""
+    for owner, alive in state.owner_liveness().items():
+        service.health.set(f"{OWNER_HEALTH_PREFIX}{owner}",
+                           health_pb2.HealthCheckResponse.SERVING if alive
+                           else health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
 def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        cfg = config_from_args(args)
-        service, metrics = _start(cfg)
-    except UsageError as err:
+        settings = ServiceSettings.from_args(args)
+        inputs = settings.load()
+    except SettingsError as err:
         sys.stderr.write(f"hkv serve: error: {err}\n")
         return 2
+    try:
+        running = start_service(settings, inputs)
     except (RuntimeError, OSError) as err:
-        sys.stderr.write(f"hkv serve: cannot bind {args.host}:{args.port}: {err}\n")
+        sys.stderr.write(f"hkv serve: cannot bind {settings.host}:{settings.port}: {err}\n")
         return 1
     done = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
-        log.info("signal %s: health NOT_SERVING, stopping with %.1fs grace", signum, cfg.grace_s)
+        log.info("signal %s: health NOT_SERVING, stopping with %.1fs grace", signum,
+                 settings.grace_s)
         done.set()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    expire = threading.Thread(target=_expire_loop, args=(service.state, done), daemon=True,
-                              name="hkv-expire")
-    expire.start()
-    print(f"hkv serve: listening on {cfg.server.host}:{service.port}", flush=True)
+    print(f"hkv serve: listening on {running.address}", flush=True)
     while not done.wait(0.5):
         pass
-    service.set_serving(False)  # probes see NOT_SERVING before the port closes
-    drain = min(DRAIN_S, cfg.grace_s / 2)
+    running.drain()  # probes see NOT_SERVING before the port closes
+    drain = min(DRAIN_S, settings.grace_s / 2)
     time.sleep(drain)
-    service.stop(cfg.grace_s - drain).wait(cfg.grace_s + 5.0)
-    if metrics is not None:
-        metrics.shutdown()
+    running.close(settings.grace_s - drain).wait(settings.grace_s + 5.0)
     log.info("stopped")
     return 0

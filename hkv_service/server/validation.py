@@ -32,7 +32,7 @@ MAX_POOL_BLOCKS = 1 << 24  # the metadata twin of a pool costs ~3 words per bloc
 def check_owner(state: CacheState, owner: str, where: str) -> ShardId:
     if not owner:
         raise InvalidInput(f"{where}: owner id must be a non-empty string")
-    if owner not in state.owners:
+    if not state.has_owner(owner):
         raise UnknownOwner(f"owner {owner!r} is not registered")
     return ShardId(owner)
 

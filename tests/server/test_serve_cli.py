@@ -38,7 +38,10 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     (("--tls-cert", "/nonexistent.pem", "--tls-key", "/nonexistent.pem"), "not a readable file"),
     (("--port", "abc"), "invalid int value"),
     (("--tls-allowed-cn", "worker"), "--tls-allowed-cn needs mTLS"),
-    (("--max-inflight-objects", "0"), "must be at least 1"),
+    (("--max-inflight-objects", "0"), "--max-inflight-objects must be a positive integer"),
+    (("--heartbeat-timeout-s", "0"), "--heartbeat-timeout-s must be > 0"),
+    (("--auth-token-file", "/nonexistent-token"), "is not a readable file"),
+    (("--tls-cert", "/etc/hostname"), "--tls-cert and --tls-key must be given together"),
     (("--lookup-memo-mib", "-1"), "--lookup-memo-mib must not be negative"),
     (("--walk-segment-blocks", "3"), "--walk-segment-blocks: segment_blocks must be 0 (off) "
                                      "or a positive multiple of 2"),
@@ -51,20 +54,20 @@ def test_bad_flags_exit_2_with_one_sentence(args: tuple[str, ...], phrase: str) 
     assert len(out.stderr.strip().splitlines()) == 1
 
 
-# The flags `hkv serve` must offer (config_from_args reads each of them).
+# The flags `hkv serve` must offer: ServiceSettings' fields, no other.
 SERVE_FLAGS = (
-    "--host", "--port", "--metrics-port", "--data-dir", "--spec", "--auth-token-file",
+    "--host", "--port", "--metrics-port", "--spec", "--auth-token-file",
     "--tls-cert", "--tls-key", "--tls-ca", "--tls-allowed-cn", "--insecure",
     "--heartbeat-timeout-s", "--grace-s", "--max-inflight-objects", "--max-inflight-bytes",
-    "--lookup-memo-mib", "--walk-segment-blocks",
+    "--max-owners", "--lookup-memo-mib", "--walk-segment-blocks",
 )
 
 
 def test_segment_default_is_the_cores() -> None:
-    """The CLI keeps its own copy of the default (--help stays fast): they must agree."""
-    from hkv_service import cli
+    """The settings keep their own copy of the default (--help stays fast): they must agree."""
+    from hkv_service import settings
     from hkv_service.core.segments import DEFAULT_SEGMENT_BLOCKS
-    assert cli.DEFAULT_SEGMENT_BLOCKS == DEFAULT_SEGMENT_BLOCKS
+    assert settings.DEFAULT_SEGMENT_BLOCKS == DEFAULT_SEGMENT_BLOCKS
 
 
 def _serve_parser_flags() -> set[str]:
@@ -78,7 +81,7 @@ def test_help_exits_0_and_mentions_every_flag() -> None:
     assert out.returncode == 0, out.stderr
     assert out.stderr == ""
     flags = _serve_parser_flags()
-    assert set(SERVE_FLAGS) <= flags
+    assert set(SERVE_FLAGS) | {"-h", "--help"} == flags
     for flag in flags:  # every flag the parser has, including any added later
         assert flag in out.stdout.split() or f"{flag}," in out.stdout or f"{flag} " in \
             out.stdout, flag
@@ -321,12 +324,12 @@ def test_lookup_memo_flag_sizes_or_turns_off_the_memo() -> None:
     from hkv_service.cli import build_parser
     from hkv_service.core.funnel import LookupRequest as Req
     from hkv_service.core.state_view import CacheState
-    from hkv_service.server.serve import config_from_args
+    from hkv_service.settings import ServiceSettings
     from hkv_service.specs import default_spec
 
     def state_of(*flags: str) -> CacheState:
-        cfg = config_from_args(build_parser().parse_args(["serve", *flags]))
-        return CacheState(default_spec(), cfg.state)
+        settings = ServiceSettings.from_args(build_parser().parse_args(["serve", *flags]))
+        return CacheState(default_spec(), settings.state_config())
 
     assert state_of().memo.max_bytes == 64 << 20
     assert state_of("--lookup-memo-mib", "8").memo.max_bytes == 8 << 20

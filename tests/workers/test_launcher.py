@@ -1,5 +1,5 @@
-"""workers/launcher.py: `hkv up` as a subprocess (endpoint printed, a lookup served, SIGINT ->
-exit 0 and nothing left running) and --config validation."""
+"""workers/launcher.py and hkv_service/up.py: `hkv up` as a subprocess (endpoint printed, a
+lookup served, SIGINT -> exit 0 and nothing left running), --config and flag validation."""
 
 from __future__ import annotations
 
@@ -72,6 +72,9 @@ def test_hkv_up_serves_and_stops_cleanly(tmp_path: Path, w: Any) -> None:
     ("bogus_key: 1\n", "unknown key 'bogus_key'"),
     ("- a\n- b\n", "must be a mapping"),
     ("blocks-per-group: 0\n", "--blocks-per-group must be a positive integer"),
+    ("port: abc\n", "port must be an integer, got 'abc'"),
+    ("insecure: 1\n", "insecure must be true or false"),
+    ("host: 0.0.0.0\n", "refusing to bind non-loopback address 0.0.0.0"),
 ])
 def test_bad_config_exits_2_with_a_sentence(tmp_path: Path, text: str, needle: str) -> None:
     cfg = tmp_path / "up.yaml"
@@ -84,26 +87,37 @@ def test_bad_config_exits_2_with_a_sentence(tmp_path: Path, text: str, needle: s
 
 def test_config_file_values_apply_and_flags_win(tmp_path: Path) -> None:
     from hkv_service.cli import build_parser
-    from workers.launcher import config_from_args, serve_argv
+    from hkv_service.settings import ServiceSettings
+    from hkv_service.up import config_from_args
+    from workers.launcher import serve_argv
 
     cfg = tmp_path / "up.yaml"
-    cfg.write_text("blocks-per-group: 32\nport: 7000\ngrace_s: 2.5\nlookup-memo-mib: 0\n")
+    cfg.write_text("blocks-per-group: 32\nport: 7000\ngrace_s: 2.5\nlookup-memo-mib: 0\n"
+                   "heartbeat-timeout-s: 3\n")
     args = build_parser().parse_args(["up", "--config", str(cfg), "--port", "7100"])
     config = config_from_args(args)
     assert config.blocks_per_group == 32 and config.port == 7100
-    assert config.serve_args == ("--grace-s", "2.5") and config.lookup_memo_mib == 0
-    argv = serve_argv(config)  # the spawned service and the --address actor both get it
-    assert argv[argv.index("--lookup-memo-mib") + 1] == "0"
+    assert config.grace_s == 2.5 and config.lookup_memo_mib == 0
+    assert config.heartbeat_timeout_s == 3.0  # an int in YAML, a float setting
+    argv = serve_argv(config)  # the spawned service gets the service settings whole
+    assert ServiceSettings.from_argv(argv[argv.index("serve") + 1:]) == config.service()
     assert "--walk-segment-blocks" not in argv  # unset: the service picks its spec's default
-    args = build_parser().parse_args(["up", "--walk-segment-blocks", "6"])
-    argv = serve_argv(config_from_args(args))
-    assert argv[argv.index("--walk-segment-blocks") + 1] == "6"
+    # a flag given at its default value still wins over the file
+    args = build_parser().parse_args(["up", "--config", str(cfg), "--port", "50051"])
+    assert config_from_args(args).port == 50051
 
 
 @pytest.mark.parametrize("flags, needle", [
     (["--port", "70000"], "--port must be between 0 and 65535"),
     (["--host", "0.0.0.0"], "refusing to bind non-loopback address"),
     (["--lookup-memo-mib", "-1"], "--lookup-memo-mib must not be negative"),
+    (["--address", "auto", "--host", "0.0.0.0"], "refusing to bind non-loopback address"),
+    (["--walk-segment-blocks", "3"], "--walk-segment-blocks: segment_blocks must be 0"),
+    (["--tls-cert", "/nonexistent.pem", "--tls-key", "/nonexistent.pem"],
+     "--tls-cert /nonexistent.pem is not a readable file"),
+    (["--tls-cert", "/etc/hostname", "--tls-key", "/etc/hostname", "--tls-ca", "/etc/hostname"],
+     "give --tls-client-cert/--tls-client-key"),
+    (["--spec", "/nonexistent.yaml"], "--spec: cannot read cache spec"),
 ])
 def test_bad_service_flags_exit_2_before_ray_starts(flags: list[str], needle: str) -> None:
     """Regression (issue 17, item 8): hkv up started Ray, then waited a minute for a service
@@ -112,3 +126,13 @@ def test_bad_service_flags_exit_2_before_ray_starts(flags: list[str], needle: st
                          capture_output=True, text=True, env=_env(), timeout=60)
     assert res.returncode == 2, res.stderr
     assert needle in res.stderr and res.stderr.count("\n") == 1 and "ray:" not in res.stderr
+
+
+def test_help_answers_with_every_setting() -> None:
+    from hkv_service.settings import SystemSettings, flag_of
+
+    res = subprocess.run([sys.executable, "-m", "hkv_service.cli", "up", "--help"],
+                         capture_output=True, text=True, env=_env(), timeout=60)
+    assert res.returncode == 0 and res.stderr == ""
+    for f in SystemSettings.flag_fields():
+        assert flag_of(f.name) in res.stdout, f.name

@@ -1,0 +1,169 @@
+"""``hkv up``: flags and ``--config`` -> one SystemSettings, then the launcher; signals.
+
+Every setting is checked (values, then the files it names and the spec) before Ray starts: a
+bad one is exit 2 with one sentence. Then :func:`workers.launcher.start_system` brings the
+system up, the endpoint is printed, and ``hkv up`` waits::
+
+    flags + --config  ->  SystemSettings (checked)  ->  load (token, TLS, spec; checked)
+    -> start_system -> "hkv up: endpoint HOST:PORT" -> wait for SIGINT/SIGTERM -> stop
+
+SIGTERM and SIGINT both drain and exit 0: the service's health goes NOT_SERVING first, then
+the shards are stopped, then the service, then Ray (a local instance with all its processes).
+``ray.init`` installs its own SIGTERM handler (exit at once, ``hkv serve`` left running), so
+ours is put back right after it and re-asserted while waiting. The handler only sets an event;
+a second signal during the drain makes the waits shorter, never skips a step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .settings import SettingsError, SystemSettings
+
+if TYPE_CHECKING:
+    from workers.launcher import Emit, System
+
+__all__ = ["config_from_args", "run_up"]
+
+
+def config_from_args(args: argparse.Namespace) -> SystemSettings:
+    """The settings from the flags; a ``--config`` file fills what no flag gave."""
+    path = getattr(args, "config", None)
+    file = _load_config_file(path) if path else None
+    return SystemSettings.from_args(args, file)
+
+
+def _load_config_file(path: str) -> dict[str, Any]:
+    import yaml
+
+    try:
+        raw = yaml.safe_load(Path(path).read_text()) or {}
+    except OSError as exc:
+        raise SettingsError(f"cannot read --config {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise SettingsError(f"--config {path} is not valid YAML: {str(exc).splitlines()[0]}") \
+            from None
+    if not isinstance(raw, dict):
+        raise SettingsError(f"--config {path} must be a mapping of flag names to values")
+    return SystemSettings.from_mapping(raw, f"--config {path}")
+
+
+def run_up(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+        inputs = config.load()
+        config.credentials(inputs)  # the client certificate files, read here once too
+    except SettingsError as exc:
+        sys.stderr.write(f"hkv up: error: {exc}\n")
+        return 2
+    from workers.launcher import start_system  # ray: only once the settings are known good
+
+    say = _printer()
+    if not config.guarded:
+        say(f"warning: binding {config.host} without TLS or auth token (--insecure)")
+    stop = _StopSignals()
+    stop.install()
+    try:
+        system = start_system(config, say, after_ray_init=stop.install, inputs=inputs)
+    except Exception as exc:
+        sys.stderr.write(f"hkv up: error: could not start: {exc}\n")
+        _shutdown_ray()
+        return 1
+    except SystemExit:  # the signal came inside ray.init, to ray's handler: it exits
+        _shutdown_ray()
+        say("stopped")
+        return 0
+    stop.install()
+    say(f"endpoint {system.endpoint}")
+    say(f"worker: from workers.attach import attach; hkv = attach({system.endpoint!r}, "
+        f"ray_address={_gcs_address()!r})")
+    code = _wait(system, stop, say)
+    say("stopping")
+    system.stop(say, stop.hurry)
+    _shutdown_ray()  # --address: leave the cluster (shutting it down is not ours to do)
+    say("stopped")
+    return code
+
+
+class _StopSignals:
+    """The SIGTERM/SIGINT handler of ``hkv up``: it only sets events. The first signal asks
+    for the drain (``requested``), a later one for a faster drain (``hurry``)."""
+
+    def __init__(self) -> None:
+        self.requested = threading.Event()
+        self.hurry = threading.Event()
+
+    def __call__(self, signum: int, _frame: object) -> None:
+        if self.requested.is_set():
+            self.hurry.set()
+        self.requested.set()
+
+    def install(self) -> None:
+        """(Re)install for SIGTERM and SIGINT, where something (``ray.init``) replaced it."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            if signal.getsignal(sig) is not self:
+                signal.signal(sig, self)
+
+
+SERVICE_RESTARTS = 5  # a metadata service that keeps dying is a bug to report, not to hide
+
+
+def _gcs_address() -> str:
+    """The Ray address a worker joins (``ray.init(address=...)``) to reach the shards."""
+    import ray
+
+    try:
+        return str(ray.get_runtime_context().gcs_address)
+    except Exception:
+        return "auto"
+
+
+def _shutdown_ray() -> None:
+    import ray
+
+    with contextlib.suppress(Exception):
+        if ray.is_initialized():
+            ray.shutdown()
+
+
+def _wait(system: System, stop: _StopSignals, say: Emit) -> int:
+    """0 once a signal asks to stop. A metadata service that exits on its own is started
+    again on its port (the shards rejoin it), up to SERVICE_RESTARTS times; 1 after that."""
+    from workers.launcher import RECONCILE_EVERY_TICKS, reconcile_shards
+
+    ticks = 0
+    while not stop.requested.wait(0.5):
+        stop.install()
+        if system.service is not None and system.service.poll() is not None:
+            code = system.service.returncode
+            if system.service_restarts >= SERVICE_RESTARTS:
+                sys.stderr.write(f"hkv up: error: the metadata service exited (code {code}) "
+                                 f"after {SERVICE_RESTARTS} restarts; giving up\n")
+                return 1
+            say(f"metadata service exited (code {code}); starting it again "
+                f"({system.service_restarts + 1}/{SERVICE_RESTARTS})")
+            try:
+                system.restart_service(say)
+            except Exception as exc:
+                sys.stderr.write(f"hkv up: error: could not restart the metadata service: "
+                                 f"{exc}\n")
+                return 1
+        ticks += 1
+        if ticks % RECONCILE_EVERY_TICKS == 0:
+            reconcile_shards(system, say)
+    return 0
+
+
+def _printer() -> Emit:
+    def say(msg: str) -> None:
+        print(f"hkv up: {msg}", flush=True)
+
+    return say
