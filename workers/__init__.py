@@ -4,9 +4,11 @@ workers' data-plane client, and the launcher behind ``hkv up``.
 ::
 
     ports      MetadataPort (what workers need from the service) + data-plane value types
-    local      the port in-process (LocalMetadata) or through a Ray actor (MetadataActor)
+    local      the port in-process (LocalMetadata); raylink: through a Ray actor
     pool       torch block pools: generations, stale checks, readiness
     shard      ShardActor: write/read/offload/load, registration, heartbeats
     dataplane  DataPlane: lookup results -> bytes, prefixes -> shards; failures -> Recompute
-    launcher   start_system / System.stop / run_up
+    link       ShardLink: the seam to a shard (in-process link; raylink: the Ray link)
+    inprocess  InProcessSystem: the real parts wired in one process
+    launcher   start_system / System.stop (the CLI half, run_up, is hkv_service.up)
 """

@@ -2,7 +2,7 @@
 
 :class:`DataPlane` joins the metadata service (state) and the shard actors (bytes). It never
 raises into model code for a cache problem: every failure becomes a :class:`Recompute` that
-names the reason, and every Ray wait has a deadline. A shard that died or timed out is marked
+names the reason, and every wait on a shard has a deadline. A shard that died or timed out is marked
 lost at the metadata service, so the next lookup downgrades instead of pointing at it.
 
 Read path::
@@ -25,8 +25,6 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
-import ray
-from ray.exceptions import GetTimeoutError, RayActorError
 
 from hkv_service.core.errors import HkvError, UnknownGroup, WrongSize
 from hkv_service.core.hashing import content_version
@@ -37,6 +35,7 @@ from hkv_service.core.state_view import Allocation, AllocRequest, Match
 from hkv_service.core.states import Event, Kind, Reason, State
 from hkv_service.core.transitions import Params
 
+from .link import Pending, ShardLink, ShardUnavailable
 from .pool import HandleBatch
 from .ports import (
     BlockTag,
@@ -48,12 +47,11 @@ from .ports import (
     payload_bytes,
 )
 
-__all__ = ["DataPlane", "Recompute", "WriteReport"]
+__all__ = ["DataPlane", "PendingLoad", "Recompute", "WriteReport"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 Slot = tuple[int, str]  # (depth, column name)
-_UNAVAILABLE = (RayActorError, GetTimeoutError)  # ActorDiedError/ActorUnavailableError inside
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +92,10 @@ _OUTCOME_REASON = {
 
 
 class DataPlane:
-    def __init__(self, metadata: MetadataPort, shards: Mapping[str, Any],
+    """``shards`` maps a shard id to its :class:`~workers.link.ShardLink` (in-process or Ray:
+    ``workers.raylink.ray_links``); the data plane itself imports no Ray."""
+
+    def __init__(self, metadata: MetadataPort, shards: Mapping[str, ShardLink],
                  timeout_s: float = 10.0) -> None:
         self.meta = metadata
         self.shards = dict(shards)
@@ -136,6 +137,13 @@ class DataPlane:
     def load(self, match: Match, block_hashes: Sequence[BlockHash] | None
              ) -> dict[int, Handle] | Recompute:
         """Load ``match.load`` on the shards; returns ``{object id: memory handle}``."""
+        started = self.start_load(match, block_hashes)
+        return started if isinstance(started, Recompute) else started.wait()
+
+    def start_load(self, match: Match, block_hashes: Sequence[BlockHash] | None,
+                   hold_s: float = 0.0) -> PendingLoad | Recompute:
+        """Start loading ``match.load`` on the shards and return at once; ``wait()`` on the
+        result gives what :meth:`load` gives. ``hold_s``: see ``ShardActor.load``."""
         if block_hashes is None:
             return Recompute(Reason.MISSING_COMPONENT, "a disk load needs the lookup's hashes")
         depth_of: dict[int, int] = {}
@@ -150,10 +158,15 @@ class DataPlane:
             by_owner[h.shard].append((h, block_hashes[depth_of[h.object_id]]))
         refs = {}
         for sid, items in by_owner.items():
-            actor = self.shards.get(sid)
-            if actor is None:
+            link = self.shards.get(sid)
+            if link is None:
                 return Recompute(Reason.OWNER_LOST, f"disk owner {sid!r} is not a known shard")
-            refs[sid] = actor.load.remote(items)
+            refs[sid] = link.submit("load", items, hold_s=hold_s) if hold_s else \
+                link.submit("load", items)
+        return PendingLoad(self, match, refs)
+
+    def _finish_load(self, match: Match, refs: Mapping[str, Pending]
+                     ) -> dict[int, Handle] | Recompute:
         loaded: dict[int, Handle] = {}
         failures: list[ItemResult] = []
         for sid, ref in refs.items():
@@ -308,12 +321,12 @@ class DataPlane:
         refs = {}
         out: list[Any] = [ItemResult(Outcome.UNAVAILABLE, "no such shard")] * len(handles)
         for sid, idx in groups.items():
-            actor = self.shards.get(sid)
-            if actor is None:
+            link = self.shards.get(sid)
+            if link is None:
                 continue
             args = {k: [v[i] for i in idx] for k, v in (extra or {}).items()}
             batch = HandleBatch.of([handles[i] for i in idx])  # one array, not N pickled handles
-            refs[sid] = getattr(actor, method).remote(batch, **args, **kwargs)
+            refs[sid] = link.submit(method, batch, **args, **kwargs)
         for sid, ref in refs.items():
             res = self._get(sid, ref)
             for j, i in enumerate(groups[sid]):
@@ -321,13 +334,13 @@ class DataPlane:
                     Outcome.UNAVAILABLE, f"shard {sid} died or timed out: recompute")
         return out
 
-    def _get(self, shard: str, ref: Any) -> Any:
-        """``ray.get`` with the deadline; a dead or silent shard is marked lost (None)."""
+    def _get(self, shard: str, ref: Pending) -> Any:
+        """The call's result within the deadline; a dead or silent shard is marked lost
+        (None)."""
         try:
-            return ray.get(ref, timeout=self.timeout_s)
-        except _UNAVAILABLE as exc:
-            log.warning("shard %s unavailable (%s); marking it lost", shard, type(exc).__name__)
-            self._quietly(lambda: ray.cancel(ref, force=True))
+            return ref.result(self.timeout_s)
+        except ShardUnavailable as exc:
+            log.warning("shard %s unavailable (%s); marking it lost", shard, exc.why)
             self._quietly(lambda: self.meta.mark_owner_lost(ShardId(shard)))
             return None
 
@@ -338,3 +351,13 @@ class DataPlane:
         except Exception as exc:
             log.debug("ignored: %s", exc)
             return None
+
+
+class PendingLoad:
+    """Loads started on the shards (:meth:`DataPlane.start_load`); ``wait`` finishes them."""
+
+    def __init__(self, plane: DataPlane, match: Match, refs: Mapping[str, Pending]) -> None:
+        self._plane, self._match, self._refs = plane, match, dict(refs)
+
+    def wait(self) -> dict[int, Handle] | Recompute:
+        return self._plane._finish_load(self._match, self._refs)

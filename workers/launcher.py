@@ -2,22 +2,23 @@
 
 :func:`start_system` brings the parts up and returns a :class:`System`; ``System.stop()``
 takes everything down again (shards killed, service stopped by pid, Ray shut down if we
-started it): nothing is left running. :func:`run_up` is the CLI around them::
+started it): nothing is left running. The CLI around them (flags, --config, signals) is
+:mod:`hkv_service.up`::
 
     ray (local instance, or --address)  ->  metadata service (subprocess `hkv serve`, or a
-    detached named Ray actor with --address)  ->  shards (node affinity, one per alive node)
-    -> print the endpoint -> wait for SIGINT/SIGTERM -> stop
+    detached named Ray actor with --address, on this node)  ->  shards (node affinity, one per
+    alive node)  ->  the endpoint
 
-SIGTERM and SIGINT both drain and exit 0: the service's health goes NOT_SERVING first, then
-the shards are stopped, then the service, then Ray (a local instance with all its processes).
-``ray.init`` installs its own SIGTERM handler (exit at once, ``hkv serve`` left running), so
-ours is put back right after it and re-asserted while waiting. The handler only sets an event;
-a second signal during the drain makes the waits shorter, never skips a step.
+One :class:`~hkv_service.settings.SystemSettings` (``SystemConfig``) says everything: the
+service gets its service part whole (``serve_argv`` for the process, the object itself for the
+actor, which starts it with the same ``start_service`` as ``hkv serve``), the shards and
+``System.metadata()`` get the token and TLS its ``credentials`` derive (they trust the
+service's own certificate). What the service is bound to is what is printed; clients dial
+the node's address when it binds every address.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import os
@@ -29,7 +30,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,47 +38,36 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from hkv_service.core.admission import AdmissionCap
+from hkv_service.settings import (
+    ServiceInputs,
+    ServiceSettings,
+    SystemSettings,
+    TlsConfig,
+    is_loopback,
+)
 
 from .dataplane import DataPlane
+from .raylink import NAMESPACE, ray_links
 from .shard import ShardActor, ShardConfig
 
 __all__ = [
-    "System", "SystemConfig", "clear_stale_ray", "config_from_args", "init_local_ray", "run_up",
-    "start_system", "worker_pythonpath",
+    "System", "SystemConfig", "clear_stale_ray", "init_local_ray", "serve_argv", "start_system",
+    "worker_pythonpath",
 ]
 
 log = logging.getLogger(__name__)
 
-NAMESPACE = "hkv"
 _ray: Any = ray  # some ray entry points are untyped
 RAY_CURRENT = Path("/tmp/ray/ray_current_cluster")
 _HEAD_RESOURCE = "node:__internal_head__"  # ray's marker resource of the head node
 RECONCILE_EVERY_TICKS = 10  # hkv up looks for newly joined nodes every 5 s
 _LISTENING = re.compile(r"listening on (\S+):(\d+)")
+_WILDCARDS = ("0.0.0.0", "::", "[::]", "")
+SERVICE_ACTOR = "hkv-metadata"
 Emit = Callable[[str], None]
 
 
-@dataclass(frozen=True, slots=True)
-class SystemConfig:
-    host: str = "127.0.0.1"
-    port: int = 0
-    data_dir: str = "hkv-data"
-    spec: str | None = None
-    auth_token_file: str | None = None
-    heartbeat_timeout_s: float = 10.0
-    blocks_per_group: int = 256
-    disk_budget_bytes: int = 1 << 30
-    max_inflight_objects: int = 64
-    max_inflight_bytes: int = 256 << 20
-    lookup_memo_mib: int = 64
-    walk_segment_blocks: int | None = None  # None: the spec's own default (segment_blocks_for)
-    shards_per_node: int = 1
-    address: str | None = None
-    num_cpus: int | None = None
-    max_restarts: int = 1
-    device: str = "auto"
-    serve_args: tuple[str, ...] = ()  # extra `hkv serve` flags (TLS, --insecure, metrics)
-    start_timeout_s: float = 60.0
+SystemConfig = SystemSettings  # hkv up's settings: the service's, Ray's, the shards'
 
 
 @dataclass(slots=True)
@@ -89,14 +79,37 @@ class System:
     service_actor: Any = None
     ray_started: bool = False
     token: str | None = None
+    tls: TlsConfig | None = None  # what this side's clients use to reach the service
+    replaced: dict[str, int] = field(default_factory=dict)  # shard id -> times replaced
+    service_restarts: int = 0
 
     def metadata(self) -> Any:
         from hkv_service.client import MetadataClient
 
-        return MetadataClient(self.endpoint, token=self.token)
+        return MetadataClient(self.endpoint, token=self.token, tls=self.tls)
 
     def dataplane(self, timeout_s: float = 10.0) -> DataPlane:
-        return DataPlane(self.metadata(), self.shards, timeout_s)
+        return DataPlane(self.metadata(), ray_links(self.shards), timeout_s)
+
+    def restart_service(self, emit: Emit | None = None) -> None:
+        """Start the metadata service process again on the same port, after a crash (or crash
+        it first: SIGKILL, nothing drained). It comes back empty; every shard finds out from its
+        next heartbeat (``UnknownOwner``) and rejoins: registers again, re-confirms its disk."""
+        if self.service is None:
+            raise RuntimeError("only a metadata service process started here (hkv up without "
+                               "--address) can be restarted by the launcher")
+        say = emit or (lambda _msg: None)
+        old = self.service
+        if old.poll() is None:
+            old.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            old.wait(10.0)
+        config = replace(self.config, port=int(self.endpoint.rsplit(":", 1)[1]))
+        self.service = _spawn_service(config)
+        self.endpoint = _await_listening(self.service, config.start_timeout_s)
+        self.service_restarts += 1
+        say(f"metadata service (pid {old.pid}) restarted as pid {self.service.pid} "
+            f"on {self.endpoint}")
 
     def stop(self, emit: Emit | None = None, hurry: threading.Event | None = None) -> None:
         """Drain and stop everything, each wait bounded; idempotent. Health NOT_SERVING first
@@ -140,25 +153,32 @@ class System:
 
 
 def start_system(config: SystemConfig, emit: Emit | None = None,
-                 after_ray_init: Callable[[], None] | None = None) -> System:
+                 after_ray_init: Callable[[], None] | None = None,
+                 inputs: ServiceInputs | None = None) -> System:
     """``after_ray_init`` runs as soon as Ray is up (``hkv up`` puts its signal handlers
-    back there: ``ray.init`` replaces them)."""
+    back there: ``ray.init`` replaces them). ``inputs``: ``config.load()``'s result when the
+    caller read it already (hkv up does, before Ray starts); SettingsError from either."""
     say = emit or (lambda _msg: None)
+    inputs = inputs if inputs is not None else config.load()
+    creds = config.credentials(inputs)
     started = _init_ray(config)
     if after_ray_init is not None:
         after_ray_init()
     say(f"ray: {'started a local instance' if started else 'joined'} "
         f"({len(_alive_nodes())} node(s))")
-    token = Path(config.auth_token_file).read_text().strip() if config.auth_token_file else None
-    system = System(config, "", ray_started=started, token=token)
+    system = System(config, "", ray_started=started, token=creds.token, tls=creds.tls)
     try:
         if config.address is None:
             system.service = _spawn_service(config)
             system.endpoint = _await_listening(system.service, config.start_timeout_s)
+            bound = f"{config.host}:{system.endpoint.rsplit(':', 1)[1]}"
         else:
-            system.service_actor, system.endpoint = _service_actor(config)
-        say(f"metadata service listening on {system.endpoint}")
-        system.shards = place_shards(config, system.endpoint, token)
+            system.service_actor, bound, system.endpoint = _service_actor(config, inputs)
+            _check_reachable(config)
+        dial = "" if bound == system.endpoint else f" (clients dial {system.endpoint})"
+        pid = f" (pid {system.service.pid})" if system.service is not None else ""
+        say(f"metadata service{pid} listening on {bound}{dial}")
+        system.shards = place_shards(config, system.endpoint, creds.token, tls=creds.tls)
         say(f"{len(system.shards)} shard(s) up: {', '.join(sorted(system.shards))}")
     except BaseException:
         system.stop()
@@ -174,6 +194,8 @@ def _init_ray(config: SystemConfig) -> bool:
     if config.address is not None:
         ray.init(address=config.address, namespace=NAMESPACE, include_dashboard=False)
         return False
+    # Not bound to loopback: Ray 2.60 turns a 127.0.0.1 node address into the machine's own
+    # (services.resolve_ip_for_localhost), so its processes listen there; no dashboard.
     kwargs: dict[str, Any] = {"address": "local", "include_dashboard": False,
                               "namespace": NAMESPACE, "num_cpus": config.num_cpus,
                               "runtime_env": {"env_vars": {"PYTHONPATH": worker_pythonpath()}}}
@@ -229,20 +251,10 @@ def _alive_nodes() -> list[dict[str, Any]]:
 
 # -- metadata service -----------------------------------------------------------------------
 
-def serve_argv(config: SystemConfig) -> list[str]:
-    argv = [sys.executable, "-m", "hkv_service.cli", "serve", "--host", config.host,
-            "--port", str(config.port), "--data-dir", config.data_dir,
-            "--heartbeat-timeout-s", str(config.heartbeat_timeout_s),
-            "--max-inflight-objects", str(config.max_inflight_objects),
-            "--max-inflight-bytes", str(config.max_inflight_bytes),
-            "--lookup-memo-mib", str(config.lookup_memo_mib)]
-    if config.walk_segment_blocks is not None:
-        argv += ["--walk-segment-blocks", str(config.walk_segment_blocks)]
-    if config.spec:
-        argv += ["--spec", config.spec]
-    if config.auth_token_file:
-        argv += ["--auth-token-file", config.auth_token_file]
-    return argv + list(config.serve_args)
+def serve_argv(config: ServiceSettings) -> list[str]:
+    """``hkv serve`` with every service setting of ``config`` (``ServiceSettings.to_argv``:
+    parsed back, the same object)."""
+    return [sys.executable, "-m", "hkv_service.cli", "serve", *config.service().to_argv()]
 
 
 def _spawn_service(config: SystemConfig) -> subprocess.Popen[str]:
@@ -275,7 +287,7 @@ def _await_listening(proc: subprocess.Popen[str], timeout_s: float) -> str:
         _stop_process(proc)
         tail = " | ".join(seen[-3:]) or "no output"
         raise RuntimeError(f"metadata service did not start within {timeout_s:.0f}s: {tail}")
-    return found[0]
+    return _dial(found[0], "127.0.0.1")  # a process on this machine: loopback reaches it
 
 
 def _stop_process(proc: subprocess.Popen[str], grace_s: float = 10.0,
@@ -296,12 +308,16 @@ def _stop_process(proc: subprocess.Popen[str], grace_s: float = 10.0,
                 proc.wait(5.0)
 
 
+def _dial(address: str, here: str) -> str:
+    """The address clients dial for a service bound to ``address`` (HOST:PORT): ``here``
+    (this node) for a wildcard bind, else the bound host itself."""
+    host, _, port = address.rpartition(":")
+    return f"{here}:{port}" if host in _WILDCARDS else address
+
+
 def _serve_grace_s(config: SystemConfig) -> float:
-    """The service's own stop grace (``--grace-s``, passed through in ``serve_args``)."""
-    args = list(config.serve_args)
-    with contextlib.suppress(ValueError, IndexError):
-        return max(0.0, float(args[args.index("--grace-s") + 1]))
-    return 5.0
+    """The service's own stop grace (``--grace-s``)."""
+    return config.grace_s
 
 
 def _bounded_wait(refs: list[Any], timeout_s: float, hurry: threading.Event | None) -> None:
@@ -374,64 +390,91 @@ def _reap(procs: Mapping[int, str], timeout_s: float) -> None:
 
 
 class _ServiceHost:
-    """The metadata service inside a detached Ray actor (``--address`` mode)."""
+    """The metadata service inside a detached Ray actor (``--address`` mode), started from
+    the service settings whole, exactly as ``hkv serve`` starts it (``start_service``)."""
 
-    def __init__(self, config: SystemConfig) -> None:
-        from hkv_service.core.state_view import CacheState, StateConfig
-        from hkv_service.server.app import ServerConfig, build_service
-        from hkv_service.specs import resolve_spec
+    def __init__(self, settings: ServiceSettings, inputs: ServiceInputs) -> None:
+        from hkv_service.server.serve import start_service
 
-        token = (Path(config.auth_token_file).read_text().strip()
-                 if config.auth_token_file else None)
-        cap = AdmissionCap(config.max_inflight_objects, config.max_inflight_bytes)
-        settings = StateConfig(admission=cap, heartbeat_timeout_s=config.heartbeat_timeout_s,
-                               memo_max_bytes=config.lookup_memo_mib << 20,
-                               segment_blocks=config.walk_segment_blocks)
-        state = CacheState(resolve_spec(config.spec), settings)
-        self.service = build_service(ServerConfig(config.host, config.port, auth_token=token),
-                                     state)
-        self.service.server.start()
-        self._stop = threading.Event()
-        threading.Thread(target=self._expire, daemon=True).start()
+        logging.basicConfig(level=logging.INFO)
+        self.running = start_service(settings, inputs)
 
-    def _expire(self) -> None:
-        while not self._stop.wait(1.0):
-            self.service.state.expire_owners()
+    def settings(self) -> ServiceSettings:
+        return self.running.settings
+
+    def address(self) -> tuple[str, str]:
+        """(what the service is bound to, what clients dial: this node's IP for a wildcard
+        bind), both HOST:PORT."""
+        bound = self.running.address
+        return bound, _dial(bound, _ray.util.get_node_ip_address())
 
     def drain(self) -> None:
         """Health NOT_SERVING; RPCs are still answered until :meth:`close`."""
-        self.service.set_serving(False)
+        self.running.drain()
 
     def close(self, grace_s: float) -> None:
-        self._stop.set()
-        self.service.stop(grace_s).wait(grace_s + 1.0)
-
-    def endpoint(self) -> str:
-        return f"{_ray.util.get_node_ip_address()}:{self.service.port}"
+        self.running.close(grace_s).wait(grace_s + 1.0)
 
 
-def _service_actor(config: SystemConfig) -> tuple[Any, str]:
+def _service_actor(config: SystemConfig, inputs: ServiceInputs) -> tuple[Any, str, str]:
+    """The service actor, on this node (the files it was given were read here, and the
+    endpoint printed is this node's); one left by an earlier hkv up is taken over only if it
+    runs with the same settings. Returns (actor, bound address, dial address)."""
+    settings = config.service()
+    here = _this_node()
+    pin = {"scheduling_strategy": NodeAffinitySchedulingStrategy(here, soft=False)} if here else {}
     actor_cls: Any = ray.remote(num_cpus=0, max_restarts=0)(_ServiceHost)
-    actor = actor_cls.options(name="hkv-metadata", namespace=NAMESPACE, lifetime="detached",
-                              get_if_exists=True).remote(config)
-    return actor, str(ray.get(actor.endpoint.remote(), timeout=config.start_timeout_s))
+    actor = actor_cls.options(name=SERVICE_ACTOR, namespace=NAMESPACE, lifetime="detached",
+                              get_if_exists=True, **pin).remote(settings, inputs)
+    running = ray.get(actor.settings.remote(), timeout=config.start_timeout_s)
+    if running != settings:
+        raise RuntimeError(f"a metadata service actor {SERVICE_ACTOR!r} (namespace "
+                           f"{NAMESPACE!r}) already runs on this cluster with other settings "
+                           "(another hkv up, or one a killed hkv up left): stop that first")
+    bound, dial = ray.get(actor.address.remote(), timeout=config.start_timeout_s)
+    return actor, str(bound), str(dial)
+
+
+def _this_node() -> str | None:
+    """The Ray node this driver runs on (None where Ray cannot say, e.g. a ray:// client)."""
+    try:
+        return str(ray.get_runtime_context().get_node_id())
+    except Exception:
+        return None
+
+
+def _check_reachable(config: SystemConfig) -> None:
+    """A service bound to loopback is reached only from its own node: refuse to place shards
+    that could not reach it (they would fail one by one, later, less clearly)."""
+    here = _this_node()
+    if not is_loopback(config.host) or here is None:
+        return
+    away = [n["NodeID"][:8] for n in _shard_nodes(config) if n["NodeID"] != here]
+    if away:
+        raise RuntimeError(f"the metadata service is bound to loopback ({config.host}) but "
+                           f"shards go to other nodes ({', '.join(away)}): give --host "
+                           "0.0.0.0 (with --auth-token-file or --tls-cert/--tls-key)")
 
 
 # -- shards ---------------------------------------------------------------------------------
 
-def shard_actor_class(max_restarts: int = 1, max_task_retries: int = -1) -> Any:
+def shard_actor_class(max_restarts: int = 1, max_task_retries: int = 0) -> Any:
     """``ShardActor`` as a Ray actor class: restarted ``max_restarts`` times after a crash
-    (re-running ``__init__``: it comes back empty), calls retried (they are idempotent)."""
+    (re-running ``__init__``: it comes back empty). A call the crash interrupted is not
+    retried on the successor: its pools are empty, so a read there could only answer STALE and
+    a write only fail; failing at once tells the caller what happened (OWNER_LOST, the owner
+    is marked lost) and it recomputes."""
     return ray.remote(num_cpus=0, max_restarts=max_restarts,
                       max_task_retries=max_task_retries)(ShardActor)
 
 
 def place_shards(config: SystemConfig, endpoint: str, token: str | None = None,
-                 metadata: Any = None, existing: Mapping[str, Any] | None = None
-                 ) -> dict[str, Any]:
+                 metadata: Any = None, existing: Mapping[str, Any] | None = None,
+                 tls: TlsConfig | None = None) -> dict[str, Any]:
     """One shard per alive node (``shards_per_node`` each), pinned there by node affinity;
     nodes in ``existing`` are skipped, so calling it again places shards on nodes that joined
-    since. ``metadata`` overrides the endpoint (e.g. a MetadataActor handle in tests)."""
+    since. ``metadata`` overrides the endpoint (e.g. a MetadataActor handle in tests);
+    ``token`` and ``tls`` are how shards reach the service (``System.token``/``tls``)."""
     cls = shard_actor_class(config.max_restarts)
     shards: dict[str, Any] = {}
     data_dir = str(Path(config.data_dir).resolve())
@@ -444,7 +487,8 @@ def place_shards(config: SystemConfig, endpoint: str, token: str | None = None,
             cfg = ShardConfig(sid, metadata if metadata is not None else endpoint, data_dir,
                               config.blocks_per_group, config.disk_budget_bytes, cap,
                               heartbeat_interval_s=max(0.2, config.heartbeat_timeout_s / 4),
-                              device=config.device, token=token)
+                              device=config.device, token=token, tls=tls,
+                              node_id=node["NodeID"])
             strategy = NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
             shards[sid] = cls.options(name=sid, namespace=NAMESPACE,
                                       scheduling_strategy=strategy).remote(cfg)
@@ -462,161 +506,33 @@ def _shard_nodes(config: SystemConfig) -> list[dict[str, Any]]:
     return workers or nodes
 
 
+def dead_shards(system: System, timeout_s: float = 5.0) -> list[str]:
+    """Shards whose actor died for good (its restarts used up): Ray answers ActorDiedError.
+    One that is only restarting or slow is not dead."""
+    refs = {sid: actor.ping.remote() for sid, actor in system.shards.items()}
+    dead = []
+    for sid, ref in refs.items():
+        try:
+            ray.get(ref, timeout=timeout_s)
+        except ray.exceptions.ActorDiedError:
+            dead.append(sid)
+        except Exception:  # restarting, or busy: asked again next time
+            pass
+    return sorted(dead)
+
+
 def reconcile_shards(system: System, emit: Emit) -> None:
-    """Place shards on nodes that joined after start-up (KubeRay workers come up after the
-    head); called periodically by ``hkv up``."""
+    """Replace shards that died for good (a new actor of the same name on the same node: a new
+    incarnation, empty pools, the node's disk tier re-confirmed), and place shards on nodes
+    that joined after start-up (KubeRay workers come up after the head); called periodically
+    by ``hkv up``."""
+    for sid in dead_shards(system):
+        system.shards.pop(sid, None)
+        system.replaced[sid] = system.replaced.get(sid, 0) + 1
+        emit(f"shard {sid} died for good (restarts used up); placing a new one")
     with contextlib.suppress(Exception):  # a node that failed to take a shard: try next time
         added = place_shards(system.config, system.endpoint, system.token,
-                             existing=system.shards)
+                             existing=system.shards, tls=system.tls)
         system.shards.update(added)
         if added:
-            emit(f"{len(added)} shard(s) placed on new node(s): {', '.join(sorted(added))}")
-
-
-# -- CLI ------------------------------------------------------------------------------------
-
-_FLAG_KEYS = {f.name for f in fields(SystemConfig)} - {"serve_args", "max_restarts", "num_cpus",
-                                                       "device", "start_timeout_s"}
-_PASSTHROUGH = {"tls_cert": "--tls-cert", "tls_key": "--tls-key", "tls_ca": "--tls-ca",
-                "metrics_port": "--metrics-port", "grace_s": "--grace-s"}
-
-
-class ConfigError(Exception):
-    """A --config file or flag value that cannot work; one sentence."""
-
-
-def config_from_args(args: argparse.Namespace) -> SystemConfig:
-    values = {k: getattr(args, k) for k in _FLAG_KEYS | set(_PASSTHROUGH) | {"insecure"}
-              if hasattr(args, k)}
-    if getattr(args, "config", None):
-        values.update(_load_config_file(args.config, values, args))
-    serve_args: list[str] = []
-    defaults = _defaults()
-    for key, flag in _PASSTHROUGH.items():
-        value = values.pop(key, None)
-        if value is not None and value != defaults.get(key):
-            serve_args += [flag, str(value)]
-    if values.pop("insecure", False):
-        serve_args.append("--insecure")
-    return SystemConfig(**values, serve_args=tuple(serve_args))
-
-
-def _load_config_file(path: str, current: dict[str, Any], args: argparse.Namespace
-                      ) -> dict[str, Any]:
-    import yaml
-
-    try:
-        raw = yaml.safe_load(Path(path).read_text()) or {}
-    except OSError as exc:
-        raise ConfigError(f"cannot read --config {path}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"--config {path} is not valid YAML: {str(exc).splitlines()[0]}") \
-            from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"--config {path} must be a mapping of flag names to values")
-    out: dict[str, Any] = {}
-    known = set(current)
-    for key, value in raw.items():
-        name = str(key).replace("-", "_")
-        if name not in known:
-            raise ConfigError(f"--config {path}: unknown key {key!r}")
-        out[name] = value
-    # Flags given on the command line win over the file.
-    defaults = _defaults()
-    return {k: v for k, v in out.items() if getattr(args, k, None) == defaults.get(k)}
-
-
-def _defaults() -> dict[str, Any]:
-    from hkv_service.cli import build_parser
-
-    return vars(build_parser().parse_args(["up"]))
-
-
-def run_up(args: argparse.Namespace) -> int:
-    try:
-        config = config_from_args(args)
-        _validate(config)
-    except ConfigError as exc:
-        sys.stderr.write(f"hkv up: error: {exc}\n")
-        return 2
-    say = _printer()
-    stop = _StopSignals()
-    stop.install()
-    try:
-        system = start_system(config, say, after_ray_init=stop.install)
-    except Exception as exc:
-        sys.stderr.write(f"hkv up: error: could not start: {exc}\n")
-        _shutdown_ray()
-        return 1
-    except SystemExit:  # the signal came inside ray.init, to ray's handler: it exits
-        _shutdown_ray()
-        say("stopped")
-        return 0
-    stop.install()
-    say(f"endpoint {system.endpoint}")
-    code = _wait(system, stop, say)
-    say("stopping")
-    system.stop(say, stop.hurry)
-    _shutdown_ray()  # --address: leave the cluster (shutting it down is not ours to do)
-    say("stopped")
-    return code
-
-
-class _StopSignals:
-    """The SIGTERM/SIGINT handler of ``hkv up``: it only sets events. The first signal asks
-    for the drain (``requested``), a later one for a faster drain (``hurry``)."""
-
-    def __init__(self) -> None:
-        self.requested = threading.Event()
-        self.hurry = threading.Event()
-
-    def __call__(self, signum: int, _frame: object) -> None:
-        if self.requested.is_set():
-            self.hurry.set()
-        self.requested.set()
-
-    def install(self) -> None:
-        """(Re)install for SIGTERM and SIGINT, where something (``ray.init``) replaced it."""
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            if signal.getsignal(sig) is not self:
-                signal.signal(sig, self)
-
-
-def _shutdown_ray() -> None:
-    with contextlib.suppress(Exception):
-        if ray.is_initialized():
-            ray.shutdown()
-
-
-def _wait(system: System, stop: _StopSignals, say: Emit) -> int:
-    """0 once a signal asks to stop; 1 if the service exits on its own."""
-    ticks = 0
-    while not stop.requested.wait(0.5):
-        stop.install()
-        if system.service is not None and system.service.poll() is not None:
-            sys.stderr.write("hkv up: error: the metadata service exited\n")
-            return 1
-        ticks += 1
-        if ticks % RECONCILE_EVERY_TICKS == 0:
-            reconcile_shards(system, say)
-    return 0
-
-
-def _validate(config: SystemConfig) -> None:
-    for name in ("blocks_per_group", "disk_budget_bytes", "max_inflight_objects",
-                 "max_inflight_bytes", "shards_per_node"):
-        value = getattr(config, name)
-        if not isinstance(value, int) or value < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, "
-                              f"got {value!r}")
-    if config.auth_token_file and not Path(config.auth_token_file).is_file():
-        raise ConfigError(f"--auth-token-file {config.auth_token_file} is not a readable file")
-
-
-def _printer() -> Emit:
-    def say(msg: str) -> None:
-        print(f"hkv up: {msg}", flush=True)
-
-    return say
+            emit(f"{len(added)} shard(s) placed: {', '.join(sorted(added))}")

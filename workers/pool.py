@@ -142,11 +142,14 @@ class HandleBatch(Sequence[Handle]):
 class BlockPool:
     """``num_blocks`` blocks of ``nbytes`` (stride ``round_up(nbytes)``) for one column."""
 
-    def __init__(self, name: str, nbytes: int, num_blocks: int, device: torch.device) -> None:
+    def __init__(self, name: str, nbytes: int, num_blocks: int, device: torch.device,
+                 stride_pad: int = 0) -> None:
         self.name, self.nbytes, self.num_blocks = name, nbytes, num_blocks
-        self.stride = round_up(nbytes)
+        self.stride = round_up(nbytes) + stride_pad  # pad: see ShardConfig.pool_stride_pad
         self.device = device
-        self.tensor = _allocate(num_blocks * self.stride, device)
+        # a padded pool also starts ``stride_pad`` bytes into its buffer: none of its blocks
+        # is then aligned beyond the pad's own alignment
+        self.tensor = _allocate(num_blocks * self.stride + stride_pad, device)[stride_pad:]
         self.generation = np.zeros(num_blocks, dtype=np.int64)
         self.object_id = np.full(num_blocks, _EMPTY, dtype=np.int64)
         self.length = np.zeros(num_blocks, dtype=np.int64)  # bytes the occupant wrote
@@ -296,10 +299,11 @@ def _batch_from_bytes(columns: tuple[_Column, ...], raw: bytes) -> HandleBatch:
 class PoolSet:
     """One :class:`BlockPool` per column, built from ``{column: nbytes}``."""
 
-    def __init__(self, columns: Mapping[str, int], num_blocks: int, device: str = "auto") -> None:
+    def __init__(self, columns: Mapping[str, int], num_blocks: int, device: str = "auto",
+                 stride_pad: int = 0) -> None:
         self.device = pick_device(device)
         self.pools = {
-            name: BlockPool(name, nbytes, num_blocks, self.device)
+            name: BlockPool(name, nbytes, num_blocks, self.device, stride_pad)
             for name, nbytes in columns.items()
         }
 

@@ -1,6 +1,7 @@
 """The cache shard: one per node, owner of a torch block pool per column and of the node's
 disk tier. It moves bytes; the metadata service decides states. Made a Ray actor by the
-launcher (``ray.remote(max_restarts=..., max_task_retries=...)(ShardActor)``).
+launcher (``ray.remote(max_restarts=...)(ShardActor)``) or run in-process behind a
+:class:`~workers.link.InProcessLink`; it imports no Ray.
 
 Lifecycle::
 
@@ -22,7 +23,7 @@ Data plane (all batched, per-item :class:`~workers.ports.ItemResult`, never rais
   -> write into the reserved block -> LOAD_VERIFIED; checksum mismatch -> MARK_CORRUPT (the
   tier quarantined it); gone -> LOAD_FAILED + EVICT.
 
-Idempotency (``max_task_retries=-1`` may re-run a call): writes of the same generation and
+Idempotency (a caller may send a call again after a timeout): writes of the same generation and
 bytes are harmless; a commit already applied is remembered and not re-sent; a commit refused
 because the object already is in the target state counts as done.
 """
@@ -58,6 +59,7 @@ from hkv_service.core.records import Handle
 from hkv_service.core.state_view import ObjectReport
 from hkv_service.core.states import Event, Kind, State
 from hkv_service.core.transitions import Params
+from hkv_service.settings import TlsConfig
 from storage import CorruptEntry, DiskFull, DiskKey, DiskTier, NotOnDisk
 
 from .local import connect
@@ -107,16 +109,26 @@ class ShardConfig:
     device: str = "auto"
     token: str | None = None
     metadata_timeout_s: float = 10.0
+    tls: TlsConfig | None = None  # reaching the service over TLS: roots (+ client cert, mTLS)
+    node_id: str = ""  # the node the launcher pinned this shard to (reported by ping)
+    # Bytes of padding after every pool block. Not 0 only to make a shard whose block stride
+    # is no multiple of a reader's alignment (the demo's misaligned_handle fault, tests).
+    pool_stride_pad: int = 0
+    # TEST ONLY, a planted bug: read_blocks skips its generation/occupant re-check and hands
+    # out whatever the block holds. The demo's --check must then find silent errors.
+    unsafe_skip_read_check: bool = False
 
 
 class ShardActor:
     def __init__(self, config: ShardConfig) -> None:
         self.config = config
         self.shard_id = ShardId(config.shard_id)
-        self.meta: MetadataPort = connect(config.metadata, config.token, config.metadata_timeout_s)
+        self.meta: MetadataPort = connect(config.metadata, config.token, config.metadata_timeout_s,
+                                          config.tls)
         self.layout = Layout(self.meta.get_spec())
         self.pools = PoolSet(
-            {c.name: c.nbytes for c in self.layout.columns}, config.blocks_per_group, config.device
+            {c.name: c.nbytes for c in self.layout.columns}, config.blocks_per_group, config.device,
+            config.pool_stride_pad,
         )
         path = Path(config.data_dir) / config.shard_id
         path.mkdir(parents=True, exist_ok=True)
@@ -344,7 +356,8 @@ class ShardActor:
                     spans[i] = ItemResult(Outcome.FAILED, f"bad handle: block {blocks[i]} is "
                                                           f"outside {pool.name!r}")
                 idx = idx[inside]
-                ok[idx] = pool.readable(blocks[idx], gens[idx], oids[idx])
+                ok[idx] = True if self.config.unsafe_skip_read_check else \
+                    pool.readable(blocks[idx], gens[idx], oids[idx])
                 self._stale(spans, pool, idx[~ok[idx]], blocks, gens, oids)
             buffers = self._take(spans, np.flatnonzero(ok), pools, slot, blocks, gens, oids)
             self._bump("reads", n)
@@ -515,9 +528,13 @@ class ShardActor:
 
     # -- load -------------------------------------------------------------------------------
 
-    def load(self, items: Sequence[tuple[Handle, BlockHash]]) -> list[ItemResult]:
+    def load(self, items: Sequence[tuple[Handle, BlockHash]], hold_s: float = 0.0
+             ) -> list[ItemResult]:
         """Bring DISK objects at rest (``ON_DISK``) back into this shard's pools, verified.
         Each item is ``(disk handle, block hash)``; records this shard's tier lacks -> NOT_HERE.
+        ``hold_s`` > 0 keeps the first chunk's begun loads in flight that long before reading
+        them, as a slow device does (the demo's slow_disk_load fault: readers meanwhile see
+        ON_DISK_INFLIGHT, never the reserved block's bytes).
 
         In chunks of :data:`LOAD_CHUNK` (fewer under a smaller in-transit cap): each chunk's
         loads begin together, its records come out of the tier in one verified batch
@@ -529,11 +546,12 @@ class ShardActor:
         with self._lock:
             out: list[ItemResult] = []
             for first in range(0, len(items), chunk):
-                out += self._load_chunk(items[first : first + chunk])
+                out += self._load_chunk(items[first : first + chunk], hold_s if not first else 0.0)
             self._bump("loads", len(items))
             return out
 
-    def _load_chunk(self, items: Sequence[tuple[Handle, BlockHash]]) -> list[ItemResult]:
+    def _load_chunk(self, items: Sequence[tuple[Handle, BlockHash]], hold_s: float = 0.0
+                    ) -> list[ItemResult]:
         out: list[ItemResult | None] = [None] * len(items)
         begun: list[tuple[int, BlockHash, DiskKey, Handle]] = []
         for i, (dh, block_hash) in enumerate(items):
@@ -542,6 +560,8 @@ class ShardActor:
                 out[i] = began
             else:
                 begun.append((i, block_hash, *began))
+        if hold_s > 0 and begun:
+            time.sleep(hold_s)
         fetched = self._fetch([key for _, _, key, _ in begun],
                               [TAG.size + mh.nbytes for _, _, _, mh in begun])
         for (i, block_hash, key, mh), record in zip(begun, fetched, strict=True):
@@ -638,7 +658,8 @@ class ShardActor:
 
     def ping(self) -> dict[str, Any]:
         return {"shard_id": self.shard_id, "incarnation": self.incarnation, "pid": os.getpid(),
-                "node_id": _node_id(), "device": str(self.pools.device), "time": time.time()}
+                "node_id": self.config.node_id, "device": str(self.pools.device),
+                "time": time.time()}
 
     def stats(self) -> dict[str, Any]:
         disk = self.disk.stats()
@@ -658,6 +679,8 @@ class ShardActor:
     def shutdown(self) -> None:
         """Stop heartbeats and close the disk tier (the launcher calls this before a kill)."""
         self._stop.set()
+        if threading.current_thread() is not self._beat:
+            self._beat.join(self.config.metadata_timeout_s + 1.0)
         with self._lock:
             self.disk.close()
 
@@ -685,11 +708,3 @@ def _failure(exc: BaseException) -> ItemResult:
         outcome = Outcome.FAILED
     return ItemResult(outcome, f"{type(exc).__name__}: {exc}")
 
-
-def _node_id() -> str:
-    try:
-        import ray
-
-        return str(ray.get_runtime_context().get_node_id())
-    except Exception:
-        return ""

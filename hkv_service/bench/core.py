@@ -147,7 +147,7 @@ def _traced_bytes(n_blocks: int, pool_blocks: int, spec: CacheSpec | None = None
     after = tracemalloc.take_snapshot()
     tracemalloc.stop()
     grown = sum(s.size_diff for s in after.compare_to(before, "filename"))
-    return grown, len(st.objects)
+    return grown, st.object_count()
 
 
 def _segment_bytes_per_entry(n_blocks: int) -> float:

@@ -1,8 +1,9 @@
 """End-to-end benchmark: the reference-model workload through hkv, against full recompute.
 
-Three runs, all with the in-process backend and ``check`` on (every request whose prompt
-reuses cached state is also recomputed from scratch and its logits compared: any difference is
-a silent error, and ``silent_errors`` sums them over the three runs):
+Three runs, all on the in-process wiring of the real parts (metadata view, ShardActors with
+their LMDB tiers, the data plane; ``workers.inprocess``) and ``check`` on (every request
+whose prompt reuses cached state is also recomputed from scratch and its logits compared: any
+difference is a silent error, and ``silent_errors`` sums them over the three runs):
 
 * demo prompts, no faults and every fault (``run_workload``: 2 workers, prompts of ~200 to
   ~2.5k tokens): reuse efficiency (reused tokens / tokens the oracle says were safely

@@ -2,7 +2,7 @@
 actor moving the same bytes as numpy, and a local tensor copy, measured in the same run.
 
 Setup: one :class:`workers.shard.ShardActor` on a local Ray instance, with the metadata in a
-:class:`workers.local.MetadataActor` (no gRPC: the data plane never calls the service on a
+:class:`workers.raylink.MetadataActor` (no gRPC: the data plane never calls the service on a
 read or a plain write, so gRPC would only slow down the one-off allocation). The bench spec
 has one SWA group per block size (64 KiB, 1 MiB, 4 MiB). Data-plane calls are batched, so
 every call moves ``batch_bytes`` (64 MiB; 16 MiB with ``--quick``): N blocks of one size per
@@ -81,7 +81,7 @@ def _best(fn: Callable[[], Any], reps: int) -> float:
 
 def _setup(batch_blocks: dict[str, int], tmp: str) -> tuple[Any, Any, dict[str, list[Any]]]:
     from workers.launcher import shard_actor_class
-    from workers.local import ActorMetadata, MetadataActor
+    from workers.raylink import ActorMetadata, MetadataActor
     from workers.shard import ShardConfig
 
     meta_actor = MetadataActor.remote(_spec(), StateConfig(AdmissionCap()))

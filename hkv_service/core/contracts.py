@@ -12,8 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .layout import Layout
-from .memo import drop_memos
-from .records import ObjRecord, PrefixEntry
+from .records import ObjRecord, PrefixEntry, drop_memos
 from .states import Kind, Reason, State
 
 __all__ = [
@@ -111,6 +110,16 @@ def column_verdict(entry: PrefixEntry, column: int, layout: Layout) -> Verdict:
     return served(entry, column, layout)[1]
 
 
+# TEST ONLY, a planted bug: layer 3 off. The funnel then reports every whole LCM block whose
+# hash is present as usable ("the hash matched") and each column serves whatever copy it has,
+# in whatever state. The demo's --check must find silent errors with it (tests/demo).
+UNSAFE_LAYER3_OFF = False
+
+
+def _any_copy(entry: PrefixEntry, column: int) -> ObjRecord | None:
+    return entry.mem[column] or (entry.disk[column] if entry.disk else None)
+
+
 def served(entry: PrefixEntry, column: int, layout: Layout) -> Served:
     """The copy that serves ``column`` at ``entry`` (memory or disk) and its verdict. Layer 3
     holds on the copies served: a COMPRESSED KV and the indexers of it are chosen together, a
@@ -118,6 +127,10 @@ def served(entry: PrefixEntry, column: int, layout: Layout) -> Served:
     of another version, and a disk KV and disk indexer synced to each other serve together
     when the memory KV was rewritten. SWA blocks are chosen per resume point
     (:func:`swa_cover`); this gives the best copy regardless of range."""
+    if UNSAFE_LAYER3_OFF:
+        rec = _any_copy(entry, column)
+        if rec is not None:
+            return rec, READY if rec.block >= 0 else LOAD
     col = layout.columns[column]
     if col.kind is Kind.INDEXER:
         assert col.indexes is not None, "INDEXER column without the column it indexes"
@@ -199,6 +212,8 @@ def swa_cover(entry: PrefixEntry, column: int, need_lo: int, need_hi: int, layou
     disk copy (loaded, or at rest: placed by its load) when that is. The funnel accepts the
     block with it and the handles point at the same record, so a partly rewritten memory
     object never hides a whole disk copy, nor a misaligned copy an aligned one."""
+    if UNSAFE_LAYER3_OFF:
+        return _any_copy(entry, column)
     for rec, _ in _candidates(entry, column):
         if rec.lo <= need_lo and rec.hi >= need_hi and (
                 align == 1 or rec.block < 0 or (align_of is not None and align_of(rec) >= align)):

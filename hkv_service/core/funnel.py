@@ -27,7 +27,7 @@ import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from . import segments
+from . import contracts, segments
 from .contracts import F_MONO, F_TAIL, LOAD, READY, column_verdict, served, swa_cover
 from .errors import BadHash, InvalidInput, PositionBeyondHashes, UnknownGroup
 from .ids import BlockHash, GroupName, PackedHashes, check_hash_lengths
@@ -118,6 +118,8 @@ def run_funnel(
     abi = _abi_downgrades(req, layout)
     if abi:
         return FunnelResult(0, 0, (), abi)
+    if contracts.UNSAFE_LAYER3_OFF:
+        return _hash_level_hit(index, layout, req, limit)
     max_entries = limit // layout.hash_block
     hashes = req.block_hashes
     need = req.alignment
@@ -143,6 +145,20 @@ def run_funnel(
         usable, n * layout.hash_block, entries[: usable // layout.hash_block], tuple(downgrades),
         entries, runs,
     )
+
+
+def _hash_level_hit(index: Mapping[BlockHash, PrefixEntry], layout: Layout,
+                    req: LookupRequest, limit: int) -> FunnelResult:
+    """TEST ONLY (``contracts.UNSAFE_LAYER3_OFF``): every whole LCM block of present hashes."""
+    entries = []
+    for h in itertools.islice(req.block_hashes, limit // layout.hash_block):
+        e = index.get(h)
+        if e is None:
+            break
+        entries.append(e)
+    usable = len(entries) * layout.hash_block // layout.lcm * layout.lcm
+    return FunnelResult(usable, len(entries) * layout.hash_block,
+                        entries[: usable // layout.hash_block], (), entries)
 
 
 def _packed(hashes: Sequence[BlockHash]) -> bytes | None:

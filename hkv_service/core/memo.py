@@ -31,62 +31,14 @@ registering changes the stride table every handle column carries).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
 
+from .funnel import FunnelResult, LookupRequest
 from .ids import BLOCK_HASH_BYTES, BlockHash, PackedHashes
-from .records import HandleColumn, ObjRecord, PrefixEntry
-
-if TYPE_CHECKING:  # annotations only: state_view imports this module
-    from .funnel import FunnelResult, LookupRequest
-    from .segments import Segment
-    from .state_view import Match
+from .match import Match, Memo, MemoKey
+from .records import ObjRecord, drop_memos, register
 
 __all__ = ["LookupMemo", "Memo", "MemoKey", "drop_memos", "register"]
-
-MemoKey = tuple[BlockHash, int, int, int, bool, tuple[tuple[str, int], ...], int]
-
-_PRUNE_AT = 4  # an entry's memo list is pruned of dropped ones when it reaches this length
-
-
-@dataclass(slots=True, eq=False)
-class Memo:
-    key: MemoKey
-    hashes: bytes  # the request's hashes, packed: a hit compares the whole prefix in one memcmp
-    result: FunnelResult | None
-    columns: Mapping[str, HandleColumn] | None  # None: a match-only lookup
-    records: dict[str, tuple[ObjRecord, ...]] | None  # what a lease pins (built on first lease)
-    nbytes: int
-    wire: bytes | None = None  # the lease-free match as the edge answers it (LookupMemo.encoder)
-    live: bool = True
-
-    def drop(self) -> None:
-        """Dead from now on; the payload goes at once (entries may still point at the shell)."""
-        self.live = False
-        self.result = self.columns = self.records = self.wire = None
-
-
-def register(item: Memo | Segment, entries: Iterable[PrefixEntry]) -> None:
-    """``item`` was computed through ``entries``: a change to any of them drops it."""
-    one = (item,)  # a tuple: ~40 bytes less per entry than a list (one per entry of a run)
-    for e in entries:
-        memos = e.memos
-        if memos is None:
-            e.memos = one
-        elif len(memos) >= _PRUNE_AT:  # shells of dropped ones: keep it short
-            e.memos = (*[m for m in memos if m.live], item)
-        else:
-            e.memos = (*memos, item)
-
-
-def drop_memos(entry: PrefixEntry) -> None:
-    """``entry`` changed: no memo or walk segment computed through it may answer again."""
-    memos = entry.memos
-    if memos:
-        for m in memos:
-            m.drop()
-        entry.memos = None
 
 
 def _equal(packed: bytes, hashes: Sequence[BlockHash], count: int | None) -> bool:

@@ -13,9 +13,9 @@ Column layout of a prefix entry (one entry per hash block)::
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -23,13 +23,22 @@ import numpy.typing as npt
 from .ids import BlockHash, GroupName, ObjectId, ShardId
 from .states import Kind, State
 
-if TYPE_CHECKING:  # annotations only: memo and segments import this module
-    from .memo import Memo
-    from .segments import Segment
-
 __all__ = [
-    "HANDLE_DTYPE", "DiskRecord", "Handle", "HandleColumn", "ObjRecord", "PrefixEntry",
-    "SwaRecord", "TailRecord", "VersionedRecord", "new_record", "record_type",
+    "HANDLE_DTYPE",
+    "Dependent",
+    "DiskRecord",
+    "Handle",
+    "HandleColumn",
+    "ObjRecord",
+    "PrefixEntry",
+    "Segment",
+    "SwaRecord",
+    "TailRecord",
+    "VersionedRecord",
+    "drop_memos",
+    "new_record",
+    "record_type",
+    "register",
 ]
 
 
@@ -261,6 +270,55 @@ class PrefixEntry:
     row: bytes | None = None
     # Lookup memos and walk segments computed through this entry (core/memo.py,
     # core/segments.py); summarise drops them too.
-    memos: tuple[Memo | Segment, ...] | None = field(default=None, repr=False)
+    memos: tuple[Dependent, ...] | None = field(default=None, repr=False)
     # The walk segment of the run of blocks this entry ends, if it ends one (segments.py).
     segment: Segment | None = field(default=None, repr=False)
+
+
+class Dependent(Protocol):
+    """Something computed through prefix entries (a lookup memo, a walk segment): a change
+    to any of them drops it."""
+
+    live: bool
+
+    def drop(self) -> None: ...
+
+
+_PRUNE_AT = 4  # an entry's memo list is pruned of dropped ones when it reaches this length
+
+
+@dataclass(slots=True, eq=False)
+class Segment:
+    hashes: bytes = field(repr=False)  # the run's hashes, packed
+    entries: tuple[PrefixEntry, ...] = field(repr=False)  # (entries point back here)
+    gate: int  # the least gate among the entries when it was built
+    # per monotone column, the run's packed handle records (packed by the state view)
+    cols: tuple[bytes, ...] | None = field(default=None, repr=False)
+    live: bool = True
+
+    def drop(self) -> None:
+        """Dead from now on (an entry changed); the payload goes at once."""
+        self.live = False
+        self.entries, self.cols = (), None
+
+
+def register(item: Dependent, entries: Iterable[PrefixEntry]) -> None:
+    """``item`` was computed through ``entries``: a change to any of them drops it."""
+    one = (item,)  # a tuple: ~40 bytes less per entry than a list (one per entry of a run)
+    for e in entries:
+        memos = e.memos
+        if memos is None:
+            e.memos = one
+        elif len(memos) >= _PRUNE_AT:  # shells of dropped ones: keep it short
+            e.memos = (*[m for m in memos if m.live], item)
+        else:
+            e.memos = (*memos, item)
+
+
+def drop_memos(entry: PrefixEntry) -> None:
+    """``entry`` changed: no memo or walk segment computed through it may answer again."""
+    memos = entry.memos
+    if memos:
+        for m in memos:
+            m.drop()
+        entry.memos = None

@@ -28,34 +28,14 @@ import functools
 import operator
 import struct
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from .ids import BLOCK_HASH_BYTES, BlockHash, PackedHashes
-from .memo import register
-
-if TYPE_CHECKING:  # annotations only: records imports this module's type
-    from .records import PrefixEntry
+from .records import PrefixEntry, Segment, register
 
 __all__ = ["DEFAULT_SEGMENT_BLOCKS", "Segment", "first_missing", "walk"]
 
 DEFAULT_SEGMENT_BLOCKS = 64
 _GATE = operator.attrgetter("gate")
-
-
-@dataclass(slots=True, eq=False)
-class Segment:
-    hashes: bytes = field(repr=False)  # the run's hashes, packed
-    entries: tuple[PrefixEntry, ...] = field(repr=False)  # (entries point back here)
-    gate: int  # the least gate among the entries when it was built
-    # per monotone column, the run's packed handle records (packed by the state view)
-    cols: tuple[bytes, ...] | None = field(default=None, repr=False)
-    live: bool = True
-
-    def drop(self) -> None:
-        """Dead from now on (an entry changed); the payload goes at once."""
-        self.live = False
-        self.entries, self.cols = (), None
 
 
 # Hangs on a run's last entry after its first whole walk: the second builds the segment.

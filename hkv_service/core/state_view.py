@@ -16,7 +16,6 @@ entry is dropped when nothing is left in it.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import operator
 import struct
@@ -62,7 +61,8 @@ from .funnel import (
 from .hashing import CONTENT_VERSION_BASE
 from .ids import BLOCK_HASH_BYTES, BlockHash, CaptureId, LeaseId, ObjectId, ShardId
 from .layout import Layout
-from .memo import LookupMemo, Memo, MemoKey
+from .match import Match, Memo, MemoKey
+from .memo import LookupMemo
 from .objects import ObjectTable
 from .records import (
     HANDLE_DTYPE,
@@ -145,44 +145,6 @@ class TransitionEvent:
     column: str
     block_hash: BlockHash
     at: float
-
-
-@dataclass(frozen=True)
-class Match:
-    """What a lookup returns. ``columns`` is a snapshot taken atomically with the lookup.
-
-    Handles stay valid while ``lease_id`` is live; without a lease a reader may find them stale
-    (the shard and ``check_read`` re-check generation and state), never wrong. ``handles``
-    materialises one :class:`Handle` per object on first access; the server packs ``columns``
-    directly instead.
-    """
-
-    usable_tokens: int
-    matched_tokens: int
-    downgrades: tuple[Downgrade, ...]
-    lease_id: LeaseId | None = None
-    columns: Mapping[str, HandleColumn] = field(default_factory=dict, compare=False)
-    # The memo that answered this lease-free lookup, else None; opaque to callers. Its
-    # ``wire`` is this match as the edge's encoder wrote it (LookupMemo.encoder), and
-    # CacheState.replay(memo) repeats the lookup for as long as nothing on its path changed.
-    memo: Memo | None = field(default=None, compare=False, repr=False)
-    # False when the memo is the prefix's the walk stopped at (a miss past it): the same
-    # request may get a longer answer once the missing block is written, so it is not replayed.
-    repeatable: bool = field(default=True, compare=False, repr=False)
-
-    @functools.cached_property
-    def handles(self) -> Mapping[str, tuple[Handle, ...]]:
-        """column -> handles, in token order."""
-        return {name: col.handles() for name, col in self.columns.items()}
-
-    @functools.cached_property
-    def load(self) -> tuple[Handle, ...]:
-        """DISK objects at rest (no memory block behind them) to load before reading."""
-        return tuple(h for hs in self.handles.values() for h in hs if h.block < 0)
-
-    @property
-    def needs_load(self) -> bool:
-        return bool(self.load)
 
 
 @dataclass(frozen=True, slots=True)
@@ -1275,6 +1237,20 @@ class CacheState:
                 return []
             return list(itertools.islice(self.log, skip, skip + limit))
 
+    def object_count(self) -> int:
+        """Objects the view holds (every kind, memory and disk)."""
+        with self._lock:
+            return len(self.objects)
+
+    def owner_liveness(self) -> dict[ShardId, bool]:
+        """Every owner registered since the start: alive or lost."""
+        with self._lock:
+            return {s: o.alive for s, o in self.owners.items()}
+
+    def has_owner(self, owner: str) -> bool:
+        with self._lock:
+            return owner in self.owners
+
     def stats(self) -> dict[str, object]:
         with self._lock:
             adm = self.admission.stats()
@@ -1290,6 +1266,7 @@ class CacheState:
                 "in_transit_peak_objects": adm.peak_objects,
                 "admission_refused": adm.refused,
                 "owners_alive": sum(o.alive for o in self.owners.values()),
+                "owners_lost": sum(not o.alive for o in self.owners.values()),
             }
             # Who holds the in-transit tickets (bounded by the cap): a stuck transfer shows here.
             held = Counter(r.state.value for oid in self._tickets if (r := self.objects.get(oid)))

@@ -4,14 +4,12 @@ Parts: :mod:`.workload` (requests), :mod:`.backend` (the cache the workers talk 
 :mod:`.faults` (named fault injection), :mod:`.worker` (lookup -> read -> import -> extend ->
 check -> write back) and :mod:`.run` (``hkv demo``).
 
-Environment variables:
-
-* ``HKV_DEMO_BACKEND``: ``inprocess`` (default; a :class:`~hkv_service.core.state_view.CacheState`
-  with an in-memory block store and a real LMDB disk tier in a temp dir) or ``system`` (the
-  embedded service; falls back to in-process with a printed note when it cannot start).
-* ``HKV_UNSAFE_DISABLE_LAYER3=1``: TEST ONLY. The backend trusts hash-level hits (the funnel's
-  ``matched_tokens``, cut to whole LCM blocks) instead of its ``usable_tokens`` and reads
-  whatever bytes those objects hold. Used to prove the silent-error check can fail.
+Wirings (:mod:`.wiring`, chosen by ``HKV_DEMO_BACKEND``): ``system`` (``hkv demo``'s default:
+what ``hkv up`` starts, through gRPC and Ray; falls back to in-process with a printed note
+when it cannot start) or ``inprocess`` (``run_workload``'s default: the same real shards, disk
+tiers and data plane in this process). The planted bugs that prove the silent-error check can
+fail are test-only switches in the code they break: ``core.contracts.UNSAFE_LAYER3_OFF`` and
+``ShardConfig.unsafe_skip_read_check`` (``run_workload(unsafe_skip_read_check=True)``).
 """
 
 from __future__ import annotations

@@ -1,97 +1,82 @@
-"""The cache the demo's workers drive: a small protocol and its in-process implementation.
+"""The cache the demo's workers drive: one backend over the real parts, on either wiring.
 
-:class:`InProcessBackend` is the quickstart fallback and works without gRPC or Ray: one
-:class:`CacheState` (the metadata view, funnel and checks) plus what owners would hold:
+:class:`DemoBackend` drives a :class:`~.wiring.Wiring` (in-process or the system ``hkv up``
+starts) the way an inference worker would:
 
-* a block store per shard keyed by ``(shard, column, block)`` that keeps the object id and the
-  generation of every block it holds and re-checks both on every read (the shard's half of the
-  TOCTOU check); it learns of evictions and losses from the view's transition log, as a shard
-  told to free blocks would;
-* a disk tier: the real LMDB :class:`storage.DiskTier` in a temp dir (xxh3-128 verified on
-  every load), or an in-memory dict with xxhash checksums when ``storage`` is unavailable;
-* a side catalog of what every object is (prefix hash, parent, depth, version, lo/hi) so the
-  view can be rebuilt from the owners' reports after a service restart.
+* lookup -> the metadata port's ``lookup`` (the funnel), with a lease unless the worker races
+  an evict;
+* load -> ``DataPlane.load`` (the shards' verified disk loads; ``slow`` leaves them in flight
+  on the shard for a while), read -> ``DataPlane.read`` (the shard re-checks generation and
+  occupant right before copying; a :class:`Recompute` becomes a ``ReadResult`` with its reason);
+* write -> ``DataPlane.write_prefix``, then a write-through ``DataPlane.offload`` of what was
+  written to the holding shard's disk tier (memory copies stay);
+* safe_prefix -> the oracle: this backend's own books of what it wrote completely and which
+  live objects still hold it, kept current by the transition stream (evictions, losses,
+  re-confirmations), never the funnel.
 
-Writers commit in the order the transition rules need: COMPRESSED/SWA ``WRITE_DONE``, tails
-``TAIL_DONE`` with their length, indexers ``WRITE_DONE`` then ``INDEXER_SYNC`` at the c4 KV's
-version. Bytes always land before the transition that makes them readable.
-
-TEST ONLY: with ``HKV_UNSAFE_DISABLE_LAYER3=1`` (or ``UNSAFE_DISABLE_LAYER3 = True``) the
-backend reports hash-level hits (``matched_tokens`` cut to whole LCM blocks) and reads whatever
-the objects there hold, bypassing the funnel's intersection check. See tests/demo.
+Every fault is made with the real components: an evicted block reused by other bytes in the
+shard's pool, a stalled tail writer and an indexer of old bytes committed through the shard,
+a bit flipped in the shard's own LMDB file, a load held in flight on the shard, a shard crashed
+(its successor starts cold), the metadata service restarted under live shards, a shard whose
+pools are only 32-byte aligned, small pools, a reader of another ABI.
 """
 
 from __future__ import annotations
 
 import contextlib
-import mmap
-import os
-import shutil
-import tempfile
+import dataclasses
 import threading
+import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 
-from hkv_service.core.allocator import PoolConfig
-from hkv_service.core.errors import HkvError, IllegalTransition, PoolExhausted
+from hkv_service.core.errors import HkvError
 from hkv_service.core.funnel import LookupRequest
-from hkv_service.core.hashing import content_version
 from hkv_service.core.ids import BlockHash, LeaseId, ObjectId, ShardId
 from hkv_service.core.layout import Column, Layout
 from hkv_service.core.records import Handle
-from hkv_service.core.spec import CacheSpec
-from hkv_service.core.state_view import (
-    Allocation,
-    AllocRequest,
-    CacheState,
-    Match,
-    ObjectReport,
-)
+from hkv_service.core.state_view import AllocRequest, Match
 from hkv_service.core.states import TERMINAL_STATES, Event, Kind, Reason, State
 from hkv_service.core.transitions import Params
 from hkv_service.refmodel import BlockRun
-from hkv_service.testing import pools_for
+from hkv_service.testing import flip_on_disk
+from workers.dataplane import PendingLoad, Recompute
+from workers.link import ShardUnavailable
+from workers.ports import BlockTag, Commit
+
+from .wiring import EVENTS_BATCH, Wiring
 
 __all__ = [
-    "ALIGNMENT",
-    "UNSAFE_DISABLE_LAYER3",
-    "CacheBackend",
-    "InProcessBackend",
-    "Lookup",
-    "ReadResult",
-    "WriteOptions",
-    "layer3_disabled",
+    "ALIGNMENT", "DemoBackend", "Lookup", "ReadResult", "WriteOptions", "WriteReport",
+    "place_column",
 ]
 
-UNSAFE_DISABLE_LAYER3 = False  # TEST ONLY; see module docstring
 ALIGNMENT = 128  # bytes every handle must be aligned to (c128 blocks are 128 bytes)
 LEASE_TTL_S = 30.0
-OFFLOAD_BATCH = 32  # objects per LMDB commit (under the admission cap of 64 in transit)
-MISALIGNED_DEPTHS = 8  # the last entries a misaligned writer places (512 tokens)
+OFFLOAD_BATCH = 32  # objects per offload call (under the admission cap of 64 in transit)
+MISALIGNED_DEPTHS = 2  # the last entries a misaligned writer places on the odd shard
+WATCH_S = 0.1  # one poll of the transition stream
+SLOW_LOAD_S = 0.3  # how long a slow_disk_load stays in flight on the shard
 Blocks = dict[str, Mapping[int, torch.Tensor]]  # per column: {block: tensor} or a BlockRun
 Tails = dict[str, tuple[torch.Tensor, int]]
-
-
-def layer3_disabled() -> bool:
-    return UNSAFE_DISABLE_LAYER3 or os.environ.get("HKV_UNSAFE_DISABLE_LAYER3") == "1"
+Key = tuple[bytes, str]  # (block hash, column name)
+Slot = tuple[int, str]  # (depth, column name)
+_EMPTY_OBJECT = -1  # the pool's "no occupant" object id
+_FLIP_NEEDLE = 64  # bytes of a payload searched for in the LMDB file
 
 
 @dataclass
 class Lookup:
-    """A Match plus what the backend needs to read it safely."""
+    """A Match plus what the backend needs to read it."""
 
     match: Match
     usable: int
     hashes: Sequence[BlockHash]
-    epoch: int
-    incarnations: dict[str, int]
     handles: dict[str, tuple[Handle, ...]]
     lease_id: LeaseId | None
 
@@ -123,45 +108,10 @@ class WriteReport:
     faults: Counter[str] = field(default_factory=Counter)
 
 
-class CacheBackend(Protocol):
-    """What the workload drives."""
-
-    def lookup(
-        self,
-        hashes: Sequence[BlockHash],
-        resume_tokens: int,
-        reader_abi: Mapping[str, int] | None = None,
-        lease: bool = True,
-    ) -> Lookup: ...
-    def load(self, lk: Lookup, slow: bool = False) -> list[str]: ...
-    def settle(self) -> list[str]: ...
-    def inject_evict_race(self, lk: Lookup, pick: int) -> bool: ...
-    def inject_disk_bitflip(self, lk: Lookup, pick: int) -> bool: ...
-    def inject_shard_kill(self, lk: Lookup) -> bool: ...
-    def inject_service_restart(self) -> None: ...
-    def read(self, lk: Lookup) -> ReadResult: ...
-    def release(self, lk: Lookup) -> None: ...
-    def write(
-        self,
-        hashes: Sequence[BlockHash],
-        blocks: Mapping[int, Mapping[str, torch.Tensor]],
-        tails: Mapping[int, Mapping[str, tuple[torch.Tensor, int]]],
-        opts: WriteOptions = WriteOptions(),
-    ) -> WriteReport: ...
-    def safe_prefix(
-        self, hashes: Sequence[BlockHash], limit: int, abi_ok: bool = True
-    ) -> int: ...
-    def stats(self) -> dict[str, Any]: ...
-    def close(self) -> None: ...
-
-
-def _counts(value: object) -> dict[str, int]:
-    return dict(value) if isinstance(value, Mapping) else {}
-
-
-def _needed_columns(lay: Any, depth: int, p: int) -> list[int]:
-    """Columns whose block at ``depth`` a reader resuming at ``p`` needs (own rule, not the
-    funnel's): every compressed/indexer block, the tails at p, SWA blocks meeting [p-W, p)."""
+def needed_columns(lay: Layout, depth: int, p: int) -> list[int]:
+    """Columns whose block at ``depth`` a reader resuming at ``p`` needs (the oracle's own
+    rule, not the funnel's): every compressed/indexer block, the tails at p, SWA blocks
+    meeting [p-W, p)."""
     end = (depth + 1) * lay.hash_block
     out = []
     for c in lay.attached[depth % lay.period]:
@@ -209,445 +159,231 @@ def place_column(blocks: Blocks, tails: Tails, lay: Layout, col: Column,
         place_block(blocks, tails, lay, col, d, torch.from_numpy(np.array(a, copy=True)), usable)
 
 
-# ---- owner-side records ---------------------------------------------------------------------
+class _Books:
+    """The oracle: what this backend wrote completely, and which live objects (on which
+    shard) still hold it. Fed by the writes and by the transition stream."""
 
-
-@dataclass
-class _Slot:
-    """One block in a shard's pool: what the shard knows about the bytes it holds."""
-
-    object_id: int
-    generation: int
-    data: np.ndarray
-    key: tuple[bytes, str]  # (block hash, column)
-    good: bool  # the writer finished writing correct bytes (oracle bookkeeping)
-    state: State
-    disk: bool = False  # a loaded copy of a disk object
-
-
-@dataclass
-class _Meta:
-    """Catalog entry: enough to re-report an object after a service restart."""
-
-    parent: bytes | None
-    depth: int
-    version: int = 0
-    lo: int = 0
-    hi: int = 0
-
-
-@dataclass
-class _DiskRec:
-    object_id: int
-    good: bool  # bytes on disk are what was written (no flip)
-    version: int
-    lo: int
-    hi: int
-
-
-class _MemDisk:
-    """Fallback disk tier: bytes + xxh3-128 checksum, verified on get."""
-
-    def __init__(self) -> None:
-        self.data: dict[tuple[bytes, str], tuple[bytearray, bytes]] = {}
-
-    def put(self, key: tuple[bytes, str], payload: bytes) -> None:
-        self.data[key] = (bytearray(payload), xxhash.xxh3_128_digest(payload))
-
-    def get(self, key: tuple[bytes, str]) -> bytes:
-        raw, digest = self.data[key]
-        if xxhash.xxh3_128_digest(bytes(raw)) != digest:
-            del self.data[key]
-            raise _Corrupt(f"checksum mismatch for {key[1]}")
-        return bytes(raw)
-
-    def flip(self, key: tuple[bytes, str], offset: int) -> bool:
-        raw, _ = self.data[key]
-        raw[offset % len(raw)] ^= 1 << 3
-        return True
-
-    def close(self) -> None:
-        self.data.clear()
-
-
-class _Corrupt(Exception):
-    pass
-
-
-class _Disk:
-    """The real LMDB disk tier when the ``storage`` package is importable, else _MemDisk."""
-
-    def __init__(self, budget: int) -> None:
-        self.dir = tempfile.mkdtemp(prefix="hkv-demo-disk-")
-        self.mem: _MemDisk | None = None
-        self.tier: Any = None
-        self.abi: dict[str, int] = {}
-        try:
-            from hkv_service.core.admission import AdmissionCap
-            from storage import DiskTier
-
-            self.tier = DiskTier(self.dir, budget, AdmissionCap(max_objects=64, max_bytes=1 << 28))
-        except Exception:
-            self.mem = _MemDisk()
-        self.kind = "lmdb" if self.tier is not None else "memory"
-
-    def _key(self, key: tuple[bytes, str], kind: Kind, abi: int) -> Any:
-        from storage import DiskKey
-
-        return DiskKey(key[0], key[1], kind.value, abi)
-
-    def put(self, key: tuple[bytes, str], kind: Kind, abi: int, payload: bytes) -> None:
-        if self.mem is not None:
-            self.mem.put(key, payload)
-        else:
-            self.tier.put(self._key(key, kind, abi), payload)
-
-    def put_many(self, items: Sequence[tuple[tuple[bytes, str], Kind, int, bytes]]) -> None:
-        if self.mem is not None:
-            for key, _, _, payload in items:
-                self.mem.put(key, payload)
-        else:
-            self.tier.put_many([(self._key(k, kind, abi), p) for k, kind, abi, p in items])
-
-    def get(self, key: tuple[bytes, str], kind: Kind, abi: int) -> bytes:
-        if self.mem is not None:
-            return self.mem.get(key)
-        from storage import CorruptEntry, NotOnDisk
-
-        try:
-            return bytes(self.tier.get(self._key(key, kind, abi)))
-        except (CorruptEntry, NotOnDisk) as err:
-            raise _Corrupt(str(err)) from err
-
-    def flip(self, key: tuple[bytes, str], payload: bytes) -> bool:
-        """Flip one bit of every copy of ``payload`` in the store's file."""
-        if self.mem is not None:
-            return self.mem.flip(key, 101)
-        needle = payload[:64]
-        flipped = False
-        for path in Path(self.dir).rglob("data.mdb"):
-            fd = os.open(path, os.O_RDWR)
-            try:
-                size = os.fstat(fd).st_size
-                with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as mm:
-                    spots = []
-                    at = mm.find(needle)
-                    while at >= 0:
-                        spots.append(at)
-                        at = mm.find(needle, at + 1)
-                for at in spots:
-                    off = at + min(100, len(payload) - 1)
-                    byte = os.pread(fd, 1, off)
-                    os.pwrite(fd, bytes([byte[0] ^ (1 << 3)]), off)
-                    flipped = True
-            finally:
-                os.close(fd)
-        return flipped
-
-    def corruption(self) -> int:
-        return int(self.tier.stats().corruption) if self.tier is not None else 0
-
-    def close(self) -> None:
-        if self.tier is not None:
-            self.tier.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-# ---- the in-process backend -----------------------------------------------------------------
-
-
-class InProcessBackend:
-    """CacheState + per-shard block stores + a disk tier, all in this process."""
-
-    name = "inprocess"
-
-    def __init__(
-        self,
-        spec: CacheSpec,
-        shapes: Mapping[str, tuple[int, ...]],
-        *,
-        shards: int = 2,
-        pool_blocks: int = 256,
-        misaligned_shard: bool = False,
-        disk_budget: int = 1 << 30,
-    ) -> None:
-        self.spec = spec
-        self.shapes = dict(shapes)
-        self.pool_blocks = pool_blocks
+    def __init__(self, odd_shard: str | None) -> None:
         self.lock = threading.RLock()
-        self.shard_ids = [ShardId(f"shard-{i}") for i in range(shards)]
-        self.odd_shard = ShardId("shard-odd") if misaligned_shard else None
-        self.disk_owner = ShardId("disk-0")
-        self.disk = _Disk(disk_budget)
-        self.slots: dict[tuple[str, int, int], _Slot] = {}
-        self.by_oid: dict[int, tuple[str, int, int]] = {}
-        self.where: dict[tuple[bytes, str], tuple[str, int, int]] = {}  # key -> mem slot
-        self.meta: dict[tuple[bytes, str], _Meta] = {}
-        self.on_disk: dict[tuple[bytes, str], _DiskRec] = {}
-        self.disk_by_oid: dict[int, tuple[bytes, str]] = {}
-        self.inflight: list[tuple[int, int]] = []  # (disk oid, settle at tick) slow loads
-        self.tick = 0
-        self.epoch = 0
-        self.incarnation: dict[str, int] = {}
-        self.retired: Counter[str] = Counter()  # transition counts of views before a restart
-        self.retired_downgrades: Counter[str] = Counter()
+        self.odd_shard = odd_shard
+        self.good: set[Key] = set()
+        self.copies: dict[Key, dict[int, str]] = {}  # key -> {object id: shard}
+        self.key_of: dict[int, Key] = {}
+        self.dead: set[int] = set()
+        self.heads: dict[Key, bytes] = {}  # first bytes of each payload (disk_bitflip)
+
+    def add(self, key: Key, oid: int, shard: str) -> None:
+        with self.lock:
+            if oid in self.dead:
+                return
+            self.copies.setdefault(key, {})[oid] = shard
+            self.key_of[oid] = key
+
+    def gone(self, oid: int) -> None:
+        with self.lock:
+            self.dead.add(oid)
+            key = self.key_of.pop(oid, None)
+            if key is not None:
+                self.copies.get(key, {}).pop(oid, None)
+
+    def lose_memory_of(self, shard: str, disk_oids: set[int]) -> None:
+        """A shard crashed: its memory objects are gone (its disk records come back)."""
+        with self.lock:
+            for held in self.copies.values():
+                for oid in [o for o, s in held.items() if s == shard and o not in disk_oids]:
+                    del held[oid]
+
+    def forget_copies(self) -> None:
+        """The metadata view was restarted: every object id is void; the shards' re-confirmed
+        disk records come back through the stream under new ids."""
+        with self.lock:
+            self.dead |= set(self.key_of)
+            self.copies.clear()
+            self.key_of.clear()
+
+    def known(self) -> set[int]:
+        with self.lock:
+            return set(self.key_of) | self.dead
+
+    def safe(self, key: Key) -> bool:
+        """Written completely and held by a live copy a 128-aligned reader may be handed
+        (copies on the odd shard, memory or its disk, are placed misaligned)."""
+        return key in self.good and any(
+            s != self.odd_shard for s in self.copies.get(key, {}).values())
+
+
+class DemoBackend:
+    def __init__(self, wiring: Wiring, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        self.wiring = wiring
+        self.shapes = dict(shapes)  # per column: the reference model's array shape
+        self.name = wiring.name
+        self.meta = wiring.meta
+        self.dp = wiring.dp
+        self.layout = self.dp.layout
+        self.odd_shard = wiring.odd_shard
+        self.books = _Books(wiring.odd_shard)
         self.events: Counter[str] = Counter()
-        self.state = self._new_state()
+        self.lock = threading.RLock()  # allocations, block reuse and faults of this process
+        self.faulty: dict[Key, int] = {}  # partial tails / unsynced indexers we left behind
+        self.disk_oids: set[int] = set()  # DISK objects (they survive a shard crash)
+        self.retired: Counter[str] = Counter()  # counters of metadata views before a restart
+        self.retired_downgrades: Counter[str] = Counter()
+        self._owner_of: dict[int, str] = {}  # DISK object -> the shard whose tier holds it
+        self._pending: list[PendingLoad] = []
+        self._crashed: set[str] = set()
         self._seq = 0
+        self._caught_up = 0.0  # the watcher has seen every event logged before this time
+        self._synced = threading.Condition(self.books.lock)
+        self._stop = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="hkv-demo-watch",
+                                         daemon=True)
+        self._watcher.start()
 
-    # ---- setup ------------------------------------------------------------------------------
-
-    def _pools(self, base_align: int, odd: bool = False) -> dict[str, PoolConfig]:
-        pools = pools_for(Layout(self.spec), self.pool_blocks, base_align)
-        if odd:  # misaligned_handle: every block of this shard starts 32 bytes off
-            pools = {n: PoolConfig(p.num_blocks, p.stride + 32, p.base_align)
-                     for n, p in pools.items()}
-        return pools
-
-    def _new_state(self) -> CacheState:
-        state = CacheState(self.spec)
-        for s in self.shard_ids:
-            self.incarnation[s] = state.register_owner(s, self._pools(4096))
-        if self.odd_shard is not None:
-            self.incarnation[self.odd_shard] = state.register_owner(
-                self.odd_shard, self._pools(32, odd=True)
-            )
-        self.incarnation[self.disk_owner] = state.register_owner(self.disk_owner, {})
-        return state
-
-    @property
-    def layout(self) -> Any:
-        return self.state.layout
+    # ---- lifecycle --------------------------------------------------------------------------
 
     def close(self) -> None:
-        self.disk.close()
+        self._stop.set()
+        self._watcher.join(5.0)
+        self.wiring.close()
 
-    # ---- the owners learn what the view did -------------------------------------------------
+    def _watch(self) -> None:
+        """Follow the transition stream: objects evicted, lost or corrupt leave the books;
+        disk records (written through, or re-confirmed after a restart) come into them."""
+        while not self._stop.is_set():
+            started = time.monotonic()
+            try:
+                with self.books.lock:
+                    seq = self._seq
+                got = self.wiring.events(seq, WATCH_S)
+            except Exception as exc:  # a service restart or close under way
+                self.events[f"watch_error:{type(exc).__name__}"] += 1
+                self._stop.wait(0.2)
+                continue
+            with self.books.lock:
+                if seq != self._seq:  # a restart reset the stream meanwhile: drop this batch
+                    continue
+                if got:
+                    self._seq = got[-1].seq
+                for ev in got:
+                    self._note(ev)
+                if len(got) < EVENTS_BATCH:  # every event logged before `started` is in
+                    self._caught_up = started
+                    self._synced.notify_all()
 
-    def _drain(self) -> None:
-        """Free the bytes of objects the view evicted, lost or dropped (as a shard is told)."""
-        events = self.state.events_since(self._seq, limit=1 << 30)
-        if events:
-            self._seq = events[-1].seq
-        for ev in events:
-            if ev.kind is Kind.DISK:
-                if ev.state in TERMINAL_STATES:
-                    key = self.disk_by_oid.pop(ev.object_id, None)
-                    if key is not None:
-                        self.on_disk.pop(key, None)
-                if ev.state in TERMINAL_STATES or ev.state is State.ON_DISK:
-                    self._free(ev.object_id)
-            elif ev.state in TERMINAL_STATES:
-                self._free(ev.object_id)
+    def _sync(self, timeout_s: float = 5.0) -> None:
+        """Until the books hold every transition logged before now (the oracle's answer is
+        then as of this moment, not of the watcher's last poll)."""
+        now = time.monotonic()
+        with self.books.lock:
+            self._synced.wait_for(lambda: self._caught_up >= now or self._stop.is_set(),
+                                  timeout_s)
 
-    def _free(self, oid: int) -> None:
-        loc = self.by_oid.pop(oid, None)
-        if loc is None:
-            return
-        slot = self.slots.get(loc)
-        if slot is not None and slot.object_id == oid:
-            del self.slots[loc]
-            if self.where.get(slot.key) == loc:
-                del self.where[slot.key]
+    def _note(self, ev: Any) -> None:
+        oid = int(ev.object_id)
+        if ev.state in TERMINAL_STATES:
+            self.books.gone(oid)
+        elif ev.kind is Kind.DISK and ev.state is State.ON_DISK:
+            self.disk_oids.add(oid)
+            key = (bytes(ev.block_hash), str(ev.column))
+            if key in self.books.good and oid not in self.books.known():
+                self.books.add(key, oid, self._disk_owner(oid))
 
-    def _put_slot(self, h: Handle, data: np.ndarray, key: tuple[bytes, str], good: bool,
-                  state: State, disk: bool = False) -> None:
-        loc = (h.shard, h.column, h.block)
-        old = self.slots.get(loc)
-        if old is not None:
-            self.by_oid.pop(old.object_id, None)
-            if self.where.get(old.key) == loc:
-                del self.where[old.key]
-        self.slots[loc] = _Slot(h.object_id, h.generation, data, key, good, state, disk)
-        self.by_oid[h.object_id] = loc
-        if not disk:
-            self.where[key] = loc
+    def _disk_owner(self, oid: int) -> str:
+        return self._owner_of.get(oid, "")  # "": re-confirmed after a restart, owner unknown
 
     # ---- lookup / load / read ---------------------------------------------------------------
 
-    def lookup(
-        self,
-        hashes: Sequence[BlockHash],
-        resume_tokens: int,
-        reader_abi: Mapping[str, int] | None = None,
-        lease: bool = True,
-    ) -> Lookup:
-        with self.lock:
-            self.tick += 1
-            self._settle_loads()
-            self._drain()
-            req = LookupRequest(
-                hashes, resume_tokens, dict(reader_abi) if reader_abi else None, ALIGNMENT,
-                LEASE_TTL_S if lease else 0.0,
-            )
-            m = self.state.lookup(req)
-            usable, handles = m.usable_tokens, dict(m.handles)
-            if layer3_disabled() and not reader_abi:
-                usable = self._hash_level_hit(hashes, resume_tokens)
-                handles = self._unsafe_handles(hashes, usable)
-            return Lookup(m, usable, hashes, self.epoch, dict(self.incarnation), handles,
-                          m.lease_id)
-
-    def _key_of_handle(self, h: Handle) -> tuple[bytes, str] | None:
-        loc = self.by_oid.get(h.object_id)
-        if loc is not None and loc in self.slots:
-            return self.slots[loc].key
-        return self.disk_by_oid.get(h.object_id)
-
-    def _hash_level_hit(self, hashes: Sequence[BlockHash], limit: int) -> int:
-        """TEST ONLY: tokens whose hash blocks the view knows at all, cut to whole LCM blocks."""
-        n = 0
-        while n < limit // self.layout.hash_block and hashes[n] in self.state.index:
-            n += 1
-        return int((n * self.layout.hash_block // self.layout.lcm) * self.layout.lcm)
-
-    def _unsafe_handles(self, hashes: Sequence[BlockHash], usable: int
-                        ) -> dict[str, tuple[Handle, ...]]:
-        """TEST ONLY: every object at the needed positions, whatever its state."""
-        out: dict[str, list[Handle]] = {}
-        lay = self.layout
-        for d in range(usable // lay.hash_block):
-            e = self.state.index.get(hashes[d])
-            if e is None:
+    def lookup(self, hashes: Sequence[BlockHash], resume_tokens: int,
+               reader_abi: Mapping[str, int] | None = None, lease: bool = True,
+               wait_in_flight: bool = True) -> Lookup:
+        """The funnel's answer. DISK_INFLIGHT here is mostly another worker's load under way:
+        with ``wait_in_flight`` it is waited for (twice at most) rather than recomputed."""
+        req = LookupRequest(list(hashes), resume_tokens, dict(reader_abi) if reader_abi else None,
+                            ALIGNMENT, LEASE_TTL_S if lease else 0.0)
+        m = self.meta.lookup(req)
+        for _ in range(2 if wait_in_flight else 0):
+            if not any(d.reason is Reason.DISK_INFLIGHT for d in m.downgrades):
                 break
-            for col in _needed_columns(lay, d, usable):
-                rec = e.mem[col] or (e.disk[col] if e.disk else None)
-                if rec is not None:
-                    out.setdefault(lay.columns[col].name, []).append(self.state._handle(rec))
-        return {k: tuple(v) for k, v in out.items()}
+            if m.lease_id is not None:
+                with contextlib.suppress(Exception):
+                    self.meta.release_lease(m.lease_id)
+            self.events["waited_for_inflight_load"] += 1
+            self._stop.wait(SLOW_LOAD_S / 2)
+            m = self.meta.lookup(req)
+        return Lookup(m, m.usable_tokens, hashes, dict(m.handles), m.lease_id)
 
     def load(self, lk: Lookup, slow: bool = False) -> list[str]:
-        """Bring the disk objects ``lk`` needs back into memory. Returns failure reasons.
+        """Load the match's disk objects on the shards. ``slow``: the shards hold the loads in
+        flight for SLOW_LOAD_S; this returns once the service shows them in flight."""
+        if not lk.match.needs_load:
+            return []
+        if slow:
+            started = self.dp.start_load(lk.match, list(lk.hashes), hold_s=SLOW_LOAD_S)
+            if isinstance(started, Recompute):
+                return [started.reason.value]
+            with self.lock:
+                self._pending.append(started)
+            self._await_in_flight(lk)
+            return []
+        got = self.dp.load(lk.match, list(lk.hashes))
+        if isinstance(got, Recompute):
+            self.events[f"load_failed:{got.reason.value}"] += 1
+            return [got.reason.value]
+        self.events["loaded"] += len(got)
+        return []
 
-        ``slow``: leave the loads in flight (ON_DISK_INFLIGHT) until a later lookup settles them.
-        """
-        reasons: list[str] = []
-        with self.lock:
-            self._drain()
-            load = lk.match.load if not layer3_disabled() else tuple(
-                h for col in lk.handles.values() for h in col if h.block < 0  # a DISK copy at rest
-            )
-            for h in load:
-                rec = self.state.objects.get(h.object_id)
-                if rec is None or rec.state is not State.ON_DISK:
-                    continue
-                try:
-                    got = self.state.begin_load(h.object_id, self._roomiest())
-                except HkvError:
-                    reasons.append(Reason.ADMISSION.value)
-                    continue
-                if slow:
-                    shape = self._shape(got.group)
-                    key = self.disk_by_oid[h.object_id]
-                    # the block is reserved but holds no bytes yet: zeros
-                    self._put_slot(got, np.zeros(shape, np.float32), key, False,
-                                   State.ON_DISK_INFLIGHT, disk=True)
-                    self.inflight.append((h.object_id, self.tick + 3))
-                    continue
-                reason = self._finish_load(h.object_id, got)
-                if reason:
-                    reasons.append(reason)
-            self._drain()
-        return reasons
-
-    def _finish_load(self, oid: ObjectId | int, got: Handle) -> str | None:
-        key = self.disk_by_oid[oid]
-        rec = self.state.objects[ObjectId(oid)]
-        try:
-            raw = self.disk.get(key, rec.inner or Kind.DISK, self._abi(rec.column))
-        except _Corrupt:
-            self.state.transition(ObjectId(oid), Event.MARK_CORRUPT)
-            self.events["corrupt_load"] += 1
-            self._drain()
-            return Reason.CORRUPT.value
-        shape = self._shape(got.group)
-        data = np.frombuffer(raw, np.float32).reshape(-1, *shape[1:]).copy()
-        self._put_slot(got, data, key, self.on_disk[key].good, State.ON_DISK_READY, disk=True)
-        self.state.transition(ObjectId(oid), Event.LOAD_VERIFIED)
-        return None
+    def _await_in_flight(self, lk: Lookup, timeout_s: float = 2.0) -> None:
+        """Until a probe (no handles, no lease) of the same question reports DISK_INFLIGHT."""
+        req = LookupRequest(list(lk.hashes), lk.match.matched_tokens or None, None, ALIGNMENT,
+                            handles=False)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            m = self.meta.lookup(req)
+            if any(d.reason is Reason.DISK_INFLIGHT for d in m.downgrades):
+                return
+            self._stop.wait(0.01)
 
     def settle(self) -> list[str]:
-        """Finish every load left in flight now (the reader waited for them); returns why
-        any failed (a flipped bit: CORRUPT)."""
+        """Wait for the slow loads to land (checksum-verified); their failure reasons."""
         with self.lock:
-            self.tick += 1 << 20
-            reasons = self._settle_loads()
-            self.tick -= 1 << 20
-            self._drain()
-            return reasons
-
-    def _settle_loads(self) -> list[str]:
-        keep, reasons = [], []
-        for oid, at in self.inflight:
-            rec = self.state.objects.get(ObjectId(oid))
-            if rec is None or rec.state is not State.ON_DISK_INFLIGHT:
-                continue
-            if at > self.tick:
-                keep.append((oid, at))
-                continue
-            reason = self._finish_load(oid, self.state._handle(rec))
-            if reason:
-                reasons.append(reason)
-        self.inflight = keep
-        return reasons
-
-    def _abi(self, column: int) -> int:
-        return int(self.layout.columns[column].group.abi.fingerprint())
-
-    def _shape(self, column: str) -> tuple[int, ...]:
-        return self.shapes[column]
+            pending, self._pending = self._pending, []
+        out = []
+        for p in pending:
+            got = p.wait()
+            if isinstance(got, Recompute):
+                out.append(got.reason.value)
+        return out
 
     def read(self, lk: Lookup) -> ReadResult:
-        """Bytes of every handle, in token order, after the owner's generation re-check.
-
-        Per handle: the view's ``check_read`` (lease, generation, state) and the shard's own
-        re-check of the slot; per column, one copy of the bytes (see :func:`place_column`)."""
+        try:
+            out = self.dp.read(lk.match, list(lk.hashes), release=False)
+        finally:
+            self._revive_crashed()
+        if isinstance(out, Recompute):
+            self.events[f"read_recompute:{out.reason.value}"] += 1
+            return ReadResult(reason=out.reason.value)
         lay = self.layout
-        unsafe = layer3_disabled()  # TEST ONLY: readiness not re-validated
         blocks: Blocks = {}
         tails: Tails = {}
-        with self.lock:
-            if lk.epoch != self.epoch:
-                return ReadResult(reason=Reason.STALE_HANDLE.value)  # the view was rebuilt
-            self._drain()
-            shards = {h.shard for handles in lk.handles.values() for h in handles if h.shard}
-            if any(self.incarnation.get(s) != lk.incarnations.get(s) for s in shards):
-                return ReadResult(reason=Reason.OWNER_LOST.value)
-            check_read, slots, meta = self.state.check_read, self.slots, self.meta
-            lease = lk.lease_id
-            for col_name, handles in lk.handles.items():
-                col = lay.columns[lay.by_name[col_name]]
-                depths: list[int] = []
-                arrays: list[np.ndarray] = []
-                for h in handles:
-                    if not unsafe:
-                        try:
-                            check_read(h, lease)
-                        except HkvError:  # StaleHandle, LeaseExpired, ...
-                            return ReadResult(reason=Reason.STALE_HANDLE.value)
-                    slot = slots.get((h.shard, h.column, h.block))
-                    if slot is None and unsafe:
-                        data = np.zeros(self._shape(col_name), np.float32)  # never written
-                        key = self._key_of_handle(h)
-                    elif slot is None or slot.generation != h.generation or (
-                        slot.object_id != h.object_id
-                    ):
-                        return ReadResult(reason=Reason.STALE_HANDLE.value)
-                    else:
-                        data, key = slot.data, slot.key
-                    if key is None:
-                        return ReadResult(reason=Reason.STALE_HANDLE.value)
-                    depths.append(meta[key].depth)
-                    arrays.append(data)
-                # copied under the lock, as a shard copies out while the generation holds
-                place_column(blocks, tails, lay, col, depths, arrays, lk.usable)
+        for name, arrays in out.items():
+            col = lay.columns[lay.by_name[name]]
+            depths = lay.needed_depths(lay.by_name[name], lk.usable)
+            if len(depths) != len(arrays):
+                return ReadResult(reason=Reason.MISSING_COMPONENT.value)
+            shape = self._shape(col)
+            # views of the shard's bytes; place_column copies each column once
+            views = [np.ascontiguousarray(arr).view(np.float32).reshape(-1, *shape[1:])
+                     for arr in arrays]  # a tail: exactly its rows
+            place_column(blocks, tails, lay, col, depths, views, lk.usable)
         return ReadResult(blocks, tails)
 
+    def _shape(self, col: Column) -> tuple[int, ...]:
+        return self.shapes[col.name]
+
     def release(self, lk: Lookup) -> None:
-        with self.lock:
-            if lk.lease_id is not None and lk.epoch == self.epoch:
-                with contextlib.suppress(HkvError):
-                    self.state.release_lease(lk.lease_id)
+        if lk.lease_id is not None:
+            with contextlib.suppress(Exception):
+                self.meta.release_lease(lk.lease_id)
 
     # ---- write ------------------------------------------------------------------------------
 
@@ -659,378 +395,316 @@ class InProcessBackend:
         opts: WriteOptions = WriteOptions(),
     ) -> WriteReport:
         rep = WriteReport()
-        lay = self.layout
-        last = max(set(blocks) | set(tails), default=-1)
-        # A faulty KV/indexer is the first new one: every later reader of the prefix walks
-        # through it. A stalled tail is the newest one, the tail still being appended: where
-        # the next turn of the conversation resumes.
-        stalled_tail = max(tails, default=-1)
-        first = min(set(blocks) | set(tails), default=-1)
-        written: list[int] = []
-
-        def place(d: int) -> ShardId:
-            # a misaligned writer's last MISALIGNED_DEPTHS entries land on the odd shard
-            if opts.owner and d > last - MISALIGNED_DEPTHS:
-                return ShardId(opts.owner)
-            return self._roomiest()
-
+        hashes = list(hashes)
+        data: dict[Slot, np.ndarray] = {}
+        tail_data: dict[Slot, tuple[np.ndarray, int]] = {}
+        for d, cols in blocks.items():
+            for name, t in cols.items():
+                data[(d, name)] = _as_bytes(t)
+        for d, tcols in tails.items():
+            for g, (t, n) in tcols.items():
+                tail_data[(d, f"{g}.tail")] = (_as_bytes(t[:n]), n)  # exactly its rows
+        special = self._faulty_writes(blocks, tails, data, tail_data, opts)
         with self.lock:
-            self._drain()
-            for d in sorted(set(blocks) | set(tails)):
-                cols: dict[str, Any] = dict(blocks.get(d, {}))
-                for g, (t, n) in tails.get(d, {}).items():
-                    cols[f"{g}.tail"] = (t, n)
-                order = sorted(cols, key=lambda c: lay.columns[lay.by_name[c]].kind is Kind.INDEXER)
-                here = WriteOptions(
-                    partial_tail=opts.partial_tail and d == stalled_tail,
-                    stale_indexer=opts.stale_indexer and d == first,
-                )
-                if not self._write_entry(hashes, d, order, cols, place(d), here, rep):
-                    break
-                written.append(d)
-            self._drain()
-            self._write_through([bytes(hashes[d]) for d in written])
+            wr = self._write_prefix(hashes, data, tail_data, opts.owner)
+            rep.written += wr.written
+            rep.existing += wr.existing
+            if wr.failed:
+                self.events["write_failed"] += len(wr.failed)
+                rep.pool_exhausted += sum("xhaust" in r.detail for r in wr.failed.values())
+            done: list[tuple[Slot, Handle]] = []
+            known = self.books.known() | set(self.faulty.values())
+            for s, h in sorted(wr.handles.items()):
+                if s in wr.failed or int(h.object_id) in known:
+                    continue  # failed, or an object that was already there
+                key = (bytes(hashes[s[0]]), s[1])
+                self.books.good.add(key)
+                self.books.add(key, int(h.object_id), h.shard)
+                payload = data.get(s)
+                if payload is not None:
+                    self.books.heads[key] = payload[:_FLIP_NEEDLE].tobytes()
+                done.append((s, h))
+            for s, (arr, commit, fault) in sorted(special.items()):
+                if self._write_special(hashes, s, arr, commit):
+                    rep.faults[fault] += 1
+            repaired = self._repair(hashes, data, tail_data, wr)
+            rep.repaired += len(repaired)
+            done += repaired
+            self._write_through(hashes, done)
         return rep
 
-    def _write_entry(self, hashes: Sequence[BlockHash], d: int, order: list[str],
-                     cols: Mapping[str, Any], owner: ShardId | None, opts: WriteOptions,
-                     rep: WriteReport) -> bool:
-        lay = self.layout
-        versions: dict[str, int] = {}
-        new: list[ObjectId] = []
-        allocs = []
-        for name in order:
-            try:
-                a = self.state.allocate(hashes[: d + 1], [AllocRequest(d, name)], owner)[0]
-            except PoolExhausted:
-                rep.pool_exhausted += 1
-                for oid in new:  # give back what this entry reserved but never wrote
-                    if oid in self.state.objects:
-                        self.state.transition(oid, Event.EVICT)
-                return False
-            allocs.append((name, a))
-            if not a.existing:
-                new.append(a.handle.object_id)
-        parent = bytes(hashes[d - 1]) if d else None
-        key_of = {name: (bytes(hashes[d]), name) for name in order}
-        for name, a in allocs:
-            col = lay.columns[lay.by_name[name]]
-            h, key = a.handle, key_of[name]
-            rec = self.state.objects.get(h.object_id)
-            if col.kind is Kind.COMPRESSED and rec is not None:
-                versions[name] = rec.version
-            if a.existing and not self._repairable(a, col, versions):
-                rep.existing += 1
-                continue
-            if col.kind is Kind.TAIL:
-                tensor, n = cols[name]
-                data = tensor.numpy().astype(np.float32, copy=True)
-                if opts.partial_tail and n >= 2 and col.group.name == "c4" and not a.existing:
-                    half = n // 2
-                    data[half:] = 0.0  # the stalled writer never wrote these rows
-                    self._put_slot(h, data, key, False, State.TAIL_PARTIAL)
-                    self.state.transition(h.object_id, Event.TAIL_APPEND, Params(tail_len=half))
-                    self.meta[key] = _Meta(parent, d, hi=half)
-                    rep.faults["partial_tail"] += 1
-                    continue
-                self._put_slot(h, data, key, True, State.TAIL_COMPLETE)
-                self.state.transition(h.object_id, Event.TAIL_DONE, Params(tail_len=n))
-                self.meta[key] = _Meta(parent, d, hi=n)
-            elif col.kind is Kind.INDEXER:
-                data = cols[name].numpy().astype(np.float32, copy=True)
-                kv = lay.columns[col.indexes or 0].name
-                version = versions.get(kv)
-                if opts.stale_indexer and not a.existing and not self._disk_copy(d, hashes, col):
-                    # the KV was rewritten after these keys were computed: old bytes, no sync
-                    old = np.roll(data, 1, axis=0) * 0.5
-                    self._put_slot(h, old, key, False, State.INDEXER_WRITTEN)
-                    self.state.transition(h.object_id, Event.WRITE_DONE)
-                    self.meta[key] = _Meta(parent, d)
-                    rep.faults["stale_indexer"] += 1
-                    continue
-                if version is None:
-                    continue
-                if not a.existing or a.state is State.INDEXER_SYNCED:
-                    try:  # keys (re)written; refused while a reader holds them
-                        self.state.transition(h.object_id, Event.WRITE_DONE)
-                    except IllegalTransition:
-                        continue
-                if a.existing:
-                    rep.repaired += 1
-                self._put_slot(h, data, key, True, State.INDEXER_SYNCED)
-                self.state.transition(h.object_id, Event.INDEXER_SYNC, Params(version=version))
-                self.meta[key] = _Meta(parent, d, version=version)
-            else:
-                data = cols[name].numpy().astype(np.float32, copy=True)
-                ready = State.SWA_VALID if col.kind is Kind.SWA else State.COMPRESSED_READY
-                self._put_slot(h, data, key, True, ready)
-                # a KV's version is its content version, as the data plane reports it
-                p = Params(version=content_version(data)) if col.kind is Kind.COMPRESSED \
-                    else Params()
-                res = self.state.transition(h.object_id, Event.WRITE_DONE, p)
-                if col.kind is Kind.COMPRESSED:
-                    versions[name] = res.version
-                r = self.state.objects[h.object_id]
-                self.meta[key] = _Meta(parent, d, version=res.version, lo=r.lo, hi=r.hi)
-            rep.written += 1
+    def _write_prefix(self, hashes: list[BlockHash], data: dict[Slot, np.ndarray],
+                      tail_data: dict[Slot, tuple[np.ndarray, int]], odd: str | None) -> Any:
+        """``DataPlane.write_prefix``; a misaligned writer (``odd``) places the last
+        MISALIGNED_DEPTHS entries it writes on that shard, the rest where the service likes."""
+        regular = self._regular_shard(hashes)
+        if odd is None:
+            return self.dp.write_prefix(hashes, data, tail_data, owner=regular)
+        cut = max((d for d, _ in (*data, *tail_data)), default=0) - MISALIGNED_DEPTHS + 1
+        early = self.dp.write_prefix(hashes, {k: v for k, v in data.items() if k[0] < cut},
+                                     {k: v for k, v in tail_data.items() if k[0] < cut},
+                                     owner=regular)
+        late = self.dp.write_prefix(hashes, {k: v for k, v in data.items() if k[0] >= cut},
+                                    {k: v for k, v in tail_data.items() if k[0] >= cut},
+                                    owner=ShardId(odd))
+        for name in ("versions", "failed", "handles"):
+            getattr(early, name).update(getattr(late, name))
+        early.written += late.written
+        early.existing += late.existing
+        return early
+
+    def _regular_shard(self, hashes: Sequence[BlockHash]) -> ShardId | None:
+        """Where a well-behaved writer puts its blocks while the odd shard exists: a regular
+        shard, chosen by the prompt's last hash (the service, left to choose, would use the
+        odd one too). None (the service chooses) when there is no odd shard."""
+        if self.odd_shard is None:
+            return None
+        regular = sorted(s for s in self.dp.shards if s != self.odd_shard)
+        return ShardId(regular[bytes(hashes[-1])[0] % len(regular)])
+
+    def _faulty_writes(self, blocks: Mapping[int, Mapping[str, torch.Tensor]],
+                       tails: Mapping[int, Mapping[str, tuple[torch.Tensor, int]]],
+                       data: dict[Slot, np.ndarray], tail_data: dict[Slot, tuple[np.ndarray, int]],
+                       opts: WriteOptions) -> dict[Slot, tuple[np.ndarray, Commit, str]]:
+        """Take the slots a faulty writer writes wrong out of ``data``/``tail_data``."""
+        special: dict[Slot, tuple[np.ndarray, Commit, str]] = {}
+        first = min(set(blocks) | set(tails), default=-1)
+        last_tail = max(tails, default=-1)
+        # a writer stalled at its last resume point (where the next turn resumes): half the
+        # rows, never TAIL_DONE
+        slot = (last_tail, "c4.tail")
+        if opts.partial_tail and slot in tail_data and tail_data[slot][1] >= 2:
+            _, n = tail_data.pop(slot)
+            rows = tails[last_tail]["c4"][0].numpy()[: n // 2].astype(np.float32, copy=True)
+            special[slot] = (_as_bytes(rows), Commit((Event.TAIL_APPEND,),
+                                                     (Params(tail_len=n // 2),)), "partial_tail")
+        slot = (first, "idx")  # keys of old bytes: WRITE_DONE, never INDEXER_SYNC
+        if opts.stale_indexer and slot in data:
+            old = np.roll(blocks[first]["idx"].numpy().astype(np.float32), 1, axis=0) * 0.5
+            data.pop(slot)
+            special[slot] = (_as_bytes(old), Commit((Event.WRITE_DONE,)), "stale_indexer")
+        return special
+
+    def _write_special(self, hashes: list[BlockHash], s: Slot, arr: np.ndarray,
+                       commit: Commit) -> bool:
+        """Allocate one slot and write it with ``commit`` (a fault: never readable)."""
+        d, name = s
+        try:
+            a = self.meta.allocate(hashes, [AllocRequest(d, name)], None)[0]
+        except HkvError:
+            return False
+        if a.existing:
+            return False  # someone else's complete object: leave it
+        tag = BlockTag(hashes[d], hashes[d - 1] if d else None, d)
+        res = self._call(a.handle, "write_blocks", [a.handle], [arr], [tag], [commit])
+        if res is None or not res[0].ok:
+            with contextlib.suppress(Exception):
+                self.meta.evict(a.handle.object_id)
+            return False
+        key = (bytes(hashes[d]), name)
+        with self.books.lock:
+            # the bad bytes are in memory only; a disk copy of good bytes (written through
+            # earlier) still serves a reader, who loads it past the bad memory object
+            if not any(o in self.disk_oids for o in self.books.copies.get(key, {})):
+                self.books.good.discard(key)
+        self.faulty[key] = int(a.handle.object_id)
         return True
 
-    def _roomiest(self) -> ShardId:
-        """The regular shard with the most free blocks (never the misaligned one)."""
-        return max(
-            self.shard_ids,
-            key=lambda s: min(p.free_count() for p in self.state.owners[s].pools.values()),
-        )
-
-    def _disk_copy(self, d: int, hashes: Sequence[BlockHash], col: Column) -> bool:
-        """A disk copy of this slot exists: a reader would load it (correctly) past any bad
-        memory copy, so a fault injected in memory here would never be seen."""
-        e = self.state.index.get(hashes[d])
-        return e is not None and e.disk is not None and e.disk[col.index] is not None
-
-    def _repairable(self, a: Allocation, col: Column, versions: Mapping[str, int]) -> bool:
-        """A stalled tail or an unsynced indexer is completed by the next writer with fresh
-        bytes; so is an indexer synced to a KV version that moved on (its KV was evicted and
-        rewritten while the indexer was held): left alone it would be INDEXER_STALE forever."""
-        if a.state in (State.TAIL_PARTIAL, State.INDEXER_WRITTEN):
-            return True
-        if col.kind is not Kind.INDEXER or a.state is not State.INDEXER_SYNCED:
-            return False
-        kv = versions.get(self.layout.columns[col.indexes or 0].name)
-        rec = self.state.objects.get(a.handle.object_id)
-        return kv is not None and rec is not None and rec.version != kv
-
-    # ---- write-through to the disk tier -----------------------------------------------------
-
-    def _write_through(self, block_hashes: Sequence[bytes]) -> None:
-        """Copy every readable object of the entries just written to the disk tier, in batches
-        (one LMDB commit each). Memory copies stay; when the view evicts them under pool
-        pressure the disk copy remains and a later reader loads it back."""
-        todo = []
-        for bh in block_hashes:
-            e = self.state.index.get(BlockHash(bh))
-            if e is None:
+    def _repair(self, hashes: list[BlockHash], data: Mapping[Slot, np.ndarray],
+                tail_data: Mapping[Slot, tuple[np.ndarray, int]], wr: Any
+                ) -> list[tuple[Slot, Handle]]:
+        """A later writer completes a stalled tail or an unsynced indexer with fresh bytes."""
+        out: list[tuple[Slot, Handle]] = []
+        lay = self.layout
+        for s in sorted(set(data) | set(tail_data)):
+            key = (bytes(hashes[s[0]]), s[1])
+            if key not in self.faulty or s not in wr.handles:
                 continue
-            for rec in e.mem:
-                if rec is None or rec.state in TERMINAL_STATES:
-                    continue
-                key = (bh, self.layout.columns[rec.column].name)
-                loc = self.by_oid.get(rec.object_id)
-                slot = self.slots.get(loc) if loc else None
-                if slot is not None and key not in self.on_disk:
-                    todo.append((rec, key, slot))
-        for i in range(0, len(todo), OFFLOAD_BATCH):
-            self._offload_batch(todo[i : i + OFFLOAD_BATCH])
-        self._drain()
-
-    def _offload_batch(self, batch: list[tuple[Any, tuple[bytes, str], _Slot]]) -> None:
-        started = []
-        for rec, key, slot in batch:
+            del self.faulty[key]
+            col = lay.columns[lay.by_name[s[1]]]
+            if col.kind not in (Kind.TAIL, Kind.INDEXER):
+                continue
+            d = s[0]
+            reqs = [AllocRequest(d, s[1])]
+            kv_name = lay.columns[col.indexes].name if col.indexes is not None else None
+            if kv_name is not None:
+                reqs.append(AllocRequest(d, kv_name))
             try:
-                dh = self.state.begin_offload(rec.object_id, self.disk_owner)
-            except HkvError:  # not readable (partial tail, stale indexer) or admission refused
+                allocs = self.meta.allocate(hashes, reqs, None)
+            except HkvError:
                 continue
-            started.append((rec, key, slot, dh))
-        if not started:
-            return
+            a = allocs[0]
+            if not a.existing:  # gone meanwhile: give the fresh blocks back
+                for x in allocs:
+                    if not x.existing:
+                        with contextlib.suppress(Exception):
+                            self.meta.evict(x.handle.object_id)
+                continue
+            tag = BlockTag(hashes[d], hashes[d - 1] if d else None, d)
+            if a.state is State.TAIL_PARTIAL and s in tail_data:
+                arr, n = tail_data[s]
+                commit = Commit((Event.TAIL_DONE,), (Params(tail_len=n),))
+            elif a.state is State.INDEXER_WRITTEN and kv_name is not None and s in data:
+                kv = allocs[1]
+                if not kv.existing:
+                    with contextlib.suppress(Exception):
+                        self.meta.evict(kv.handle.object_id)
+                    continue
+                arr = data[s]
+                commit = Commit((Event.INDEXER_SYNC,),
+                                (Params(version=wr.versions.get((d, kv_name), kv.version)),))
+            else:
+                continue
+            res = self._call(a.handle, "write_blocks", [a.handle], [arr], [tag], [commit])
+            if res is not None and res[0].ok:
+                self.books.good.add(key)
+                self.books.add(key, int(a.handle.object_id), a.handle.shard)
+                out.append((s, a.handle))
+        return out
+
+    def _write_through(self, hashes: list[BlockHash], done: list[tuple[Slot, Handle]]) -> None:
+        """Copy what was just written to the holding shard's disk tier; memory copies stay."""
+        results: list[Any] = []
+        for i in range(0, len(done), OFFLOAD_BATCH):  # stay under the admission cap
+            results += self.dp.offload([h for _, h in done[i : i + OFFLOAD_BATCH]])
+        ok = 0
+        for (s, h), res in zip(done, results, strict=True):
+            if res.ok and res.handle is not None:
+                oid = int(res.handle.object_id)
+                self._owner_of[oid] = h.shard
+                self.disk_oids.add(oid)
+                self.books.add((bytes(hashes[s[0]]), s[1]), oid, h.shard)
+                ok += 1
+            else:
+                self.events[f"offload_failed:{res.outcome.value}"] += 1
+        self.events["offloaded"] += ok
+
+    def _call(self, h: Handle, method: str, *args: Any) -> Any:
+        link = self.dp.shards.get(h.shard)
+        if link is None:
+            return None
         try:
-            self.disk.put_many(
-                [(key, rec.kind, self._abi(rec.column), slot.data.tobytes())
-                 for rec, key, slot, _ in started]
-            )
-        except Exception as err:  # any disk failure rolls the copies back
-            self.events[f"offload_failed:{type(err).__name__}"] += 1
-            for *_, dh in started:
-                self.state.transition(dh.object_id, Event.OFFLOAD_FAILED)
-            return
-        for rec, key, slot, dh in started:
-            self.state.transition(dh.object_id, Event.OFFLOAD_COMMITTED)
-            self.on_disk[key] = _DiskRec(dh.object_id, slot.good, rec.version, rec.lo, rec.hi)
-            self.disk_by_oid[dh.object_id] = key
-        self.events["offloaded"] += len(started)
+            return link.submit(method, *args).result(15.0)
+        except (ShardUnavailable, HkvError) as exc:
+            self.events[f"shard_call_failed:{type(exc).__name__}"] += 1
+            return None
 
     # ---- faults -----------------------------------------------------------------------------
 
     def inject_evict_race(self, lk: Lookup, pick: int) -> bool:
-        """Evict one matched memory block after the lookup and let another writer reuse it."""
+        """Evict one matched memory block after the (lease-less) lookup, and let another
+        writer reuse the freed block: the shard now holds other bytes at the next generation."""
         with self.lock:
-            cands = [h for col in lk.handles.values() for h in col if h.kind is not Kind.DISK]
-            cands = [h for h in cands if h.object_id in self.state.objects]
+            cands = [h for hs in lk.handles.values() for h in hs if h.block >= 0 and h.shard]
             if not cands:
                 return False
             h = cands[pick % len(cands)]
             try:
-                self.state.evict(h.object_id)
+                self.meta.evict(h.object_id)
             except HkvError:
                 return False
-            self._drain()
-            loc = (h.shard, h.column, h.block)
-            noise = np.random.default_rng(pick).standard_normal(self._shape(h.group))
-            owner = self.state.owners.get(h.shard)
-            pool = owner.pools.get(h.column) if owner is not None else None
-            if pool is None:
-                return True
-            self.slots[loc] = _Slot(-1, pool.generation[h.block], noise.astype(np.float32),
-                                    (b"", h.group), False, State.ALLOCATED)
-            return True
+            noise = np.random.default_rng(pick).integers(0, 256, h.nbytes, dtype=np.uint8)
+            reuse = dataclasses.replace(h, generation=h.generation + 1,
+                                        object_id=ObjectId(_EMPTY_OBJECT))
+            res = self._call(reuse, "write_blocks", [reuse], [noise])
+            ok = res is not None and bool(res[0].ok)
+            self.events["evict_race_reused" if ok else "evict_race_not_reused"] += 1
+            return True  # evicted either way: the read must not serve it
 
     def inject_disk_bitflip(self, lk: Lookup, pick: int) -> bool:
-        """Flip a bit of a block at rest that ``lk`` needs to load (its checksum must catch it)."""
+        """Flip one bit of a record the match is about to load, in its shard's LMDB file."""
         with self.lock:
             lay = self.layout
             cands = []
             for h in lk.match.load:
-                key = self.disk_by_oid.get(h.object_id)
                 col = lay.columns[h.column]
-                if key is None or col.kind not in (Kind.COMPRESSED, Kind.SWA) or col.nbytes < 2048:
+                if col.kind not in (Kind.COMPRESSED, Kind.SWA) or col.nbytes < 2048:
                     continue
-                if self.on_disk[key].good:
-                    cands.append(key)
+                key = self.books.key_of.get(int(h.object_id))
+                head = self.books.heads.get(key) if key is not None else None
+                if key is not None and head is not None and h.shard:
+                    cands.append((h, key, head))
             if not cands:
                 return False
-            key = sorted(cands)[pick % len(cands)]
-            rec = self.state.objects[ObjectId(self.on_disk[key].object_id)]
-            try:
-                payload = self.disk.get(key, rec.inner or Kind.DISK, self._abi(rec.column))
-            except _Corrupt:  # an earlier flip of identical bytes already hit this record
-                self.on_disk[key].good = False
+            h, key, head = cands[pick % len(cands)]
+            if not flip_on_disk(self.wiring.shard_dir(h.shard), head):
                 return False
-            if not self.disk.flip(key, payload):
-                return False
-            self.on_disk[key].good = False
+            with self.books.lock:
+                self.books.copies.get(key, {}).pop(int(h.object_id), None)
             return True
 
     def inject_shard_kill(self, lk: Lookup) -> bool:
-        """The shard holding a matched block dies; it comes back empty (new incarnation)."""
+        """The shard holding a matched block crashes between lookup and read: the read meets a
+        dead shard (OWNER_LOST); its successor (empty pools, same disk) starts right after."""
+        shards = sorted({h.shard for hs in lk.handles.values() for h in hs if h.shard})
+        if not shards:
+            return False
         with self.lock:
-            shards = sorted({h.shard for col in lk.handles.values() for h in col if h.shard})
-            if not shards:
-                return False
-            s = ShardId(shards[0])
-            self.state.mark_owner_lost(s)
-            for loc in [loc for loc in self.slots if loc[0] == s]:
-                slot = self.slots.pop(loc)
-                self.by_oid.pop(slot.object_id, None)
-                if self.where.get(slot.key) == loc:
-                    del self.where[slot.key]
-            odd = s == self.odd_shard
-            self.incarnation[s] = self.state.register_owner(
-                s, self._pools(32 if odd else 4096, odd=odd)
-            )
-            self._drain()
-            return True
+            self.wiring.crash_shard(shards[0])
+            self._crashed.add(shards[0])
+        return True
+
+    def _revive_crashed(self) -> None:
+        with self.lock:
+            crashed, self._crashed = self._crashed, set()
+            for sid in sorted(crashed):
+                self.wiring.revive_shard(sid)
+                self.books.lose_memory_of(sid, self.disk_oids)
+                self.events["shard_kill"] += 1
 
     def inject_service_restart(self) -> None:
-        """Rebuild the view from what the owners report; nothing else is trusted."""
+        """The metadata service restarts under the live shards; they rejoin it."""
         with self.lock:
-            self._drain()
-            old = self.state.stats()
-            self.retired.update(_counts(old["transitions"]))
-            self.retired_downgrades.update(_counts(old["downgrades"]))
-            # loads in flight are rolled back: their reserved blocks hold nothing
-            for oid, _ in self.inflight:
-                self._free(oid)
-            self.inflight = []
-            for loc in [loc for loc, s in self.slots.items() if s.disk or s.object_id < 0]:
-                slot = self.slots.pop(loc)
-                self.by_oid.pop(slot.object_id, None)
-            self.epoch += 1
-            self.state = self._new_state()
-            self._seq = 0
-            by_owner: dict[str, list[ObjectReport]] = {}
-            for loc, slot in self.slots.items():
-                m = self.meta.get(slot.key)
-                if m is None:
-                    continue
-                by_owner.setdefault(loc[0], []).append(ObjectReport(
-                    BlockHash(slot.key[0]), BlockHash(m.parent) if m.parent else None, m.depth,
-                    slot.key[1], slot.state, loc[2], slot.generation, m.version, m.lo, m.hi,
-                ))
-            for key, d in self.on_disk.items():
-                m = self.meta.get(key)
-                if m is None:
-                    continue
-                by_owner.setdefault(self.disk_owner, []).append(ObjectReport(
-                    BlockHash(key[0]), BlockHash(m.parent) if m.parent else None, m.depth,
-                    key[1], State.ON_DISK, version=d.version, lo=d.lo, hi=d.hi,
-                ))
-            for owner, reports in by_owner.items():
-                self.state.confirm(ShardId(owner), reports, self.incarnation[owner])
-            # re-key the owners' books by the ids the new view gave out
-            self.by_oid.clear()
-            self.disk_by_oid.clear()
-            kept: dict[tuple[str, int, int], _Slot] = {}
-            for rec in list(self.state.objects.values()):
-                name = self.layout.columns[rec.column].name
-                key = (bytes(rec.entry.block_hash), name)
-                if rec.kind is Kind.DISK:
-                    self.on_disk[key].object_id = rec.object_id
-                    self.disk_by_oid[rec.object_id] = key
-                    continue
-                loc = (rec.shard, rec.column, rec.block)
-                slot = self.slots[loc]
-                slot.object_id, slot.generation = rec.object_id, rec.generation
-                kept[loc] = slot
-                self.by_oid[rec.object_id] = loc
-            self.slots = kept
-            self.where = {s.key: loc for loc, s in kept.items()}
-            self.on_disk = {k: v for k, v in self.on_disk.items() if v.object_id in
-                            self.disk_by_oid}
-            log = self.state.events_since(0, limit=1 << 30)
-            self._seq = log[-1].seq if log else 0
+            snap = self.wiring.stats()
+            self.retired.update(_counts(snap.get("transitions")))
+            self.retired_downgrades.update(_counts(snap.get("downgrades")))
+            self.wiring.restart_service()
+            with self.books.lock:
+                self.books.forget_copies()
+                self._seq = 0
+                self._caught_up = 0.0
+                self.disk_oids.clear()
+                self._owner_of.clear()
+            self.faulty.clear()
 
-    # ---- oracle -----------------------------------------------------------------------------
+    # ---- oracle and stats -------------------------------------------------------------------
 
     def safe_prefix(self, hashes: Sequence[BlockHash], limit: int, abi_ok: bool = True) -> int:
-        """Longest L-aligned p <= limit whose needed blocks are all held, complete and unfaulted,
-        from the owners' own books (never from the funnel)."""
+        """Longest LCM-aligned p <= limit whose needed blocks this backend wrote completely and
+        some live, aligned object still holds (its own books, never the funnel)."""
         if not abi_ok:
             return 0
         lay = self.layout
         hb, lcm = lay.hash_block, lay.lcm
-        with self.lock:
-            self._drain()
+        self._sync()
+        with self.books.lock:
             for k in range(limit // lcm, 0, -1):
                 p = k * lcm
-                if all(
-                    self._safe(bytes(hashes[d]), lay.columns[c].name)
-                    for d in range(p // hb)
-                    for c in _needed_columns(lay, d, p)
-                ):
+                if all(self.books.safe((bytes(hashes[d]), lay.columns[c].name))
+                       for d in range(p // hb) for c in needed_columns(lay, d, p)):
                     return int(p)
         return 0
 
-    def _safe(self, h: bytes, col: str) -> bool:
-        key = (h, col)
-        loc = self.where.get(key)
-        if loc is not None:
-            slot = self.slots.get(loc)
-            if loc[0] == self.odd_shard:
-                return False  # a misaligned memory copy is what a reader would be handed
-            if slot is not None and slot.good:
-                return True
-        d = self.on_disk.get(key)
-        if d is None or not d.good:
-            return False
-        rec = self.state.objects.get(ObjectId(d.object_id))
-        return rec is not None and rec.state in (State.ON_DISK, State.ON_DISK_READY)
-
-    # ---- stats ------------------------------------------------------------------------------
-
     def stats(self) -> dict[str, Any]:
-        with self.lock:
-            snap = self.state.stats()
-            transitions = Counter(self.retired)
-            transitions.update(_counts(snap["transitions"]))
-            downgrades = Counter(self.retired_downgrades)
-            downgrades.update(_counts(snap["downgrades"]))
-            return {
-                "backend": self.name,
-                "disk": self.disk.kind,
-                "transitions": dict(sorted(transitions.items())),
-                "downgrades": dict(sorted(downgrades.items())),
-                "gauges": snap["gauges"],
-                "events": dict(self.events),
-                "disk_corruption": self.disk.corruption(),
-                "epoch": self.epoch,
-            }
+        snap = self.wiring.stats()
+        transitions = Counter(self.retired)
+        transitions.update(_counts(snap.get("transitions")))
+        downgrades = Counter(self.retired_downgrades)
+        downgrades.update(_counts(snap.get("downgrades")))
+        return {
+            "backend": self.name,
+            "disk": "lmdb",
+            "transitions": dict(sorted(transitions.items())),
+            "downgrades": dict(sorted(downgrades.items())),
+            "events": dict(self.events),
+            "restarts": self.wiring.restarts,
+        }
+
+
+def _counts(value: object) -> dict[str, int]:
+    return {str(k): int(v) for k, v in value.items()} if isinstance(value, Mapping) else {}
+
+
+def _as_bytes(t: Any) -> np.ndarray:
+    arr = t.numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
+    return np.ascontiguousarray(arr, dtype=np.float32).view(np.uint8).reshape(-1)

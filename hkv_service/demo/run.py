@@ -1,10 +1,10 @@
 """``hkv demo``: drive the reference-model workload through hkv and report.
 
-Backend choice (``cli.py`` has no flag for it): ``HKV_DEMO_BACKEND=system`` or ``inprocess``.
-``hkv demo`` defaults to the embedded system (``system_backend.py``); ``run_workload`` to
-in-process. When the system cannot start, the demo says so on stderr and runs in-process.
-Faults the system backend cannot inject are taken out of the plan and listed under
-``faults_not_injected``.
+Wiring choice (``cli.py`` has no flag for it): ``HKV_DEMO_BACKEND=system`` or ``inprocess``
+(``wiring.py``); the same backend and the same real shards, disk tiers and data plane run on
+both, and every fault is injected on both. ``hkv demo`` defaults to the embedded system;
+``run_workload`` to in-process. When the system cannot start, the demo says so on stderr and
+runs in-process.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 from hkv_service.refmodel import RefModel
 from hkv_service.specs import default_spec
 
-from .backend import CacheBackend, InProcessBackend
+from .backend import DemoBackend
 from .faults import EXPECTED, FaultPlan, FaultSpecError, parse_faults
 from .worker import Totals, Worker
 from .workload import long_prompt_workload, make_workload
@@ -32,7 +32,7 @@ from .workload import long_prompt_workload, make_workload
 __all__ = ["DemoConfig", "run_demo", "run_long_prompts", "run_workload"]
 
 NORMAL_POOL = 192  # blocks per column per shard; long prompts spill to disk
-PRESSURE_POOL = 48  # pool_pressure: constant eviction
+PRESSURE_POOL = 96  # pool_pressure: constant eviction
 
 
 class DemoConfig(argparse.Namespace):
@@ -43,7 +43,6 @@ class DemoConfig(argparse.Namespace):
     check: bool = False
     workers: int = 2
     json: bool = False
-    endpoint: str | None = None
 
 
 def _shapes(model: RefModel) -> dict[str, tuple[int, ...]]:
@@ -66,23 +65,25 @@ def backend_choice(default: str = "system") -> str:
 
 
 def make_backend(model: RefModel, rates: dict[str, float], note: Any = None,
-                 default: str = "system") -> CacheBackend:
-    choice = backend_choice(default)
-    spec = model.spec
-    shapes = _shapes(model)
-    pool = PRESSURE_POOL if rates.get("pool_pressure", 0.0) > 0 else NORMAL_POOL
-    if choice == "system":
-        try:
-            from .system_backend import SystemBackend
+                 default: str = "system", unsafe_skip_read_check: bool = False) -> DemoBackend:
+    """The backend on the chosen wiring. ``unsafe_skip_read_check`` (TEST ONLY, in-process):
+    the shards skip their read re-check, a planted bug ``--check`` must catch."""
+    from .wiring import InProcessWiring, SystemWiring, Wiring
 
-            return SystemBackend(spec, shapes, pool_blocks=pool, emit=note)
+    choice = backend_choice(default)
+    pool = PRESSURE_POOL if rates.get("pool_pressure", 0.0) > 0 else NORMAL_POOL
+    odd = rates.get("misaligned_handle", 0.0) > 0
+    wiring: Wiring | None = None
+    if choice == "system" and not unsafe_skip_read_check:
+        try:
+            wiring = SystemWiring(model.spec, pool, odd, emit=note)
         except Exception as err:
             if note is not None:
                 note(f"the system backend could not start ({type(err).__name__}: "
                      f"{str(err).splitlines()[0] if str(err) else ''}); running in-process")
-    return InProcessBackend(
-        spec, shapes, pool_blocks=pool, misaligned_shard=rates.get("misaligned_handle", 0.0) > 0
-    )
+    if wiring is None:
+        wiring = InProcessWiring(model.spec, pool, odd, unsafe_skip_read_check)
+    return DemoBackend(wiring, _shapes(model))
 
 
 def run_workload(
@@ -94,17 +95,12 @@ def run_workload(
     duration: float | None = None,
     progress: Any = None,
     backend: str = "inprocess",
+    unsafe_skip_read_check: bool = False,
 ) -> dict[str, Any]:
     rates = parse_faults(faults) if isinstance(faults, str) else dict(faults)
     spec = default_spec()
     model = RefModel(spec)
-    be = make_backend(model, rates, progress, backend)
-    skipped: dict[str, str] = {}
-    if getattr(be, "name", "") == "system":
-        from .system_backend import UNSUPPORTED_FAULTS
-
-        skipped = {k: UNSUPPORTED_FAULTS[k] for k in sorted(rates) if k in UNSUPPORTED_FAULTS}
-        rates = {k: v for k, v in rates.items() if k not in skipped}
+    be = make_backend(model, rates, progress, backend, unsafe_skip_read_check)
     plan = FaultPlan(rates, seed)
     wl = make_workload(requests, seed, vocab=model.config.vocab)
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // max(1, workers)))
@@ -145,17 +141,12 @@ def run_workload(
         be.close()
     if errors:
         raise errors[0]
-    rep = _report(totals, plan, st, elapsed, rates)
-    if skipped:
-        rep["faults_not_injected"] = skipped
-        for name in skipped:
-            rep["faults_injected"].setdefault(name, 0)
-    return rep
+    return _report(totals, plan, st, elapsed, rates)
 
 
 def run_long_prompts(prefix: int, resumed: int, seed: int = 0, check: bool = True
                      ) -> dict[str, Any]:
-    """Requests at realistic prompt lengths through the in-process backend, one at a time.
+    """Requests at realistic prompt lengths through the in-process wiring, one at a time.
 
     A document of ``prefix`` tokens is asked about ``resumed + 1`` times (see
     :func:`long_prompt_workload`): the first request computes it cold, the others resume from
@@ -169,7 +160,9 @@ def run_long_prompts(prefix: int, resumed: int, seed: int = 0, check: bool = Tru
     model = RefModel(spec)
     wl = long_prompt_workload(prefix, resumed, seed, vocab=model.config.vocab)
     depths = sum(len(r.tokens) for r in wl.requests) // spec.hash_block_size + len(wl.requests)
-    be = InProcessBackend(spec, _shapes(model), pool_blocks=depths + 64)
+    from .wiring import InProcessWiring
+
+    be = DemoBackend(InProcessWiring(spec, depths + 64), _shapes(model))
     plan = FaultPlan({}, seed)
     # one thread, as each demo worker has: another process on a shared machine cannot then
     # stall a parallel region (two threads made a 1 s prefill take 18 s under load)
@@ -228,7 +221,7 @@ def _report(totals: Totals, plan: FaultPlan, st: dict[str, Any], elapsed: float,
         "elapsed_s": round(elapsed, 3),
         "backend": st.get("backend"),
         "disk": st.get("disk"),
-        "disk_corruption": st.get("disk_corruption", 0),
+        "service_restarts": st.get("restarts", 0),
         "per_request": totals.per_request,
     }
 
@@ -251,8 +244,6 @@ def _summary(rep: dict[str, Any]) -> str:
     if rep["faults_injected"]:
         lines.append("  faults injected   " + ", ".join(f"{k}={v}" for k, v in
                                                          rep["faults_injected"].items()))
-    for name, why in rep.get("faults_not_injected", {}).items():
-        lines.append(f"  not injected      {name} on the {rep['backend']} backend: {why}")
     t = rep["time_s"]
     lines.append(f"  time (s)          lookup {t.get('lookup', 0):.3f}  transfer "
                  f"{t.get('transfer', 0):.3f}  compute {t.get('compute', 0):.3f}  "
@@ -275,10 +266,6 @@ def run_demo(args: argparse.Namespace) -> int:
     def note(msg: str) -> None:
         sys.stderr.write(f"hkv demo: {msg}\n")
 
-    if getattr(args, "endpoint", None):
-        from .system_backend import ENDPOINT_NOTE
-
-        note(f"{ENDPOINT_NOTE} ({args.endpoint} is not used)")
     try:
         rates = parse_faults(args.faults)
     except FaultSpecError as err:

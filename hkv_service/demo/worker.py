@@ -21,7 +21,7 @@ from hkv_service.core.states import Kind
 from hkv_service.refmodel import LOGITS_ATOL, LOGITS_RTOL, RefModel
 from hkv_service.refmodel.cache import ModelCache
 
-from .backend import CacheBackend, WriteOptions
+from .backend import DemoBackend, WriteOptions
 from .faults import FaultPlan
 from .workload import Request
 
@@ -59,7 +59,7 @@ class Totals:
 
 
 class Worker:
-    def __init__(self, model: RefModel, backend: CacheBackend, faults: FaultPlan,
+    def __init__(self, model: RefModel, backend: DemoBackend, faults: FaultPlan,
                  check: bool) -> None:
         self.model = model
         self.backend = backend
@@ -191,7 +191,8 @@ def _with_loads(w: Worker, lk: Any, hashes: list[Any], limit: int, reader_abi: A
     slow = faults and fp.roll("slow_disk_load")
     reasons.update(be.load(lk, slow=slow))
     be.release(lk)
-    lk = be.lookup(hashes, limit, reader_abi, lease=lease)
+    # our own slow load is in flight: the lookup must see it so (not wait it away)
+    lk = be.lookup(hashes, limit, reader_abi, lease=lease, wait_in_flight=not slow)
     reasons.update(d.reason.value for d in lk.match.downgrades)
     if slow:
         fp.count("slow_disk_load")

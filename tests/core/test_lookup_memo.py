@@ -14,7 +14,7 @@ from hkv_service.core import state_view
 from hkv_service.core.errors import BadHash, IllegalTransition
 from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.ids import BlockHash, ObjectId, PackedHashes, ShardId
-from hkv_service.core.memo import _PRUNE_AT
+from hkv_service.core.records import _PRUNE_AT
 from hkv_service.core.state_view import AllocRequest, CacheState, Match, StateConfig
 from hkv_service.core.states import Event, State
 from hkv_service.core.transitions import Params

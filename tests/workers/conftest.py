@@ -20,7 +20,7 @@ from hkv_service.core.layout import Layout
 from hkv_service.core.state_view import StateConfig
 from hkv_service.specs import default_spec
 from workers.launcher import clear_stale_ray, init_local_ray, worker_pythonpath
-from workers.local import ActorMetadata, MetadataActor
+from workers.raylink import ActorMetadata, MetadataActor
 
 
 def prompt(n_blocks: int, seed: int = 0, hb: int = 64) -> list[BlockHash]:

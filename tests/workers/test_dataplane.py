@@ -25,6 +25,7 @@ from hkv_service.specs import default_spec
 from workers.dataplane import DataPlane, Recompute
 from workers.launcher import SystemConfig, place_shards, shard_actor_class
 from workers.local import LocalMetadata
+from workers.raylink import ray_links
 from workers.shard import ShardConfig
 
 pytestmark = pytest.mark.usefixtures("ray_local")
@@ -50,7 +51,7 @@ def system(service: Any, endpoint: str, tmp_path_factory: pytest.TempPathFactory
                        disk_budget_bytes=32 << 20, device="cpu")
     shards = place_shards(cfg, endpoint)
     meta = LocalMetadata(service.state)
-    yield DataPlane(meta, shards, timeout_s=10.0), shards, meta
+    yield DataPlane(meta, ray_links(shards), timeout_s=10.0), shards, meta
     for a in shards.values():
         ray.kill(a, no_restart=True)
 
@@ -188,7 +189,7 @@ def test_killed_shard_objects_lost_and_lookup_downgrades(service: Any, endpoint:
     sid = f"victim-{int(restart)}"
     actor = _spare_shard(endpoint, tmp_path, sid, max_restarts=1 if restart else 0)
     meta = LocalMetadata(service.state)
-    dp = DataPlane(meta, {sid: actor}, timeout_s=5.0)
+    dp = DataPlane(meta, ray_links({sid: actor}), timeout_s=5.0)
     hashes, _, match = write_and_lookup_on(dp, w, sid, seed=10 + restart)
     first = ray.get(actor.ping.remote())
     ray.kill(actor, no_restart=not restart)
@@ -247,7 +248,7 @@ def test_inflight_call_to_killed_shard_fails_within_deadline(service: Any, endpo
     sid = "victim-inflight"
     actor = _spare_shard(endpoint, tmp_path, sid, max_restarts=0)
     meta = LocalMetadata(service.state)
-    dp = DataPlane(meta, {sid: actor}, timeout_s=3.0)
+    dp = DataPlane(meta, ray_links({sid: actor}), timeout_s=3.0)
     hashes, _, match = write_and_lookup_on(dp, w, sid, seed=20)
     actor.__ray_call__.remote(lambda self: time.sleep(30))  # occupy the shard
     start = time.monotonic()

@@ -21,6 +21,7 @@ from hkv_service.specs import default_spec
 from workers.dataplane import DataPlane
 from workers.launcher import SystemConfig, place_shards
 from workers.local import LocalMetadata
+from workers.raylink import ray_links
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,7 @@ def read_remote(endpoint: str, shards: dict[str, Any], hashes: list[BlockHash]) 
     from hkv_service.client import MetadataClient
 
     with MetadataClient(endpoint) as meta:
-        dp = DataPlane(meta, shards, timeout_s=20.0)
+        dp = DataPlane(meta, ray_links(shards), timeout_s=20.0)
         match = meta.lookup(LookupRequest(hashes, lease_ttl_s=10.0))
         out = dp.read(match, hashes)
     assert isinstance(out, dict), out
@@ -64,7 +65,7 @@ def test_one_shard_per_node_and_cross_node_read(cluster: Cluster, tmp_path: Path
         nodes = {ray.get(a.ping.remote())["node_id"]: sid for sid, a in shards.items()}
         assert len(shards) == 2 and len(nodes) == 2  # one shard on each node
         holder = sorted(shards)[0]
-        dp = DataPlane(LocalMetadata(state), shards)
+        dp = DataPlane(LocalMetadata(state), ray_links(shards))
         hashes = w.prompt(2, seed=7)
         blocks, tails = w.prefix_payload(dp.layout, 2, 7)
         assert dp.write_prefix(hashes, blocks, tails, owner=ShardId(holder)).ok

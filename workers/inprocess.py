@@ -1,0 +1,131 @@
+"""The in-process wiring of the real parts: one ``CacheState`` behind :class:`LocalMetadata`,
+N real :class:`~workers.shard.ShardActor` s (torch block pools, each with its real LMDB
+:class:`storage.DiskTier` under ``data_dir``), reached through :class:`InProcessLink` s.
+
+It is what ``hkv up`` starts, minus the processes: the same data plane, shard and disk code
+run, so a bug in them shows up here. Faults are real too:
+
+* :meth:`InProcessSystem.kill_shard` crashes a shard and starts its successor on the same
+  data directory (new incarnation, empty pools, its disk records re-confirmed), as Ray restarts
+  an actor;
+* :meth:`InProcessSystem.restart_service` swaps in a fresh ``CacheState``: every shard finds
+  out from its next heartbeat (``UnknownOwner``) and goes through its real rejoin path.
+
+Used by the demo (``HKV_DEMO_BACKEND=inprocess``), ``hkv bench e2e`` and tests.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hkv_service.core.admission import AdmissionCap
+from hkv_service.core.spec import CacheSpec
+from hkv_service.core.state_view import CacheState, StateConfig, TransitionEvent
+
+from .dataplane import DataPlane
+from .link import InProcessLink
+from .local import LocalMetadata
+from .shard import ShardActor, ShardConfig
+
+__all__ = ["ODD_SHARD", "InProcessConfig", "InProcessSystem"]
+
+ODD_SHARD = "shard-odd"  # the shard with padded pools (InProcessConfig.odd_shard)
+ODD_PAD = 32  # its pools' pad: blocks 32-byte aligned, no more
+
+
+@dataclass(frozen=True, slots=True)
+class InProcessConfig:
+    shards: int = 2
+    blocks_per_group: int = 256
+    disk_budget_bytes: int = 1 << 30
+    heartbeat_interval_s: float = 0.2
+    admission: AdmissionCap = field(default_factory=AdmissionCap)
+    state: StateConfig = field(default_factory=lambda: StateConfig(heartbeat_timeout_s=30.0))
+    odd_shard: bool = False  # one more shard whose pools are only 32-byte aligned
+    device: str = "cpu"
+    unsafe_skip_read_check: bool = False  # TEST ONLY: see ShardConfig
+
+
+class InProcessSystem:
+    def __init__(self, spec: CacheSpec, data_dir: str | Path,
+                 config: InProcessConfig | None = None) -> None:
+        self.spec = spec
+        self.config = config or InProcessConfig()
+        self.data_dir = Path(data_dir)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.meta = LocalMetadata(CacheState(spec, self.config.state))
+        self.links: dict[str, InProcessLink] = {}
+        self.restarts = 0
+        names = [f"shard-{i}" for i in range(self.config.shards)]
+        if self.config.odd_shard:
+            names.append(ODD_SHARD)
+        try:
+            for sid in names:
+                self.links[sid] = InProcessLink(sid, ShardActor(self.shard_config(sid)))
+        except BaseException:
+            self.close()
+            raise
+
+    def shard_config(self, sid: str) -> ShardConfig:
+        c = self.config
+        return ShardConfig(
+            sid, self.meta, str(self.data_dir), c.blocks_per_group, c.disk_budget_bytes,
+            c.admission, heartbeat_interval_s=c.heartbeat_interval_s, device=c.device,
+            node_id="in-process", pool_stride_pad=ODD_PAD if sid == ODD_SHARD else 0,
+            unsafe_skip_read_check=c.unsafe_skip_read_check,
+        )
+
+    def dataplane(self, timeout_s: float = 10.0) -> DataPlane:
+        return DataPlane(self.meta, self.links, timeout_s)
+
+    def shard_dir(self, sid: str) -> Path:
+        return self.data_dir / sid
+
+    def incarnation(self, sid: str) -> int:
+        return int(self.links[sid].shard.incarnation)
+
+    # -- faults ---------------------------------------------------------------------------
+
+    def kill_shard(self, sid: str) -> int:
+        """Crash shard ``sid`` and start its successor; returns the successor's incarnation."""
+        self.crash_shard(sid)
+        return self.revive_shard(sid)
+
+    def crash_shard(self, sid: str) -> None:
+        """Shard ``sid`` dies: calls to it fail (ShardUnavailable) until it is revived."""
+        self.links[sid].kill()
+
+    def revive_shard(self, sid: str) -> int:
+        """Start the successor of crashed shard ``sid`` on the same link (empty pools, the same
+        disk tier: it registers, is a new incarnation, re-confirms its disk records)."""
+        self.links[sid].revive(ShardActor(self.shard_config(sid)))
+        return self.incarnation(sid)
+
+    def restart_service(self, timeout_s: float = 60.0) -> None:
+        """A fresh metadata view; returns once every shard has rejoined it (or raises
+        TimeoutError)."""
+        # a crashed shard is left out: its successor registers with whichever view is there
+        before = {sid: self._rejoins(sid) for sid, link in self.links.items() if link.alive}
+        self.meta.swap(CacheState(self.spec, self.config.state))
+        self.restarts += 1
+        deadline = time.monotonic() + timeout_s
+        while any(self._rejoins(sid) <= n for sid, n in before.items()):
+            if time.monotonic() > deadline:
+                raise TimeoutError("shards did not rejoin the restarted metadata view")
+            time.sleep(0.05)
+
+    def _rejoins(self, sid: str) -> int:
+        stats = self.links[sid].submit("stats").result(30.0)
+        return int(stats["counts"].get("rejoins", 0))
+
+    # -- the transition stream ------------------------------------------------------------
+
+    def events_since(self, seq: int, limit: int = 4096) -> list[TransitionEvent]:
+        return self.meta.events_since(seq, limit)
+
+    def close(self) -> None:
+        for link in self.links.values():
+            link.close()
+        self.links.clear()
