@@ -530,9 +530,12 @@ def reconcile_shards(system: System, emit: Emit) -> None:
         system.shards.pop(sid, None)
         system.replaced[sid] = system.replaced.get(sid, 0) + 1
         emit(f"shard {sid} died for good (restarts used up); placing a new one")
-    with contextlib.suppress(Exception):  # a node that failed to take a shard: try next time
+    try:
         added = place_shards(system.config, system.endpoint, system.token,
                              existing=system.shards, tls=system.tls)
-        system.shards.update(added)
-        if added:
-            emit(f"{len(added)} shard(s) placed: {', '.join(sorted(added))}")
+    except Exception as exc:  # a node that failed to take a shard: try next time
+        emit(f"could not place a shard ({type(exc).__name__}: {exc}); trying again")
+        return
+    system.shards.update(added)
+    if added:
+        emit(f"{len(added)} shard(s) placed: {', '.join(sorted(added))}")

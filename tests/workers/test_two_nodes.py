@@ -3,6 +3,7 @@ affinity, and a read from a Ray task scheduled on the node that does not hold th
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -104,8 +105,12 @@ def test_nodes_joining_later_get_shards_and_head_is_left_out(cluster: Cluster,
         node = cluster.add_node(num_cpus=1)
         cluster.wait_for_nodes()
         said: list[str] = []
-        reconcile_shards(system, said.append)
-        assert len(system.shards) == 2 and said
+        deadline = time.monotonic() + 60  # hkv up reconciles every 5 s: within a few rounds
+        while len(system.shards) < 2 and time.monotonic() < deadline:
+            reconcile_shards(system, said.append)
+            if len(system.shards) < 2:
+                time.sleep(2.0)
+        assert len(system.shards) == 2 and said, said
         reconcile_shards(system, said.append)  # idempotent: nothing new to place
         assert len(system.shards) == 2
     finally:
