@@ -115,6 +115,9 @@ def connect(source: Any, token: str | None = None, timeout_s: float = 10.0,
         from hkv_service.client import MetadataClient  # the gRPC client (server/ + client/)
 
         return MetadataClient(source, token=token, tls=tls, timeout_s=timeout_s)
+    if type(source).__module__.startswith("ray."):  # a bare actor handle fakes every method
+        raise TypeError("a Ray actor handle is not a metadata port: wrap a MetadataActor handle "
+                        "in workers.raylink.ActorMetadata")
     if isinstance(source, MetadataPort):
         return source
     raise TypeError(f"cannot reach the metadata service through a {type(source).__name__}")
