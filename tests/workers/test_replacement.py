@@ -55,6 +55,9 @@ def test_a_shard_dead_for_good_is_replaced_and_reported(tmp_path: Path, w: Any) 
         _await_health(system.endpoint, health, SERVING)
 
         ray.kill(actor, no_restart=True)  # dead for good, as after its last restart
+        deadline = time.monotonic() + 30  # ray.kill returns before the actor is gone
+        while dead_shards(system) != [sid] and time.monotonic() < deadline:
+            time.sleep(0.2)
         assert dead_shards(system) == [sid]
         _await_health(system.endpoint, health, NOT_SERVING)  # silent past its timeout: lost
         assert system.metadata().stats()["gauges"]["owners_lost"] == 1
