@@ -14,7 +14,7 @@ from .settings import DEFAULT_PORT, ClientSettings, ServiceSettings, SystemSetti
 
 __all__ = ["build_parser", "main"]
 
-BENCH_NAMES = ("core", "service", "disk", "shard", "e2e")
+BENCH_NAMES = ("core", "service", "disk", "shard", "e2e", "scale", "vllm")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -233,7 +233,8 @@ class DataPlane:
             if kinds[s] is Kind.INDEXER:
                 kv = self.layout.columns[self.layout.by_name[s[1]]].indexes
                 assert kv is not None
-                version = report.versions.get((s[0], self.layout.columns[kv].name))
+                kv_slot = (s[0], self.layout.columns[kv].name)
+                version = report.versions.get(kv_slot, self._same_kv(kv_slot, existing, data))
                 old = existing.get(s)
                 if old is not None and (version is None or (
                         old.state is State.INDEXER_SYNCED and old.version == version)):
@@ -248,6 +249,20 @@ class DataPlane:
                 second.append(s)
         self._write(block_hashes, second, data, report)
         return report
+
+    @staticmethod
+    def _same_kv(kv_slot: Slot, existing: Mapping[Slot, Allocation],
+                 data: Mapping[Slot, tuple[Any, Commit]]) -> int | None:
+        """The version of a KV already there whose bytes are this call's (its version is the
+        content version of the bytes this call brings): an indexer of those bytes syncs to
+        it. None if the KV there holds other bytes, or this call brings none for it. (The
+        sync's precondition checks the KV is still at that version when it lands.)"""
+        kv = existing.get(kv_slot)
+        mine = data.get(kv_slot)
+        if kv is None or mine is None or kv.state is not State.COMPRESSED_READY:
+            return None
+        version = mine[1].merged().version
+        return version if version is not None and kv.version == version else None
 
     def _check_sizes(self, data: Mapping[Slot, tuple[Any, Commit]]) -> None:
         """Raise WrongSize (nothing allocated yet) unless every block is exactly its object's

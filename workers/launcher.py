@@ -397,7 +397,7 @@ class _ServiceHost:
         from hkv_service.server.serve import start_service
 
         logging.basicConfig(level=logging.INFO)
-        self.running = start_service(settings, inputs)
+        self.running = start_service(settings, inputs, own_process=True)
 
     def settings(self) -> ServiceSettings:
         return self.running.settings

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from hkv_service.core.allocator import PoolConfig
+from hkv_service.core.errors import HkvError
 from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.ids import BlockHash, LeaseId, ObjectId, ShardId
 from hkv_service.core.records import Handle
@@ -23,6 +24,7 @@ from hkv_service.core.state_view import (
     CacheState,
     Match,
     ObjectReport,
+    ObjectTransitions,
     TransitionEvent,
     TransitionResult,
 )
@@ -45,16 +47,24 @@ class LocalMetadata:
         return self.state.spec
 
     def register_owner(self, owner: ShardId, pools: Mapping[str, PoolConfig]) -> int:
-        return self.state.register_owner(owner, pools)
+        incarnation = self.state.register_owner(owner, pools)
+        self.state.reap_all()  # a known owner coming back lost its old incarnation
+        return incarnation
 
     def heartbeat(self, owner: ShardId, incarnation: int) -> None:
         self.state.heartbeat(owner, incarnation)
 
     def mark_owner_lost(self, owner: ShardId) -> int:
-        return self.state.mark_owner_lost(owner)
+        lost = self.state.mark_owner_lost(owner)
+        self.state.reap_all()  # in process there is no reaper thread: slices, here and now
+        return lost
 
     def confirm(self, owner: ShardId, reports: Sequence[ObjectReport], incarnation: int) -> int:
         return self.state.confirm(owner, reports, incarnation)
+
+    def confirm_objects(self, owner: ShardId, reports: Sequence[ObjectReport], incarnation: int
+                        ) -> list[ObjectId | None]:
+        return self.state.confirm_objects(owner, reports, incarnation)
 
     def allocate(
         self,
@@ -72,6 +82,10 @@ class LocalMetadata:
         generation: int | None = None,
     ) -> TransitionResult:
         return self.state.transition(object_id, event, params, generation)
+
+    def transition_many(self, items: Sequence[ObjectTransitions]
+                        ) -> list[TransitionResult | HkvError]:
+        return self.state.transition_many(items)
 
     def evict(self, object_id: ObjectId) -> None:
         self.state.evict(object_id)
@@ -101,7 +115,9 @@ class LocalMetadata:
         return self.state.events_since(seq, limit)
 
     def expire_owners(self) -> list[ShardId]:
-        return self.state.expire_owners()
+        expired = self.state.expire_owners()
+        self.state.reap_all()
+        return expired
 
     def stats(self) -> dict[str, object]:
         return self.state.stats()

@@ -26,6 +26,7 @@ from typing import Any, Protocol, overload, runtime_checkable
 import numpy as np
 
 from hkv_service.core.allocator import PoolConfig
+from hkv_service.core.errors import HkvError
 from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.ids import BlockHash, LeaseId, ObjectId, ShardId
 from hkv_service.core.layout import Layout
@@ -36,6 +37,7 @@ from hkv_service.core.state_view import (
     AllocRequest,
     Match,
     ObjectReport,
+    ObjectTransitions,
     TransitionResult,
 )
 from hkv_service.core.states import Event, Kind
@@ -70,6 +72,9 @@ class MetadataPort(Protocol):
     def confirm(self, owner: ShardId, reports: Sequence[ObjectReport], incarnation: int
                 ) -> int: ...
 
+    def confirm_objects(self, owner: ShardId, reports: Sequence[ObjectReport],
+                        incarnation: int) -> list[ObjectId | None]: ...
+
     def allocate(
         self,
         block_hashes: Sequence[BlockHash],
@@ -84,6 +89,12 @@ class MetadataPort(Protocol):
         params: Params | None = None,
         generation: int | None = None,
     ) -> TransitionResult: ...
+
+    def transition_many(self, items: Sequence[ObjectTransitions]
+                        ) -> list[TransitionResult | HkvError]:
+        """Each item's events in order, all or none of them, in one call (see
+        ``CacheState.transition_many``): a refused item comes back as its error."""
+        ...
 
     def evict(self, object_id: ObjectId) -> None: ...
 

@@ -22,6 +22,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from hkv_service.core.allocator import PoolConfig
+from hkv_service.core.errors import HkvError
 from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.ids import BlockHash, LeaseId, ObjectId, ShardId
 from hkv_service.core.records import Handle
@@ -32,6 +33,7 @@ from hkv_service.core.state_view import (
     CacheState,
     Match,
     ObjectReport,
+    ObjectTransitions,
     StateConfig,
     TransitionResult,
 )
@@ -127,6 +129,10 @@ class ActorMetadata:
     def confirm(self, owner: ShardId, reports: Sequence[ObjectReport], incarnation: int) -> int:
         return int(self._call("confirm", owner, list(reports), incarnation))
 
+    def confirm_objects(self, owner: ShardId, reports: Sequence[ObjectReport], incarnation: int
+                        ) -> list[ObjectId | None]:
+        return self._call("confirm_objects", owner, list(reports), incarnation)  # type: ignore[no-any-return]
+
     def allocate(
         self,
         block_hashes: Sequence[BlockHash],
@@ -143,6 +149,12 @@ class ActorMetadata:
         generation: int | None = None,
     ) -> TransitionResult:
         return self._call("transition", object_id, event, params, generation)  # type: ignore[no-any-return]
+
+    def transition_many(self, items: Sequence[ObjectTransitions]
+                        ) -> list[TransitionResult | HkvError]:
+        # one actor call; a refused item's error comes back as a value (pickled whole, fields
+        # and all), not raised
+        return self._call("transition_many", [ObjectTransitions(*it) for it in items])  # type: ignore[no-any-return]
 
     def evict(self, object_id: ObjectId) -> None:
         self._call("evict", object_id)

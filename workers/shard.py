@@ -10,12 +10,16 @@ Lifecycle::
               lost first: a restarted shard comes back empty); confirm(ON_DISK reports from
               the disk tier's tags, for records of this spec's ABI only); heartbeat thread
               started.
-    heartbeat UnknownOwner (metadata restarted or declared us lost) -> reset pools to empty,
-              re-register, re-confirm the disk tier.
+    heartbeat UnknownOwner (metadata restarted or declared us lost) -> every block but the
+              intact ones (tagged object still there) reset to empty, re-register,
+              confirm_objects(the intact memory blocks, then the disk tier) in batches; each
+              kept block takes its object's new id. A restarted service is back with its
+              hits in one pass over what the shard holds.
 
 Data plane (all batched, per-item :class:`~workers.ports.ItemResult`, never raises per item):
 
-* ``write_blocks``: copy in -> wait readable -> report the item's :class:`Commit` events.
+* ``write_blocks``: copy all in -> wait readable -> report every item's :class:`Commit`
+  in one ``transition_many`` call (each object's events all or none).
 * ``read_blocks``: generation and occupant re-checked right before the copy; stale -> STALE.
 * ``offload``: begin_offload -> read -> disk put (tag + payload, checksummed, committed) ->
   OFFLOAD_COMMITTED; failures -> OFFLOAD_FAILED with the reason (admission, disk full ...).
@@ -56,7 +60,12 @@ from hkv_service.core.errors import (
 from hkv_service.core.ids import BlockHash, ObjectId, ShardId
 from hkv_service.core.layout import Layout
 from hkv_service.core.records import Handle
-from hkv_service.core.state_view import ObjectReport
+from hkv_service.core.state_view import (
+    ObjectReport,
+    ObjectTransitions,
+    TransitionResult,
+    check_report,
+)
 from hkv_service.core.states import Event, Kind, State
 from hkv_service.core.transitions import Params
 from hkv_service.settings import TlsConfig
@@ -83,10 +92,20 @@ __all__ = ["PACK_BELOW", "ShardActor", "ShardConfig"]
 
 PACK_BELOW = 32 * 1024  # read spans smaller than this are packed into one buffer per call
 LOAD_CHUNK = 8  # disk loads begun, read and finished together (see ShardActor.load)
+CONFIRM_BATCH = 256  # reports per confirm call when the shard registers again
+# Commits reported in one transition_many call: the service holds its lock for a whole call,
+# so a write of thousands of objects goes in calls this size (a 16-block prefix in one).
+COMMIT_CHUNK = 512
 _WRITTEN = ItemResult(Outcome.OK)  # one shared object: a batch of them pickles as memo refs
 _UNREAD = ItemResult(Outcome.FAILED, "not read")  # placeholder while a read is assembled
 
 log = logging.getLogger(__name__)
+_HELD = {  # the state a block whose commit landed is vouched for in
+    Kind.COMPRESSED: State.COMPRESSED_READY,
+    Kind.SWA: State.SWA_VALID,
+    Kind.TAIL: State.TAIL_COMPLETE,
+    Kind.INDEXER: State.INDEXER_SYNCED,
+}
 _TARGET = {
     Event.WRITE_DONE: {State.COMPRESSED_READY, State.SWA_VALID, State.INDEXER_WRITTEN,
                        State.INDEXER_SYNCED},
@@ -149,26 +168,93 @@ class ShardActor:
     # -- registration -----------------------------------------------------------------------
 
     def _register(self) -> None:
+        """Register (again) and vouch for what this shard still holds: the memory blocks whose
+        bytes are intact (a service restart, or a loss the service declared while this
+        process lived on), then the disk tier."""
         with self._lock:
+            held = self._memory_reports()
+            self._reset_pools(keep={(g, r.block) for g, r in held})
             self.incarnation = self.meta.register_owner(self.shard_id, self.pools.configs())
-            self.confirmed = self._confirm_disk()
-            log.info("shard %s registered (incarnation %d, %d disk objects confirmed)",
-                     self.shard_id, self.incarnation, self.confirmed)
+            memory = self._confirm_memory(held)
+            disk = self._confirm_disk()
+            self.confirmed = memory + disk
+            log.info("shard %s registered (incarnation %d; %d memory and %d disk objects "
+                     "confirmed)", self.shard_id, self.incarnation, memory, disk)
+
+    def _memory_reports(self) -> list[tuple[str, ObjectReport]]:
+        """A report per block whose tagged object still occupies it: written, committed and
+        not overwritten since (a write claims the block's object id before it copies, a
+        refused commit forgets it, so a block whose id no longer matches its tag may hold
+        other bytes and is never vouched for). Only what a confirm takes (``check_report``):
+        an indexer never synced, a tail short of its boundary are left out."""
+        out = []
+        for (group, block), (oid, tag) in self._tags.items():
+            pool = self.pools.get(group)
+            if pool is None or int(pool.object_id[block]) != oid:
+                continue
+            col = self.layout.by_name[group]
+            report = ObjectReport(tag.block_hash, tag.parent_hash, tag.depth, group,
+                                  _HELD[self.layout.columns[col].kind], block,
+                                  int(pool.generation[block]), tag.version, tag.lo, tag.hi)
+            try:
+                check_report(self.layout, report)
+            except HkvError:
+                continue
+            out.append((group, report))
+        return out
+
+    def _reset_pools(self, keep: set[tuple[str, int]]) -> None:
+        """Every block but ``keep`` back to empty at generation 0, as a new registration's
+        fresh pool twin on the service hands it out."""
+        for group, pool in self.pools.pools.items():
+            kept = [b for g, b in keep if g == group]
+            saved = pool.generation[kept].copy(), pool.object_id[kept].copy()
+            pool.generation[:] = 0
+            pool.object_id[:] = -1
+            pool.generation[kept], pool.object_id[kept] = saved
+        self._tags = {k: v for k, v in self._tags.items() if k in keep}
+        self._disk_ids.clear()
+
+    def _confirm_memory(self, held: list[tuple[str, ObjectReport]]) -> int:
+        """Vouch for ``held`` in batches; each block takes the id its object has now, and a
+        block the service did not take back is emptied (its bytes are no object's)."""
+        total = 0
+        for i in range(0, len(held), CONFIRM_BATCH):
+            batch = held[i : i + CONFIRM_BATCH]
+            ids = self.meta.confirm_objects(self.shard_id, [r for _, r in batch],
+                                            self.incarnation)
+            for (group, r), oid in zip(batch, ids, strict=True):
+                pool = self.pools[group]
+                if oid is None:
+                    pool.generation[r.block], pool.object_id[r.block] = 0, -1
+                    self._tags.pop((group, r.block), None)
+                    continue
+                pool.object_id[r.block] = oid
+                self._tags[(group, r.block)] = (oid, self._tags[(group, r.block)][1])
+                total += 1
+        return total
 
     def _confirm_disk(self) -> int:
-        """Report every verified disk record as ON_DISK, in chunks."""
-        reports: list[ObjectReport] = []
+        """Report every verified disk record as ON_DISK, in batches."""
+        reports: list[tuple[DiskKey, ObjectReport]] = []
         total = 0
         for meta in self.disk.scan():
             report = self._report_of(meta.key)
             if report is not None:
-                reports.append(report)
-            if len(reports) >= 256:
-                total += self.meta.confirm(self.shard_id, reports, self.incarnation)
+                reports.append((meta.key, report))
+            if len(reports) >= CONFIRM_BATCH:
+                total += self._confirm_disk_batch(reports)
                 reports = []
         if reports:
-            total += self.meta.confirm(self.shard_id, reports, self.incarnation)
+            total += self._confirm_disk_batch(reports)
         return total
+
+    def _confirm_disk_batch(self, batch: list[tuple[DiskKey, ObjectReport]]) -> int:
+        ids = self.meta.confirm_objects(self.shard_id, [r for _, r in batch], self.incarnation)
+        for (key, _), oid in zip(batch, ids, strict=True):
+            if oid is not None:
+                self._disk_ids[key] = oid  # its tier evicting it later ends that object
+        return sum(1 for oid in ids if oid is not None)
 
     def _report_of(self, key: DiskKey) -> ObjectReport | None:
         col = self.layout.by_name.get(key.group)
@@ -198,13 +284,9 @@ class ShardActor:
                 log.warning("heartbeat of %s failed: %s", self.shard_id, exc)
 
     def _rejoin(self) -> None:
-        """The service forgot us (restart) or declared us lost: come back empty."""
+        """The service forgot us (restart) or declared us lost: register again, vouching for
+        the blocks still intact (``_register``)."""
         with self._lock:
-            for pool in self.pools.pools.values():
-                pool.generation[:] = 0
-                pool.object_id[:] = -1
-            self._tags.clear()
-            self._disk_ids.clear()
             self._bump("rejoins")
             try:
                 self._register()
@@ -220,24 +302,36 @@ class ShardActor:
         tags: Sequence[BlockTag | None] | None = None,
         commits: Sequence[Commit | None] | None = None,
     ) -> list[ItemResult]:
-        """Copy ``arrays[i]`` into ``handles[i]``'s block; once readable, report ``commits[i]``.
+        """Copy ``arrays[i]`` into ``handles[i]``'s block; once every copy is readable, report
+        all the ``commits`` in one ``transition_many`` call (each object's events all or none).
         ``handles`` may be a :class:`~workers.pool.HandleBatch` (what the data plane sends).
         Results carry the KV version a commit issued, never the handle."""
         batch = HandleBatch.of(handles)
         if len(arrays) != len(batch):
             raise ValueError(f"{len(batch)} handles but {len(arrays)} arrays")
         groups = [c[3] for c in batch.columns]
+        tag_of = list(tags) if tags else [None] * len(batch)
+        commit_of = list(commits) if commits else [None] * len(batch)
         with self._lock:
-            out = []
+            out: list[ItemResult] = []
+            written: list[tuple[str, int]] = []
             for i, (slot, oid, gen, block, _) in enumerate(batch.rows.tolist()):
-                tag = tags[i] if tags else None
-                commit = commits[i] if commits else None
-                res = self._sized(batch.columns[slot][1], groups[slot], tag, commit, arrays[i])
+                res = self._sized(batch.columns[slot][1], groups[slot], tag_of[i], commit_of[i],
+                                  arrays[i])
                 if res is None:
                     res = self._copy_in(groups[slot], block, gen, oid, arrays[i])
-                if res.ok and (tag is not None or commit is not None):
-                    res = self._after_write(batch[i], tag, commit)
+                    if res.ok:
+                        written.append((groups[slot], block))
                 out.append(res)
+            for group, block in written:  # commits are reported only once bytes are readable
+                self.pools[group].wait(block)
+            done = {i: batch[i] for i, res in enumerate(out)
+                    if res.ok and (tag_of[i] is not None or commit_of[i] is not None)}
+            committed = iter(self._commit_all(
+                [(h, c) for i, h in done.items() if (c := commit_of[i]) is not None]))
+            for i, h in done.items():
+                c = commit_of[i]
+                out[i] = self._after_write(h, tag_of[i], c, None if c is None else next(committed))
             self._bump("writes", len(out))
             return out
 
@@ -259,7 +353,8 @@ class ShardActor:
 
     def _copy_in(self, group: str, block: int, generation: int, oid: int,
                  data: Any) -> ItemResult:
-        """Write one block and wait until it is readable ("written" is not "readable")."""
+        """Write one block; the caller waits until it is readable ("written" is not
+        "readable")."""
         pool = self.pools.get(group)
         if pool is None:
             return ItemResult(Outcome.FAILED, f"bad handle: no column {group!r}")
@@ -269,19 +364,20 @@ class ShardActor:
             return ItemResult(Outcome.STALE, str(exc))
         except (ValueError, IndexError) as exc:
             return ItemResult(Outcome.FAILED, str(exc))
-        pool.wait(block)  # commits are reported only once the bytes are readable
         return _WRITTEN
 
-    def _after_write(self, h: Handle, tag: BlockTag | None, commit: Commit | None
-                     ) -> ItemResult:
+    def _after_write(self, h: Handle, tag: BlockTag | None, commit: Commit | None,
+                     committed: ItemResult | None) -> ItemResult:
+        """``committed``: what reporting ``commit`` gave (None without a commit)."""
         version = 0
-        if commit is not None:
-            result = self._commit_all(h, commit)
-            if not result.ok:
+        if committed is not None:
+            if not committed.ok:
                 self.pools[h.group].forget(h.block, h.object_id)
-                return result
-            version = result.version
-        if tag is not None:
+                return committed
+            version = committed.version
+        if tag is not None and committed is not None:
+            # the record of a committed object: what an offload without a tag and a
+            # re-confirm after a restart vouch for (never bytes whose commit did not land)
             self._tags[(h.group, h.block)] = (h.object_id, self._final_tag(h, tag, commit, version))
         return ItemResult(Outcome.OK, version=version) if version else _WRITTEN
 
@@ -296,28 +392,55 @@ class ShardActor:
         version = m.version if m.version is not None else version
         return BlockTag(tag.block_hash, tag.parent_hash, tag.depth, version or tag.version, lo, hi)
 
-    def _commit_all(self, h: Handle, commit: Commit) -> ItemResult:
-        version = 0
-        for i, event in enumerate(commit.events):
-            res = self._commit(h.object_id, event, commit.params_at(i), h.generation)
-            if not res.ok:
-                return res
-            version = max(version, res.version)
-        return ItemResult(Outcome.OK, version=version)
+    def _commit_all(self, items: Sequence[tuple[Handle, Commit]]) -> list[ItemResult]:
+        """Report every item's commit, :data:`COMMIT_CHUNK` items a ``transition_many`` call."""
+        return [r for first in range(0, len(items), COMMIT_CHUNK)
+                for r in self._commit_chunk(items[first : first + COMMIT_CHUNK])]
+
+    def _commit_chunk(self, items: Sequence[tuple[Handle, Commit]]) -> list[ItemResult]:
+        """Report these items' commits in one ``transition_many`` call; an item's result
+        carries the version its object ends with. An event refused because its object is
+        already in the event's target state (a call re-run) counts as done, as in
+        :meth:`_commit`: that item is reported again without it, with every other such item
+        in one more call (its other events were not applied: all or none)."""
+        out: list[ItemResult | None] = [None] * len(items)
+        todo = {i: ObjectTransitions(h.object_id, c.events,
+                                     [c.params_at(k) for k in range(len(c.events))],
+                                     h.generation) for i, (h, c) in enumerate(items)}
+        while todo:
+            try:
+                replies = self.meta.transition_many(list(todo.values()))
+            except Exception as exc:  # the call itself failed: every item with it
+                return [r or _failure(exc) for r in out]
+            again = {}
+            for (i, item), reply in zip(todo.items(), replies, strict=True):
+                if isinstance(reply, TransitionResult):
+                    out[i] = ItemResult(Outcome.OK, version=reply.version)
+                elif isinstance(reply, IllegalTransition) and reply.index is not None and \
+                        _already_done(reply, item.events[reply.index]):
+                    rest = _without(item, reply.index)
+                    if rest.events:
+                        again[i] = rest
+                    else:
+                        out[i] = ItemResult(Outcome.OK, "already in the target state")
+                else:
+                    out[i] = _refused(reply)
+            todo = again
+        return [r or ItemResult(Outcome.FAILED, "not reported") for r in out]
 
     def _commit(self, oid: ObjectId, event: Event, params: Params | None = None,
                 generation: int | None = None) -> ItemResult:
         """Report one transition. A repeat of one already applied (a call re-run after a
-        restart) is recognised by the table's refusal naming the target state, and is OK.
+        restart) is recognised by its refusal (:func:`_already_done`), and is OK.
         Nothing is remembered across calls: the same event legitimately repeats on one object
         (a disk copy loaded again after its memory copy was dropped, a load failing twice, an
         indexer re-synced), and a memo that swallowed such a repeat left objects in flight."""
         try:
             res = self.meta.transition(oid, event, params, generation)
         except IllegalTransition as exc:
-            if any(f"in state {s.value}" in str(exc) for s in _TARGET.get(event, ())):
+            if _already_done(exc, event):
                 return ItemResult(Outcome.OK, "already in the target state")
-            return ItemResult(Outcome.NOT_READABLE, str(exc))
+            return _refused(exc)
         except Exception as exc:
             return _failure(exc)
         return ItemResult(Outcome.OK, version=res.version)
@@ -686,6 +809,26 @@ class ShardActor:
 
     def _bump(self, name: str, n: int = 1) -> None:
         self._counts[name] = self._counts.get(name, 0) + n
+
+
+def _already_done(exc: IllegalTransition, event: Event) -> bool:
+    """``event`` was refused because its object already is in a state it leads to: the table
+    has no such move from there (no precondition refused it)."""
+    return exc.precondition is None and exc.state in _TARGET.get(event, ())
+
+
+def _refused(err: HkvError) -> ItemResult:
+    """A refused report: an illegal move reads NOT_READABLE with its sentence."""
+    if isinstance(err, IllegalTransition):
+        return ItemResult(Outcome.NOT_READABLE, str(err))
+    return _failure(err)
+
+
+def _without(item: ObjectTransitions, k: int) -> ObjectTransitions:
+    """``item`` less its event ``k`` (and that event's params)."""
+    params = list(item.params) + [None] * (len(item.events) - len(item.params))
+    return item._replace(events=[*item.events[:k], *item.events[k + 1:]],
+                         params=params[:k] + params[k + 1:])
 
 
 def _failure(exc: BaseException) -> ItemResult:

@@ -4,7 +4,9 @@ The service bench swaps it in for the state view's lock (``CacheState(lock=...)`
 whether that one lock bounds concurrent throughput: a lock held for a small fraction of the
 wall time, with little wait per acquisition, is not the bottleneck. Only the outermost
 acquisition of a thread is timed (the view's methods nest); every counter is updated while
-the lock is held, so a snapshot taken under it is consistent.
+the lock is held, so a snapshot taken under it is consistent. The scale bench also reads the
+hold of one call (``last_held_s``: the calling thread's last outermost hold) and the longest
+hold of a window and the thread that held it (``take_max_held``).
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ class TimedLock:
         self._since = 0.0
         self._acquisitions = self._contended = 0
         self._wait_s = self._held_s = 0.0
+        self._max_held_s = 0.0  # longest outermost hold since take_max_held
+        self._max_held_by = 0  # the thread that held it
+        self._last_held: dict[int, float] = {}  # thread id -> its last outermost hold
 
     def __enter__(self) -> TimedLock:
         me = threading.get_ident()
@@ -70,9 +75,28 @@ class TimedLock:
         self._depth -= 1
         if self._depth:
             return
-        self._held_s += time.perf_counter() - self._since
+        held = time.perf_counter() - self._since
+        self._held_s += held
+        me = threading.get_ident()
+        if held > self._max_held_s:
+            self._max_held_s, self._max_held_by = held, me
+        self._last_held[me] = held
         self._owner = None
         self._lock.release()
+
+    def last_held_s(self) -> float:
+        """How long the calling thread's last outermost acquisition held the lock (0 if it
+        never held it): the hold of the call it just made."""
+        with self._lock:
+            return self._last_held.get(threading.get_ident(), 0.0)
+
+    def take_max_held(self) -> tuple[float, int]:
+        """The longest outermost hold by any thread since the previous call, and that thread's
+        id (``threading.get_ident``; 0 if none); then starts over."""
+        with self._lock:
+            out = (self._max_held_s, self._max_held_by)
+            self._max_held_s, self._max_held_by = 0.0, 0
+            return out
 
     def stats(self) -> LockStats:
         """A consistent snapshot; call it from a thread that does not hold this lock."""

@@ -20,7 +20,12 @@ from typing import Any
 import grpc
 
 from hkv_service.core.allocator import PoolConfig
-from hkv_service.core.errors import AdmissionRefused, HkvError
+from hkv_service.core.errors import (
+    AdmissionRefused,
+    FailedPrecondition,
+    HkvError,
+    IllegalTransition,
+)
 from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.ids import BlockHash, CaptureId, LeaseId, ObjectId, ShardId
 from hkv_service.core.records import Handle
@@ -30,6 +35,7 @@ from hkv_service.core.state_view import (
     AllocRequest,
     Match,
     ObjectReport,
+    ObjectTransitions,
     TransitionEvent,
     TransitionResult,
 )
@@ -63,6 +69,8 @@ class RetryPolicy:
 
 @dataclass(frozen=True, slots=True)
 class TransitionItem:
+    """One event of one object (``transition_many`` takes it as an item of that one event)."""
+
     object_id: ObjectId
     event: Event
     params: Params | None = None
@@ -87,8 +95,20 @@ def _from_rpc_error(err: grpc.RpcError) -> HkvError:
 
 
 def _from_item_error(msg: Any) -> HkvError:
-    return _to_error(_CODES.get(msg.code), msg.message, msg.error_class,
-                     str(msg.retry_after_ms) if msg.retry_after_ms else None)
+    err = _to_error(_CODES.get(msg.code), msg.message, msg.error_class,
+                    str(msg.retry_after_ms) if msg.retry_after_ms else None)
+    return codec.decode_refusal(msg, err) if isinstance(err, IllegalTransition) else err
+
+
+def _outcomes(resp: Any) -> list[TransitionResult | HkvError]:
+    return [codec.decode_result(o.result) if o.HasField("result") else _from_item_error(o.error)
+            for o in resp.outcomes]
+
+
+def _as_item(it: ObjectTransitions | TransitionItem) -> ObjectTransitions:
+    if isinstance(it, TransitionItem):
+        return ObjectTransitions(it.object_id, (it.event,), (it.params,), it.generation)
+    return ObjectTransitions(*it)
 
 
 def _channel(endpoint: str, tls: TlsConfig | None) -> grpc.Channel:
@@ -165,12 +185,22 @@ class MetadataClient:
                               idempotent=False).lost)
 
     def confirm(self, owner: str, reports: Sequence[ObjectReport], incarnation: int) -> int:
+        """How many of ``reports`` :meth:`confirm_objects` re-created."""
+        return sum(1 for oid in self.confirm_objects(owner, reports, incarnation) if oid)
+
+    def confirm_objects(self, owner: str, reports: Sequence[ObjectReport], incarnation: int
+                        ) -> list[ObjectId | None]:
         """Vouch for ``reports`` after a service restart, as the incarnation ``register_owner``
-        returned; not retried (a late duplicate must not land after a new registration)."""
+        returned; per report, the id its object has now (None: not re-created). Not retried
+        (a late duplicate must not land after a new registration)."""
         req = pb.ConfirmRequest(owner=owner, incarnation=incarnation)
         for r in reports:
             codec.encode_report(r, req.reports.add())
-        return int(self._call("Confirm", req, idempotent=False).confirmed)
+        reply = self._call("Confirm", req, idempotent=False)
+        if len(reply.object_ids) != len(reports):
+            raise FailedPrecondition(f"Confirm answered {len(reply.object_ids)} ids for "
+                               f"{len(reports)} reports: is the service older than this client?")
+        return [ObjectId(i) if i else None for i in reply.object_ids]
 
     # ---- allocation and transitions -----------------------------------------------------
 
@@ -181,24 +211,26 @@ class MetadataClient:
             req.slots.add(depth=r.depth, column=r.column)
         return codec.decode_allocations(self._call("Allocate", req, idempotent=True))
 
-    def transition_many(self, items: Sequence[TransitionItem]
+    def transition_many(self, items: Sequence[ObjectTransitions | TransitionItem]
                         ) -> list[TransitionResult | HkvError]:
-        """Apply each item on its own; a failed item comes back as its domain error."""
-        req = pb.TransitionRequest()
+        """One ``TransitionMany`` RPC: items in order, each item's events in order and all
+        or none of them (a :class:`TransitionItem` is an item of one event). A refused item
+        comes back as its domain error, an IllegalTransition with the refused move's fields;
+        a malformed one rejects the call (InvalidInput) with nothing applied."""
+        req = pb.TransitionManyRequest()
         for it in items:
-            msg = req.items.add(object_id=it.object_id, event=codec.EVENTS.to_pb[it.event])
-            if it.params is not None:
-                codec.encode_params(it.params, msg)
-            if it.generation is not None:
-                msg.generation = it.generation
-        resp = self._call("Transition", req, idempotent=False)
-        return [codec.decode_result(o.result) if o.HasField("result")
-                else _from_item_error(o.error) for o in resp.outcomes]
+            codec.encode_object_transitions(_as_item(it), req.items.add())
+        return _outcomes(self._call("TransitionMany", req, idempotent=False))
 
     def transition(self, object_id: ObjectId | int, event: Event, params: Params | None = None,
                    generation: int | None = None) -> TransitionResult:
-        (out,) = self.transition_many([TransitionItem(ObjectId(object_id), event, params,
-                                                      generation)])
+        req = pb.TransitionRequest()
+        msg = req.items.add(object_id=object_id, event=codec.EVENTS.to_pb[event])
+        if params is not None:
+            codec.encode_params(params, msg)
+        if generation is not None:
+            msg.generation = generation
+        (out,) = _outcomes(self._call("Transition", req, idempotent=False))
         if isinstance(out, HkvError):
             raise out
         return out

@@ -92,9 +92,12 @@ def dataplane(cfg: ConnectorConfig, spec: CacheSpec) -> DataPlane:
         return _inprocess(cfg.system, spec).dataplane(timeout_s=cfg.timeout_s)
     import ray
 
+    from workers.attach import _token_auth_if_available
     from workers.raylink import ray_links, shard_actors
 
     if not ray.is_initialized():
+        # A local `hkv up` runs Ray with token auth on: join with its token, as attach() does.
+        _token_auth_if_available()
         ray.init(address=cfg.ray_address, namespace=cfg.ray_namespace, log_to_driver=False)
     actors = shard_actors(cfg.ray_namespace, cfg.shards or None)
     if not actors:

@@ -114,13 +114,16 @@ class WorkerSide:
         raw = np.asarray(data).reshape(-1).view(np.uint8)
         if raw.nbytes != g.block_bytes:
             raise ValueError(f"{g.name}: {raw.nbytes} bytes read for a {g.block_bytes}-byte block")
-        if not raw.flags.writeable:
-            raw = raw.copy()
-        src = torch.from_numpy(raw)
         for i, view in enumerate(self.views[g.name]):
             dst = view[block_id]
-            page = src[i * g.page_bytes : (i + 1) * g.page_bytes]
-            dst.copy_(page.view(dst.dtype).reshape(dst.shape), non_blocking=False)
+            page = raw[i * g.page_bytes : (i + 1) * g.page_bytes]
+            if dst.device.type == "cpu" and dst.is_contiguous():
+                # numpy's memcpy: torch's copy_ of a small page goes through its thread pool,
+                # which on a busy 2-core host costs milliseconds per call
+                dst.view(torch.uint8).reshape(-1).numpy()[:] = page
+            else:
+                src = torch.from_numpy(page if page.flags.writeable else page.copy())
+                dst.copy_(src.view(dst.dtype).reshape(dst.shape), non_blocking=False)
 
     # -- save -------------------------------------------------------------------------------
 
@@ -145,9 +148,17 @@ class WorkerSide:
                     self._saved.add(job.req_id)
 
     def _get(self, g: GroupMap, block_id: int) -> np.ndarray:
-        pages = [v[block_id].contiguous().view(torch.uint8).reshape(-1)
-                 for v in self.views[g.name]]
-        return torch.cat(pages).cpu().numpy()
+        """The block's pages, layer after layer, in one buffer (numpy copies: ``torch.cat``
+        of a block's pages took ~6 ms a block inside vLLM on 2 busy cores, 84% of a save)."""
+        views = self.views[g.name]
+        if views[0].device.type != "cpu":  # one device-to-host copy of the whole block
+            pages = [v[block_id].contiguous().view(torch.uint8).reshape(-1) for v in views]
+            return torch.cat(pages).cpu().numpy()
+        out = np.empty(g.block_bytes, np.uint8)
+        for i, v in enumerate(views):
+            page = v[block_id].contiguous().view(torch.uint8).reshape(-1)
+            out[i * g.page_bytes : (i + 1) * g.page_bytes] = page.numpy()
+        return out
 
     # -- report -----------------------------------------------------------------------------
 

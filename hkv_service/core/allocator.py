@@ -91,6 +91,15 @@ class BlockPool:
     def free_count(self) -> int:
         return len(self._free) + self.config.num_blocks - len(self.generation)
 
+    def occupied(self) -> int:
+        """Blocks handed out and not free."""
+        return len(self.generation) - len(self._free)
+
+    @property
+    def span(self) -> int:
+        """1 + the highest block ever handed out: every occupied block lies below it."""
+        return self._span
+
     def take(self) -> int | None:
         while self.free:
             block = self.free.popleft()
@@ -138,7 +147,7 @@ class BlockPool:
     def victim(self, kind: Kind, holds: Holds, key: Policy | None = None) -> ObjRecord | None:
         """The best eviction candidate by ``kind``'s policy (or ``key``), or None if nothing
         may go (leased or captured records never go)."""
-        occupied = len(self.generation) - len(self._free)
+        occupied = self.occupied()
         if occupied == 0:
             return None
         if occupied <= _SAMPLE:

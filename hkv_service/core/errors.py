@@ -21,7 +21,8 @@
     │   ├── UnknownCapture
     │   └── UnknownOwner
     ├── FailedPrecondition
-    │   ├── IllegalTransition         the transition table forbids it; state unchanged
+    │   ├── IllegalTransition         the transition table forbids it; state unchanged (.state,
+    │   │                             .event, .precondition, .index: the refused move)
     │   ├── VersionConflict           compare-and-set on an object's version failed
     │   ├── AbiMismatch
     │   ├── StaleHandle               generation moved on: recompute, never old bytes
@@ -35,6 +36,11 @@
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .states import Event, State
 
 __all__ = [
     "AbiMismatch",
@@ -154,7 +160,18 @@ class FailedPrecondition(HkvError):
 
 
 class IllegalTransition(FailedPrecondition):
-    pass
+    """The refused move, where known (``transitions.apply`` always says; an edge rebuilding
+    the error from a bare status may not): ``state`` the object was in, ``event`` refused,
+    ``precondition`` the sentence of the check that refused it (None: the table has no such
+    move), ``index`` the event's place in its item of a ``transition_many`` call."""
+
+    def __init__(self, message: str, *, state: State | None = None,
+                 event: Event | None = None, precondition: str | None = None,
+                 index: int | None = None) -> None:
+        super().__init__(message)
+        # instance attributes only: Ray's re-raised copy of an actor's error reads them
+        # through to the original (a class default would answer first)
+        self.state, self.event, self.precondition, self.index = state, event, precondition, index
 
 
 class VersionConflict(FailedPrecondition):

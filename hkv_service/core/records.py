@@ -273,6 +273,9 @@ class PrefixEntry:
     memos: tuple[Dependent, ...] | None = field(default=None, repr=False)
     # The walk segment of the run of blocks this entry ends, if it ends one (segments.py).
     segment: Segment | None = field(default=None, repr=False)
+    # The owner-loss epoch through which this entry is known to hold no record of a lost
+    # owner (CacheState reaps lost owners lazily: a lookup cleans the entries it walks).
+    clean: int = 0
 
 
 class Dependent(Protocol):

@@ -25,7 +25,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -37,6 +37,7 @@ from .counters import Counters
 from .errors import (
     BadHash,
     FutureGeneration,
+    HkvError,
     IllegalTransition,
     InvalidInput,
     LeaseExpired,
@@ -64,6 +65,7 @@ from .layout import Layout
 from .match import Match, Memo, MemoKey
 from .memo import LookupMemo
 from .objects import ObjectTable
+from .owners import REAP_SLICE, Owner, Reap, dead, disk_part_alive, sweep
 from .records import (
     HANDLE_DTYPE,
     DiskRecord,
@@ -76,14 +78,16 @@ from .records import (
 from .segments import DEFAULT_SEGMENT_BLOCKS, Segment, first_missing
 from .spec import CacheSpec
 from .states import TERMINAL_STATES, Event, Kind, State
-from .transitions import Params, apply
+from .transitions import APPLIED_FIELDS, Params, apply
 
 __all__ = [
+    "MAX_TRANSITION_ITEMS",
     "AllocRequest",
     "Allocation",
     "CacheState",
     "Match",
     "ObjectReport",
+    "ObjectTransitions",
     "StateConfig",
     "TransitionEvent",
     "TransitionResult",
@@ -136,6 +140,21 @@ class TransitionResult:
     seq: int
 
 
+class ObjectTransitions(NamedTuple):
+    """One object's events for :meth:`CacheState.transition_many`, applied in order, all or
+    none; ``params[i]`` goes with ``events[i]`` (missing ones: none). A plain 4-tuple works."""
+
+    object_id: ObjectId
+    events: Sequence[Event]
+    params: Sequence[Params | None] = ()
+    generation: int | None = None  # checked once, before the first event
+
+
+# Items one transition_many call may carry: the call holds the lock throughout (tens of
+# microseconds an object), so this bounds the pause it makes every other caller wait.
+MAX_TRANSITION_ITEMS = 4096
+
+
 @dataclass(frozen=True, slots=True)
 class TransitionEvent:
     seq: int
@@ -163,14 +182,6 @@ class ObjectReport:
     hi: int = 0
 
 
-@dataclass(slots=True)
-class _Owner:
-    incarnation: int
-    last_seen: float
-    pools: dict[int, BlockPool] = field(default_factory=dict)
-    alive: bool = True
-
-
 class CacheState:
     def __init__(
         self,
@@ -189,7 +200,11 @@ class CacheState:
         self.counters = Counters()
         self.index: dict[BlockHash, PrefixEntry] = {}
         self.objects = ObjectTable()
-        self.owners: dict[ShardId, _Owner] = {}
+        self.owners: dict[ShardId, Owner] = {}
+        # lost owner incarnations whose records are still to be buried (see core/owners.py);
+        # while it is not empty, every path that serves or reuses a record asks _dead first
+        self._reaping: deque[Reap] = deque()
+        self._loss_epoch = 0  # moves on with every owner loss (PrefixEntry.clean)
         self.leases = LeaseBook()
         self.holds = self.leases.holds  # leases and captures per record
         self.captures: dict[CaptureId, Capture] = {}
@@ -202,6 +217,7 @@ class CacheState:
         self._mono_slot = {c: j for j, c in enumerate(self.layout.mono_columns)}
         self.segment_blocks = segment_blocks_for(self.layout, self.config.segment_blocks)
         self._row_struct = struct.Struct("<" + "QQiH" * len(self.layout.mono_columns))
+        self._placeholder_row = bytes(self._row_struct.size)
         self._lock: AbstractContextManager[Any] = lock if lock is not None else threading.RLock()
         # KV versions: unique for this view's lifetime *and* above every version an owner
         # re-confirmed or a client passed, or a KV rewritten after a restart could get the
@@ -227,20 +243,23 @@ class CacheState:
     # ---- owners -------------------------------------------------------------------------
 
     def register_owner(self, owner: ShardId, pools: Mapping[str, PoolConfig]) -> int:
-        """(Re-)register an owner. A known owner coming back has lost its memory: every object
-        it held is marked LOST first. Returns the new incarnation."""
+        """(Re-)register an owner. A known owner coming back has lost its memory: its old
+        incarnation is declared lost first (its objects are buried lazily, see :meth:`reap`).
+        Returns the new incarnation."""
         with self._lock:
             built = {
                 self._column(name): BlockPool(_checked_pool(name, cfg))
                 for name, cfg in pools.items()
             }  # validate before touching anything
-            if owner in self.owners:
-                self.mark_owner_lost(owner)
+            old = self.owners.get(owner)
+            if old is not None:
+                if old.alive:
+                    self.mark_owner_lost(owner)
             else:
                 self._make_room_for_owner(owner)
             self._owners_epoch += 1
             inc = next(self._incarnations)
-            self.owners[owner] = _Owner(inc, self.clock(), built)
+            self.owners[owner] = Owner(inc, self.clock(), built)
             return inc
 
     def _make_room_for_owner(self, owner: ShardId) -> None:
@@ -260,7 +279,7 @@ class CacheState:
         with self._lock:
             self._current_owner(owner, incarnation).last_seen = self.clock()
 
-    def _current_owner(self, owner: ShardId, incarnation: int) -> _Owner:
+    def _current_owner(self, owner: ShardId, incarnation: int) -> Owner:
         """The owner, if ``incarnation`` is the one its last registration returned and the view
         has not declared it lost since; else UnknownOwner (re-register)."""
         o = self._owner(owner)
@@ -280,28 +299,84 @@ class CacheState:
             return dead
 
     def mark_owner_lost(self, owner: ShardId) -> int:
-        """Memory of ``owner`` is gone: its objects are LOST, loaded disk copies dropped."""
+        """Memory of ``owner`` is gone: from now on none of its objects is a hit (O(1) here:
+        the incarnation is marked dead and queued; :meth:`reap` buries its objects as LOST,
+        and loaded disk copies on it as dropped, in slices). Returns how many objects it
+        held; 0 if it was lost already."""
         with self._lock:
             o = self._owner(owner)
-            lost = 0
-            # Owner loss is rare; a scan keeps per-object metadata small (no per-owner sets).
-            for rec in [r for r in self.objects.values() if owner in (r.shard, r.disk_owner)]:
-                if rec.state not in TERMINAL_STATES:
-                    self._force_gone(rec, owner)
-                    lost += 1
+            if not o.alive:
+                return 0
+            held = sum(p.occupied() for p in o.pools.values()) + len(o.disk)
             o.alive = False
-            self._owners_epoch += 1
+            self._owners_epoch += 1  # memos and replays stop answering
+            self._loss_epoch += 1  # every entry must be cleaned again before it serves
+            self._reaping.append(Reap(owner, o, sorted(o.pools)))
+            self._invalidate_captures_of_dead()
+            # transfers in flight end now (bounded by admission): their tickets go back
+            for oid in list(self._tickets):
+                rec = self.objects.get(oid)
+                if rec is not None and self._dead(rec):
+                    self._bury(rec)
             self.counters.events["owner_lost"] += 1
-            return lost
+            return held
 
-    def _force_gone(self, rec: ObjRecord, owner: ShardId) -> None:
-        if rec.kind is Kind.DISK and rec.disk_owner != owner:
+    def reap(self, budget: int = REAP_SLICE) -> bool:
+        """Bury up to ``budget`` objects (or empty blocks looked at) of lost owners; True
+        while some remain. The service runs it in slices with the lock released between
+        them, so heartbeats and lookups never wait behind a whole owner's objects."""
+        with self._lock:
+            while self._reaping and budget > 0:
+                r = self._reaping[0]
+                budget = sweep(r, budget, self._bury)
+                if r.done:
+                    self._reaping.popleft()
+            return bool(self._reaping)
+
+    def reap_all(self) -> None:
+        """Reap until nothing is left, a slice per lock hold (in-process ports, tests)."""
+        while self.reap():
+            pass
+
+    def _dead(self, rec: ObjRecord) -> bool:
+        """``rec`` belongs to a lost owner and is not buried yet (never, while nothing is
+        being reaped: a buried record has left the view)."""
+        return bool(self._reaping) and dead(rec, self.owners)
+
+    def _bury(self, rec: ObjRecord) -> None:
+        """A dead record ends: LOST, or, if only its loaded memory copy died (its disk copy
+        lives on another owner's tier), back to ON_DISK."""
+        if rec.kind is Kind.DISK and disk_part_alive(rec, self.owners):
             if rec.state is State.ON_DISK_READY:
                 self._apply(rec, Event.COPY_LOST, Params())
             elif rec.state is State.ON_DISK_INFLIGHT:
                 self._disk_event(rec, Params(), Event.LOAD_FAILED)  # releases its ticket too
             return
         self._apply(rec, Event.LOSE, Params())
+
+    def _clean(self, hashes: Iterable[BlockHash]) -> None:
+        """Bury the dead records of the entries of ``hashes`` (every one the index has, an
+        orphan past a gap too), each entry once per owner loss: what a lookup, an allocation
+        or a confirm then reads of them is alive. Burying may drop an emptied entry from the
+        index, so callers clean before they take entries."""
+        if not self._reaping:
+            return
+        epoch, get = self._loss_epoch, self.index.get
+        for h in hashes:
+            e = get(h)
+            if e is None or e.clean == epoch:
+                continue
+            for rec in [*e.mem, *(e.disk or ())]:
+                if rec is not None and rec.state not in TERMINAL_STATES and self._dead(rec):
+                    self._bury(rec)
+            e.clean = epoch
+
+    def _invalidate_captures_of_dead(self) -> None:
+        """A capture over a record of a lost owner replays over memory that is gone."""
+        for cap in self.captures.values():
+            if cap.valid and any(dead(r, self.owners) for r in cap.records):
+                cap.valid = False
+                self.topology_epoch += 1
 
     # ---- allocation ---------------------------------------------------------------------
 
@@ -320,11 +395,18 @@ class CacheState:
                 self._check_slot(r, len(block_hashes))
             if owner is not None:
                 self._owner(owner)
-            entries = self._ensure_path(block_hashes, max((r.depth for r in requests), default=-1))
+            last = max((r.depth for r in requests), default=-1)
+            self._clean(block_hashes[: last + 1])  # a lost owner's object is not "existing"
+            entries = self._ensure_path(block_hashes, last)
+            # Without an owner, one request's blocks go to one owner while it has room (the
+            # one with the most free blocks of the first column): its writer then commits
+            # through one shard, in one call per phase.
+            prefer = owner if owner is not None or not cols else next(
+                iter(self._owners_by_free(cols[0])), None)
             done: list[Allocation] = []
             try:
                 for r, c in zip(requests, cols, strict=True):
-                    done.append(self._allocate_one(entries[r.depth], c, owner))
+                    done.append(self._allocate_one(entries[r.depth], c, owner, prefer))
             except PoolExhausted:
                 # All or nothing: blocks reserved by this call go back, or they would leak.
                 for a in done:
@@ -335,11 +417,12 @@ class CacheState:
                 raise
             return done
 
-    def _allocate_one(self, entry: PrefixEntry, col: int, owner: ShardId | None) -> Allocation:
+    def _allocate_one(self, entry: PrefixEntry, col: int, owner: ShardId | None,
+                      prefer: ShardId | None = None) -> Allocation:
         existing = entry.mem[col]
         if existing is not None:
             return Allocation(self._handle(existing), True, existing.state, existing.version)
-        shard, pool, block = self._take_block(col, owner)
+        shard, pool, block = self._take_block(col, owner, prefer)
         column = self.layout.columns[col]
         rec = new_record(
             column.kind, col, self.objects.new_id(), entry, State.ALLOCATED, shard, block,
@@ -351,7 +434,14 @@ class CacheState:
         self._after_change(rec)
         return Allocation(self._handle(rec), False, rec.state)
 
-    def _take_block(self, col: int, owner: ShardId | None) -> tuple[ShardId, BlockPool, int]:
+    def _take_block(self, col: int, owner: ShardId | None, prefer: ShardId | None = None
+                    ) -> tuple[ShardId, BlockPool, int]:
+        if owner is None and prefer is not None:  # a free block there, never an eviction
+            o = self.owners.get(prefer)
+            pool = o.pools.get(col) if o is not None and o.alive else None
+            block = pool.take() if pool is not None else None
+            if pool is not None and block is not None:
+                return prefer, pool, block
         candidates = [owner] if owner is not None else self._owners_by_free(col)
         for shard in candidates:
             o = self._owner(shard)
@@ -399,6 +489,9 @@ class CacheState:
             for partner in partners:
                 if partner.state in TERMINAL_STATES or self.holds.held(partner):
                     continue
+                if self._dead(partner):
+                    self._bury(partner)  # lost with its owner, not evicted
+                    continue
                 if (partner.kind, partner.state) in _PARTNER_EVICTABLE:
                     self._apply(partner, Event.EVICT, Params())
 
@@ -442,6 +535,80 @@ class CacheState:
                 self._apply(rec, event, p)
             return TransitionResult(rec.object_id, rec.state, rec.version, rec.seq)
 
+    def transition_many(self, items: Sequence[ObjectTransitions]
+                        ) -> list[TransitionResult | HkvError]:
+        """Many objects' events under one lock acquisition: items in order, each object's
+        events in order and all or none of them. Each item gives its object's result after
+        its last event, or the error that refused it; a refused item changed nothing and does
+        not stop the others. A malformed call (more than :data:`MAX_TRANSITION_ITEMS` items,
+        an item with no events or more params than events) raises InvalidInput before
+        anything is applied.
+
+        All or none by rehearsal (:meth:`_rehearse`): an item's events first run through the
+        table's ``apply`` on its record, behind the checks ``transition`` makes, and the
+        record's fields are put back; only an item that passes whole is then reported, event
+        by event, through ``transition``. The rehearsal is exact: from one event of an object
+        to its next, nothing a precondition reads changes but the record (other objects change
+        only in other items, its holds only as it ends, and an ended object takes no further
+        event).
+        """
+        batch = [ObjectTransitions(*item) for item in items]
+        if len(batch) > MAX_TRANSITION_ITEMS:
+            raise InvalidInput(f"{len(batch)} items in one transition_many call; it takes at "
+                               f"most {MAX_TRANSITION_ITEMS} (it holds the state's lock "
+                               "throughout): split the call")
+        with self._lock:
+            for i, item in enumerate(batch):
+                _check_item(i, item)
+            out: list[TransitionResult | HkvError] = []
+            for item in batch:
+                try:
+                    self._rehearse(item)
+                except HkvError as err:
+                    out.append(err)
+                    continue
+                for k, event in enumerate(item.events):
+                    result = self.transition(item.object_id, event, _params_at(item, k),
+                                             item.generation)
+                out.append(result)
+            return out
+
+    def _rehearse(self, item: ObjectTransitions) -> None:
+        """Raise what reporting ``item``'s events one by one would raise, changing nothing:
+        the table's ``apply`` moves the record itself, and every field it may move is put
+        back (nothing else runs meanwhile: the lock is held). An IllegalTransition says which
+        event it refused (``index``)."""
+        rec = self._object(item.object_id)
+        if item.generation is not None:
+            self._check_generation(rec, item.generation)
+        saved = [getattr(rec, f) for f in APPLIED_FIELDS]
+        try:
+            for k, event in enumerate(item.events):
+                self._rehearse_event(rec, item, k, event)
+        finally:
+            for f, value in zip(APPLIED_FIELDS, saved, strict=True):
+                if getattr(rec, f) != value:  # a field its kind lacks never moved
+                    setattr(rec, f, value)
+
+    def _rehearse_event(self, rec: ObjRecord, item: ObjectTransitions, k: int,
+                        event: Event) -> None:
+        if rec.state in TERMINAL_STATES:  # ended by event k - 1: transition would not find it
+            raise UnknownObject(f"object {rec.object_id} is gone after event {k - 1} of its "
+                                f"item ({item.events[k - 1].value})" if k else
+                                f"object {rec.object_id} is gone")
+        p = _params_at(item, k) or Params()
+        if p.version is not None and p.version < 1:
+            raise UnsetVersion(f"version {p.version} for object {rec.object_id}: a KV version "
+                               "is at least 1 (0 is an unset field)")
+        if event is Event.EVICT:  # as evict() applies it
+            drop = rec.kind is Kind.DISK and rec.state is State.ON_DISK_READY
+            event, p = (Event.DROP_COPY if drop else Event.EVICT), Params()
+        try:
+            apply(rec, event, p, self)
+        except IllegalTransition as err:
+            err.index = k
+            raise
+
     def _apply(self, rec: ObjRecord, event: Event, params: Params) -> None:
         before = rec.state
         apply(rec, event, params, self)
@@ -457,8 +624,10 @@ class CacheState:
             self._release_copy(rec)
         self._after_change(rec)
 
-    def _after_change(self, rec: ObjRecord) -> None:
-        contracts.summarise(rec.entry, self.layout, self._align_of)
+    def _after_change(self, rec: ObjRecord, summarise: bool = True) -> None:
+        """``summarise=False``: the caller summarises the entry itself, once for a batch."""
+        if summarise:
+            contracts.summarise(rec.entry, self.layout, self._align_of)
         self.counters.transitions[(rec.kind, rec.state)] += 1
         self._log_seq += 1
         self.log.append(
@@ -480,7 +649,12 @@ class CacheState:
         if rec.kind is Kind.DISK:
             assert entry.disk is not None
             entry.disk[col] = None
+            if not any(entry.disk):
+                entry.disk = None  # what the lookup's fast path tests (_disky)
             self._disk_records -= 1
+            tier = self.owners.get(rec.disk_owner) if rec.disk_owner is not None else None
+            if tier is not None:
+                tier.disk.discard(rec)
             self._end_transfer(rec)
         else:
             entry.mem[col] = None
@@ -493,7 +667,7 @@ class CacheState:
             return
         o = self.owners.get(rec.shard)
         pool = o.pools.get(rec.column) if o else None
-        if pool is not None and pool.owner[rec.block] is rec:
+        if pool is not None and pool.owner.get(rec.block) is rec:  # (not a lost incarnation's)
             pool.release(rec.block)
         rec.block = -1
 
@@ -530,12 +704,17 @@ class CacheState:
         """Create the DISK copy (OFFLOADING) of a readable object; takes an admission ticket."""
         with self._lock:
             src = self._object(object_id)
-            self._owner(disk_owner)
+            if not self._owner(disk_owner).alive:
+                raise UnknownOwner(f"disk owner {disk_owner!r} was declared lost; it must "
+                                   "register again before it takes copies")
             if src.kind is not Kind.DISK and src.state not in _READABLE[src.kind]:
                 raise IllegalTransition(
                     f"object {object_id} is {src.state.value}; only readable objects are offloaded"
                 )
             existing = src.entry.disk[src.column] if src.entry.disk else None
+            if existing is not None and self._dead(existing):
+                self._bury(existing)  # lost with its tier, or back at rest if only its copy was
+                existing = src.entry.disk[src.column] if src.entry.disk else None
             if existing is not None:
                 return self._handle(existing)
             ticket = self.admission.acquire(self.layout.columns[src.column].nbytes)
@@ -592,6 +771,8 @@ class CacheState:
                     f"lease_ttl_s {req.lease_ttl_s} exceeds the maximum "
                     f"{self.config.max_lease_ttl_s}"
                 )
+            # what the walk reads is alive (a lost owner's objects are buried lazily)
+            self._clean(req.block_hashes[: -(-limit // self.layout.hash_block)])
             now = self.clock()
             self.leases.reap(now)
             key = self.memo.key(req, limit, self._owners_epoch)
@@ -697,16 +878,28 @@ class CacheState:
         self, req: LookupRequest, result: FunnelResult,
         records: dict[str, tuple[ObjRecord, ...]] | None,
     ) -> dict[str, HandleColumn] | None:
-        """The match's packed handles (None: a match-only lookup). With a disk copy anywhere,
-        per-record verdicts decide which copy serves each column."""
+        """The match's packed handles (None: a match-only lookup). Only at entries holding a
+        disk copy do per-record verdicts decide which copy serves each column; every other
+        entry takes the packed fast path, whatever other entries hold."""
         if not req.handles:
             return None
         entries, usable = result.entries, result.usable_tokens
-        if not self._disk_records:
-            return self._packed_columns(entries, usable, result.runs)
+        disky = self._disky(entries, usable)
+        if len(disky) <= _DISKY_PATCHED:  # the same copies _resolve gives, packed faster
+            try:
+                return self._packed_columns(entries, usable, result.runs, disky, req.alignment)
+            except _NoCopy:
+                pass  # a column with a gap: as _resolve gives it (the reader recomputes)
         if records is None:
             records = self._resolve(entries, usable, req.alignment)
         return {name: self._snapshot(recs) for name, recs in records.items()}
+
+    def _disky(self, entries: Sequence[PrefixEntry], usable: int) -> list[PrefixEntry]:
+        """The entries in ``[0, usable)`` that hold a disk copy (``entry.disk`` is None
+        wherever none is)."""
+        if not self._disk_records:
+            return []
+        return [e for e in entries[: usable // self.layout.hash_block] if e.disk is not None]
 
     def _age(self, entries: Sequence[PrefixEntry]) -> None:
         """Age the whole path a lookup used (or a write made), root first: an entry is then
@@ -736,20 +929,23 @@ class CacheState:
         copies the funnel accepted (``contracts.served``; SWA: the one covering the window,
         aligned to ``align``).
 
-        Fast path: with no disk copy anywhere, every entry the funnel accepted has a READY
-        memory record in each needed column, so no verdict is recomputed."""
+        Fast path: an entry the funnel accepted that holds no disk copy has a READY memory
+        record in each needed column, so no verdict is recomputed there; only entries with a
+        disk copy get one."""
         if usable == 0:
             return {}
+        disky = self._disky(entries, usable)
         out: dict[str, tuple[ObjRecord, ...]] = {}
         for column in self.layout.columns:
             c = column.index
             depths = self.layout.needed_depths(c, usable)
-            if self._disk_records:
-                found = [self._readable_record(entries[d], c, usable, align) for d in depths]
-                recs = tuple(r for r in found if r is not None)
-            else:  # the funnel accepted these entries: each has a READY memory record here
-                at = entries[depths.start : depths.stop : depths.step]  # needed depths: a range
-                recs = tuple(map(operator.itemgetter(c), map(_MEM, at)))  # C speed, no genexpr
+            at = entries[depths.start : depths.stop : depths.step]  # needed depths: a range
+            found: list[ObjRecord | None] = list(map(operator.itemgetter(c), map(_MEM, at)))
+            for e in disky:
+                if e.depth in depths:
+                    found[(e.depth - depths.start) // depths.step] = self._readable_record(
+                        e, c, usable, align)
+            recs = tuple(r for r in found if r is not None)
             if recs:
                 out[column.name] = recs
         return out
@@ -775,13 +971,16 @@ class CacheState:
 
     def _packed_columns(
         self, entries: Sequence[PrefixEntry], usable: int,
-        runs: Sequence[Segment | None] = (),
+        runs: Sequence[Segment | None] = (), disky: Sequence[PrefixEntry] = (),
+        align: int = 1,
     ) -> dict[str, HandleColumn]:
         """The lookup fast path (no disk copy anywhere): the funnel accepted ``entries``, so
         each holds a READY memory record in every column living there. COMPRESSED and
         INDEXER handles come from the entries' cached rows (one ``join`` and a strided numpy
         slice per column, no Python work per handle), and a certified run's from its walk
-        segment, packed once; SWA and TAIL need a few records each."""
+        segment, packed once; SWA and TAIL need a few records each. The ``disky`` entries
+        (holding a disk copy) are packed as placeholders, then patched with the copy each
+        column's verdict serves there."""
         if usable == 0:
             return {}
         lay = self.layout
@@ -790,20 +989,44 @@ class CacheState:
         for column in lay.columns:
             c = column.index
             slot = self._mono_slot.get(c)
+            depths = lay.needed_depths(c, usable)
             if slot is not None:
                 records = b"".join(map(operator.itemgetter(slot), pieces))
+                if disky:
+                    records = self._patched(records, disky, c, depths, usable, align)
                 if records:
                     out[column.name] = HandleColumn(
                         c, column.name, column.kind, column.nbytes, column.abi_fingerprint,
                         records, self._shard_names, self._strides(c),
                     )
                 continue
-            depths = lay.needed_depths(c, usable)
             at = entries[depths.start : depths.stop : depths.step]
-            recs = tuple(map(operator.itemgetter(c), map(_MEM, at)))
+            found: list[ObjRecord | None] = list(map(operator.itemgetter(c), map(_MEM, at)))
+            for e in disky:
+                if e.depth in depths:
+                    found[(e.depth - depths.start) // depths.step] = self._readable_record(
+                        e, c, usable, align)
+            recs = tuple(r for r in found if r is not None)
             if recs:
                 out[column.name] = self._snapshot(recs)
         return out
+
+    def _patched(self, records: bytes, disky: Sequence[PrefixEntry], c: int, depths: range,
+                 usable: int, align: int) -> bytes:
+        """``records`` (column ``c``'s packed handles at ``depths``) with the copy that
+        serves each disky entry's depth written over its placeholder."""
+        out = bytearray(records)
+        size = _HANDLE_STRUCT.size
+        for e in disky:
+            if e.depth not in depths:
+                continue
+            rec = self._readable_record(e, c, usable, align)
+            if rec is None:  # the funnel accepted it, no copy serves it (a planted bug)
+                raise _NoCopy
+            j = (e.depth - depths.start) // depths.step * size
+            _HANDLE_STRUCT.pack_into(out, j, rec.object_id, rec.generation, rec.block,
+                                     self._ordinal(_handle_shard(rec)))
+        return bytes(out)
 
     def _mono_pieces(self, entries: Sequence[PrefixEntry], usable: int,
                      runs: Sequence[Segment | None]) -> list[tuple[bytes, ...]]:
@@ -850,6 +1073,8 @@ class CacheState:
         return cols
 
     def _build_row(self, e: PrefixEntry) -> bytes:
+        if e.disk is not None:  # a placeholder: _patched writes the copy served there
+            return self._placeholder_row
         values: list[int] = []
         for c in self.layout.mono_columns:
             rec = e.mem[c]
@@ -910,7 +1135,7 @@ class CacheState:
                 self.leases.reap(self.clock())
                 if lease_id not in self.leases.leases:
                     raise LeaseExpired(f"lease {lease_id} expired or was released; look up again")
-            rec = self.objects.get(handle.object_id)
+            rec = self._live_object(handle.object_id)
             if (
                 rec is None
                 or rec.block != handle.block
@@ -958,11 +1183,18 @@ class CacheState:
     # ---- rebuild after a restart ---------------------------------------------------------
 
     def confirm(self, owner: ShardId, reports: Sequence[ObjectReport], incarnation: int) -> int:
+        """How many of ``reports`` :meth:`confirm_objects` re-created."""
+        return sum(1 for oid in self.confirm_objects(owner, reports, incarnation) if oid)
+
+    def confirm_objects(self, owner: ShardId, reports: Sequence[ObjectReport],
+                        incarnation: int) -> list[ObjectId | None]:
         """Re-create objects an owner vouches for after a service restart: complete objects and
-        disk copies at rest. Returns how many were re-created (duplicates and half-written
-        objects are skipped). Malformed reports (a state of another kind, an SWA range outside
-        its block, hashes that contradict the index or each other) and an owner that is not
-        registered, or was declared lost since, reject the whole call, changing nothing.
+        disk copies at rest. Returns, per report in order, the id its object has now (the
+        owner keys its memory blocks by it), or None where it was not re-created (duplicates
+        and half-written objects are skipped). Malformed reports (a state of another kind, an
+        SWA range outside its block, hashes that contradict the index or each other) and an
+        owner that is not registered, or was declared lost since, reject the whole call,
+        changing nothing.
 
         ``incarnation`` is what the owner's registration returned: a confirm sent before the
         owner registered again (still in flight, or retried) vouches for memory the owner
@@ -974,17 +1206,26 @@ class CacheState:
                 self._check_hashes([r.block_hash] + ([r.parent_hash] if r.parent_hash else []))
                 if r.depth < 0 or (r.depth == 0) != (r.parent_hash is None):
                     raise InvalidInput(f"report at depth {r.depth}: depth and parent disagree")
+            # a slot a lost incarnation (ours, say) still seems to hold is free to re-confirm
+            self._clean(h for r in reports for h in (r.block_hash, r.parent_hash) if h)
             # Half-written objects (ALLOCATED, WRITING, TAIL_PARTIAL, ...) are not re-created:
             # their writer's ids died with the old view, so they could never complete.
-            vouched = sorted((r for r in reports if r.state in _CONFIRMABLE),
-                             key=lambda rep: rep.depth)
-            self._check_vouched(vouched)
-            n = 0
-            for r in vouched:
+            order = sorted((i for i, r in enumerate(reports) if r.state in _CONFIRMABLE),
+                           key=lambda i: reports[i].depth)
+            self._check_vouched([reports[i] for i in order])
+            ids: list[ObjectId | None] = [None] * len(reports)
+            touched: dict[int, PrefixEntry] = {}  # each entry summarised once, at the end
+            for i in order:
+                r = reports[i]
                 col = self._column(r.column)
                 entry = self._ensure_entry(r.block_hash, r.parent_hash, r.depth)
-                n += self._confirm_one(o, owner, entry, col, r)
-            return n
+                rec = self._confirm_one(o, owner, entry, col, r)
+                if rec is not None:
+                    ids[i] = rec.object_id
+                    touched[id(entry)] = entry
+            for entry in touched.values():
+                contracts.summarise(entry, self.layout, self._align_of)
+            return ids
 
     def _check_vouched(self, vouched: Sequence[ObjectReport]) -> None:
         """Raise for what applying ``vouched`` (in this order) would refuse half way, or store
@@ -993,7 +1234,8 @@ class CacheState:
         parent_of: dict[BlockHash, BlockHash] = {}  # links this call makes
         made: set[BlockHash] = set()  # entries this call creates, in order
         for r in vouched:
-            self._check_report(r)
+            self._column(r.column)
+            check_report(self.layout, r)
             for h, d in ((r.block_hash, r.depth), (r.parent_hash, r.depth - 1)):
                 if h is None:
                     continue
@@ -1013,44 +1255,19 @@ class CacheState:
                 raise BadHash(f"block hash at depth {r.depth} is already known with another "
                               "parent; hashes must be chained")
 
-    def _check_report(self, r: ObjectReport) -> None:
-        """A vouched state must be one its column's kind can be read in (else no transition,
-        not even LOSE, applies to the record), an SWA range must lie inside its block, and a
-        complete tail must hold exactly the raw tokens its boundary needs (as TAIL_DONE
-        demands: a tail vouched for with another length would be read as whole)."""
-        col = self._column(r.column)
-        column = self.layout.columns[col]
-        if r.state is not State.ON_DISK and r.state not in _READABLE[column.kind]:
-            raise InvalidInput(f"report for {column.name!r} at depth {r.depth}: "
-                               f"{r.state.value} is not a state of a {column.kind.value} object")
-        if column.kind in (Kind.COMPRESSED, Kind.INDEXER) and r.version < 1:
-            # an unset proto field reads 0: a KV or indexer vouched for at "version 0" could
-            # pair with any other unset one
-            raise UnsetVersion(f"report for {column.name!r} at depth {r.depth}: version "
-                               f"{r.version}; a KV version is at least 1")
-        if column.kind is Kind.SWA:
-            start, end = self.layout.block_range(col, r.depth)
-            if not start <= r.lo <= r.hi <= end:
-                raise InvalidInput(f"SWA report at depth {r.depth}: range [{r.lo}, {r.hi}) "
-                                   f"must lie inside its block [{start}, {end})")
-        if column.kind is Kind.TAIL:
-            need = self.layout.tail_tokens(col, r.depth)
-            if r.hi != need:
-                raise InvalidInput(f"tail report for {column.name!r} at depth {r.depth}: "
-                                   f"{r.hi} raw tokens, its boundary needs exactly {need}")
-
     def _confirm_one(
-        self, o: _Owner, owner: ShardId, entry: PrefixEntry, col: int, r: ObjectReport
-    ) -> int:
+        self, o: Owner, owner: ShardId, entry: PrefixEntry, col: int, r: ObjectReport
+    ) -> ObjRecord | None:
         column = self.layout.columns[col]
         if r.state is State.ON_DISK:
             if entry.disk is not None and entry.disk[col] is not None:
-                return 0
-            self._after_change(self._add_disk_record(entry, col, State.ON_DISK, owner, r))
-            return 1
+                return None
+            disk = self._add_disk_record(entry, col, State.ON_DISK, owner, r)
+            self._after_change(disk, summarise=False)
+            return disk
         pool = o.pools.get(col)
         if pool is None or entry.mem[col] is not None or not pool.claim(r.block):
-            return 0
+            return None
         pool.generation[r.block] = max(pool.generation[r.block], r.generation)
         rec = new_record(
             column.kind, col, self.objects.new_id(), entry, r.state, owner, r.block,
@@ -1062,8 +1279,8 @@ class CacheState:
         if column.kind is Kind.TAIL:
             self._track_resume_point(rec, State.ALLOCATED)
         self.objects.put(rec)
-        self._after_change(rec)
-        return 1
+        self._after_change(rec, summarise=False)  # confirm_objects summarises the entry
+        return rec
 
     # ---- helpers ------------------------------------------------------------------------
 
@@ -1083,6 +1300,7 @@ class CacheState:
         assert isinstance(rec, DiskRecord)
         entry.disk[col] = rec
         self._disk_records += 1
+        self._owner(disk_owner).disk.add(rec)
         self.objects.put(rec)
         return rec
 
@@ -1174,16 +1392,24 @@ class CacheState:
             )
         return col
 
-    def _owner(self, owner: ShardId) -> _Owner:
+    def _owner(self, owner: ShardId) -> Owner:
         o = self.owners.get(owner)
         if o is None:
             raise UnknownOwner(f"owner {owner!r} is not registered")
         return o
 
     def _object(self, object_id: ObjectId) -> ObjRecord:
-        rec = self.objects.get(object_id)
+        rec = self._live_object(object_id)
         if rec is None:
             raise UnknownObject(f"object {object_id} is unknown (never allocated, or gone)")
+        return rec
+
+    def _live_object(self, object_id: ObjectId) -> ObjRecord | None:
+        """The record, or None; a record of a lost owner is buried when touched."""
+        rec = self.objects.get(object_id)
+        if rec is not None and self._dead(rec):
+            self._bury(rec)  # a DISK record whose loaded copy died stays, at rest
+            rec = self.objects.get(object_id)
         return rec
 
     def _handle(self, rec: ObjRecord) -> Handle:
@@ -1195,11 +1421,13 @@ class CacheState:
         if kv_col is None:
             return None
         e = record.entry
-        kv = e.mem[kv_col]
-        if kv is not None and kv.state is State.COMPRESSED_READY:
+        kv = e.mem[kv_col]  # (a lost owner's KV, not buried yet, is no KV to sync to)
+        if kv is not None and kv.state is State.COMPRESSED_READY and not self._dead(kv):
             return kv.version
         disk = e.disk[kv_col] if e.disk else None
-        return disk.version if disk is not None and disk.state is State.ON_DISK_READY else None
+        if disk is not None and disk.state is State.ON_DISK_READY and not self._dead(disk):
+            return disk.version
+        return None
 
     def block_range(self, record: ObjRecord) -> tuple[int, int]:
         return self.layout.block_range(record.column, record.entry.depth)
@@ -1257,6 +1485,7 @@ class CacheState:
             snap: dict[str, object] = dict(self.counters.snapshot())
             snap["gauges"] = {
                 "objects": len(self.objects),
+                "owners_reaping": len(self._reaping),  # lost, objects not all buried yet
                 "entries": len(self.index),
                 "leases": len(self.leases.leases),
                 "captures": len(self.captures),
@@ -1282,6 +1511,14 @@ _HANDLE_BYTES = np.dtype(f"V{HANDLE_DTYPE.itemsize}")
 _MAX_SHARD_ORDINAL = (1 << 16) - 1  # HANDLE_DTYPE.shard is a u16
 _HANDLE_STRUCT = struct.Struct("<QQiH")  # HANDLE_DTYPE, one record
 _FEW = 32
+# A lookup whose path holds more disk copies than this packs every column record by record
+# (the general path); below it, packed rows and a patch per disky entry.
+_DISKY_PATCHED = 256
+
+
+class _NoCopy(Exception):
+    """A disky entry the funnel accepted has no copy serving a column (never, unless a test
+    planted a bug in the funnel): the general path packs what there is."""
 _MEM = operator.attrgetter("mem")
 _SHARD = operator.attrgetter("shard")
 _OBJECT_ID = operator.attrgetter("object_id")
@@ -1291,6 +1528,37 @@ _CONFIRMABLE = frozenset(
 ) - {State.ON_DISK_READY}
 _MAX_POOL_BLOCKS = 1 << 24
 _AGE_SLACK = 64  # lookups: LRU order is kept to this precision (see CacheState._age)
+
+
+def check_report(layout: Layout, r: ObjectReport) -> None:
+    """Raise unless ``r`` is a report a confirm takes (the one home of that rule: an owner
+    filters what it vouches for with it). A vouched state must be one its column's kind can
+    be read in (else no transition, not even LOSE, applies to the record), an SWA range must
+    lie inside its block, and a complete tail must hold exactly the raw tokens its boundary
+    needs (as TAIL_DONE demands: a tail vouched for with another length would be read as
+    whole)."""
+    col = layout.by_name.get(r.column)
+    if col is None:
+        raise UnknownGroup(f"unknown group {r.column!r}; the spec has {sorted(layout.by_name)}")
+    column = layout.columns[col]
+    if r.state is not State.ON_DISK and r.state not in _READABLE[column.kind]:
+        raise InvalidInput(f"report for {column.name!r} at depth {r.depth}: "
+                           f"{r.state.value} is not a state of a {column.kind.value} object")
+    if column.kind in (Kind.COMPRESSED, Kind.INDEXER) and r.version < 1:
+        # an unset proto field reads 0: a KV or indexer vouched for at "version 0" could
+        # pair with any other unset one
+        raise UnsetVersion(f"report for {column.name!r} at depth {r.depth}: version "
+                           f"{r.version}; a KV version is at least 1")
+    if column.kind is Kind.SWA:
+        start, end = layout.block_range(col, r.depth)
+        if not start <= r.lo <= r.hi <= end:
+            raise InvalidInput(f"SWA report at depth {r.depth}: range [{r.lo}, {r.hi}) "
+                               f"must lie inside its block [{start}, {end})")
+    if column.kind is Kind.TAIL:
+        need = layout.tail_tokens(col, r.depth)
+        if r.hi != need:
+            raise InvalidInput(f"tail report for {column.name!r} at depth {r.depth}: "
+                               f"{r.hi} raw tokens, its boundary needs exactly {need}")
 
 
 def segment_blocks_for(layout: Layout, asked: int | None) -> int:
@@ -1345,3 +1613,17 @@ _DISK_EVENTS: dict[Event, Callable[[CacheState, ObjRecord, Params], None]] = {
 def _unchained(depth: int, known: int) -> BadHash:
     return BadHash(f"block hash at depth {depth} is already known at depth {known} "
                    "with another parent; hashes must be chained")
+
+
+def _check_item(i: int, item: ObjectTransitions) -> None:
+    if not item.events:
+        raise InvalidInput(f"item {i}: no events; an item reports at least one event of its "
+                           "object")
+    if len(item.params) > len(item.events):
+        raise InvalidInput(f"item {i}: {len(item.params)} params for {len(item.events)} "
+                           "event(s); params[j] goes with events[j]")
+
+
+def _params_at(item: ObjectTransitions, k: int) -> Params | None:
+    return item.params[k] if k < len(item.params) else None
+

@@ -17,7 +17,7 @@ from .errors import IllegalTransition, VersionConflict
 from .records import DiskRecord, ObjRecord, SwaRecord, TailRecord, VersionedRecord
 from .states import Event, Kind, State
 
-__all__ = ["PRECONDITIONS", "TABLE", "Params", "TransitionContext", "apply"]
+__all__ = ["APPLIED_FIELDS", "PRECONDITIONS", "TABLE", "Params", "TransitionContext", "apply"]
 
 S, E = State, Event
 
@@ -188,6 +188,11 @@ def _write_fields(rec: ObjRecord, event: Event, p: Params, ctx: TransitionContex
         rec.version = rec.version if p.version is None else p.version
 
 
+# Every record field :func:`apply` may assign (``_write_fields`` and the state); a rehearsal
+# (``CacheState.transition_many``) puts exactly these back.
+APPLIED_FIELDS = ("state", "seq", "version", "lo", "hi")
+
+
 def apply(rec: ObjRecord, event: Event, params: Params, ctx: TransitionContext) -> State:
     """Move ``rec`` by ``event`` or raise, changing nothing. Returns the new state."""
     if params.expect_seq is not None and params.expect_seq != rec.seq:
@@ -199,12 +204,13 @@ def apply(rec: ObjRecord, event: Event, params: Params, ctx: TransitionContext) 
     if target is None:
         raise IllegalTransition(
             f"{rec.kind.value} object {rec.object_id}: {event.value} is not allowed "
-            f"in state {rec.state.value}"
+            f"in state {rec.state.value}", state=rec.state, event=event,
         )
     check = PRECONDITIONS.get((rec.kind, event))
     why = check(rec, params, ctx) if check else None
     if why:
-        raise IllegalTransition(f"{rec.kind.value} object {rec.object_id}: {event.value}: {why}")
+        raise IllegalTransition(f"{rec.kind.value} object {rec.object_id}: {event.value}: {why}",
+                                state=rec.state, event=event, precondition=why)
     _write_fields(rec, event, params, ctx)
     rec.state = target
     rec.seq += 1

@@ -159,6 +159,10 @@ def place_column(blocks: Blocks, tails: Tails, lay: Layout, col: Column,
         place_block(blocks, tails, lay, col, d, torch.from_numpy(np.array(a, copy=True)), usable)
 
 
+_HELD_STATES = frozenset({State.COMPRESSED_READY, State.SWA_VALID, State.TAIL_COMPLETE,
+                          State.INDEXER_SYNCED})
+
+
 class _Books:
     """The oracle: what this backend wrote completely, and which live objects (on which
     shard) still hold it. Fed by the writes and by the transition stream."""
@@ -171,6 +175,9 @@ class _Books:
         self.key_of: dict[int, Key] = {}
         self.dead: set[int] = set()
         self.heads: dict[Key, bytes] = {}  # first bytes of each payload (disk_bitflip)
+        # at the last service restart: the shard of each key's memory copy, which its shard
+        # re-confirms to the new view under a new id
+        self.before_restart: dict[Key, str] = {}
 
     def add(self, key: Key, oid: int, shard: str) -> None:
         with self.lock:
@@ -193,10 +200,12 @@ class _Books:
                 for oid in [o for o, s in held.items() if s == shard and o not in disk_oids]:
                     del held[oid]
 
-    def forget_copies(self) -> None:
+    def forget_copies(self, disk_oids: set[int]) -> None:
         """The metadata view was restarted: every object id is void; the shards' re-confirmed
-        disk records come back through the stream under new ids."""
+        memory objects and disk records come back through the stream under new ids."""
         with self.lock:
+            self.before_restart = {key: shard for key, held in self.copies.items()
+                                   for oid, shard in held.items() if oid not in disk_oids}
             self.dead |= set(self.key_of)
             self.copies.clear()
             self.key_of.clear()
@@ -205,11 +214,17 @@ class _Books:
         with self.lock:
             return set(self.key_of) | self.dead
 
-    def safe(self, key: Key) -> bool:
+    def safe(self, key: Key, disk_oids: set[int]) -> bool:
         """Written completely and held by a live copy a 128-aligned reader may be handed
-        (copies on the odd shard, memory or its disk, are placed misaligned)."""
-        return key in self.good and any(
-            s != self.odd_shard for s in self.copies.get(key, {}).values())
+        (copies on the odd shard, memory or its disk, are placed misaligned). A memory copy
+        is what the service serves when there is one (a misaligned one is MISALIGNED, the
+        disk copy is not offered instead); only without one do disk copies count."""
+        if key not in self.good:
+            return False
+        held = self.copies.get(key, {})
+        memory = [s for oid, s in held.items() if oid not in disk_oids]
+        return all(s != self.odd_shard for s in memory) if memory else any(
+            s != self.odd_shard for s in held.values())
 
 
 class DemoBackend:
@@ -287,6 +302,12 @@ class DemoBackend:
             key = (bytes(ev.block_hash), str(ev.column))
             if key in self.books.good and oid not in self.books.known():
                 self.books.add(key, oid, self._disk_owner(oid))
+        elif ev.state in _HELD_STATES and oid not in self.books.known():
+            # a memory object its shard re-confirmed after a restart: the copy the books had
+            key = (bytes(ev.block_hash), str(ev.column))
+            shard = self.books.before_restart.pop(key, None)
+            if shard is not None and key in self.books.good:
+                self.books.add(key, oid, shard)
 
     def _disk_owner(self, oid: int) -> str:
         return self._owner_of.get(oid, "")  # "": re-confirmed after a restart, owner unknown
@@ -659,8 +680,15 @@ class DemoBackend:
             self.retired.update(_counts(snap.get("transitions")))
             self.retired_downgrades.update(_counts(snap.get("downgrades")))
             self.wiring.restart_service()
+            if self.odd_shard is not None:
+                # The odd shard's padded pools are a deliberate fault; its copies, misaligned
+                # for every reader, would block their slots until evicted (shards keep their
+                # memory across a service restart, and a misaligned copy is not replaced).
+                # It restarts with the service, as the fault was meant: transient.
+                self.wiring.crash_shard(self.odd_shard)
+                self.wiring.revive_shard(self.odd_shard)
             with self.books.lock:
-                self.books.forget_copies()
+                self.books.forget_copies(self.disk_oids)
                 self._seq = 0
                 self._caught_up = 0.0
                 self.disk_oids.clear()
@@ -680,7 +708,7 @@ class DemoBackend:
         with self.books.lock:
             for k in range(limit // lcm, 0, -1):
                 p = k * lcm
-                if all(self.books.safe((bytes(hashes[d]), lay.columns[c].name))
+                if all(self.books.safe((bytes(hashes[d]), lay.columns[c].name), self.disk_oids)
                        for d in range(p // hb) for c in needed_columns(lay, d, p)):
                     return int(p)
         return 0

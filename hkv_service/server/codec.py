@@ -20,7 +20,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
-from hkv_service.core.errors import BadHash, InvalidInput
+from hkv_service.core.errors import BadHash, IllegalTransition, InvalidInput
 from hkv_service.core.funnel import Downgrade, LookupRequest
 from hkv_service.core.ids import (
     BlockHash,
@@ -36,6 +36,7 @@ from hkv_service.core.state_view import (
     CacheState,
     Match,
     ObjectReport,
+    ObjectTransitions,
     TransitionEvent,
     TransitionResult,
 )
@@ -53,12 +54,16 @@ __all__ = [
     "decode_handle",
     "decode_lookup",
     "decode_match",
+    "decode_object_transitions",
     "decode_params",
+    "decode_refusal",
     "decode_report",
     "decode_result",
     "encode_handle",
     "encode_lookup",
     "encode_match",
+    "encode_object_transitions",
+    "encode_refusal",
     "encode_report",
     "encode_result",
     "install_encoder",
@@ -289,6 +294,51 @@ def encode_params(p: Params, out: Any) -> Any:
         if value is not None:
             setattr(out, f, value)
     return out
+
+
+def encode_object_transitions(item: ObjectTransitions, out: Any) -> Any:
+    out.object_id = item.object_id
+    if item.generation is not None:
+        out.generation = item.generation
+    for k, event in enumerate(item.events):
+        step = out.steps.add(event=EVENTS.to_pb[event])
+        params = item.params[k] if k < len(item.params) else None
+        if params is not None:
+            encode_params(params, step)
+    return out
+
+
+def decode_object_transitions(msg: Any, where: str) -> ObjectTransitions:
+    """Checked: at least one step, known events, ranges that can be ranges."""
+    if not msg.steps:
+        raise InvalidInput(f"{where}: no steps; an item reports at least one event of its "
+                           "object")
+    steps = [(EVENTS.decode(s.event, f"{where} step {k}"),
+              decode_params(s, f"{where} step {k}")) for k, s in enumerate(msg.steps)]
+    return ObjectTransitions(ObjectId(msg.object_id), tuple(e for e, _ in steps),
+                             tuple(p for _, p in steps),
+                             msg.generation if msg.HasField("generation") else None)
+
+
+def encode_refusal(err: IllegalTransition, out: Any) -> Any:
+    """The refused move of ``err`` into an ``ItemError`` (what is known of it)."""
+    if err.state is not None:
+        out.state = STATES.to_pb[err.state]
+    if err.event is not None:
+        out.event = EVENTS.to_pb[err.event]
+    out.precondition = err.precondition or ""
+    if err.index is not None:
+        out.event_index = err.index
+    return out
+
+
+def decode_refusal(msg: Any, err: IllegalTransition) -> IllegalTransition:
+    """``err`` with the refused move an ``ItemError`` carries (an unset or unknown enum
+    number: not known, None)."""
+    err.state, err.event = STATES.from_pb.get(msg.state), EVENTS.from_pb.get(msg.event)
+    err.precondition = msg.precondition or None
+    err.index = msg.event_index if msg.HasField("event_index") else None
+    return err
 
 
 def encode_result(r: TransitionResult, out: Any) -> Any:

@@ -36,6 +36,7 @@ from prometheus_client.registry import Collector
 from hkv_service.core.state_view import CacheState
 from hkv_service.settings import ServiceInputs, ServiceSettings, SettingsError
 
+from . import gcpolicy
 from .app import ServerConfig, Service, build_service
 from .auth import TlsPem
 from .metrics import make_registry
@@ -44,6 +45,8 @@ __all__ = ["RunningService", "run_serve", "server_config", "start_service"]
 
 log = logging.getLogger("hkv.serve")
 EXPIRE_EVERY_S = 1.0
+REAP_IDLE_S = 0.05  # how often the reaper looks for a lost owner when there is none
+REAP_YIELD_S = 0.0005  # between two slices: heartbeats and lookups take the lock here
 OWNER_HEALTH_PREFIX = "hkv.v1.Shard/"  # + owner id: a per-shard health status
 DRAIN_S = 0.5  # NOT_SERVING is visible this long before new RPCs are refused
 
@@ -103,10 +106,11 @@ class RunningService:
         return done
 
 
-def start_service(settings: ServiceSettings, inputs: ServiceInputs | None = None
-                  ) -> RunningService:
+def start_service(settings: ServiceSettings, inputs: ServiceInputs | None = None,
+                  own_process: bool = False) -> RunningService:
     """Bind and start. Raises SettingsError (from ``load``), or RuntimeError/OSError when a
-    port cannot be bound."""
+    port cannot be bound. ``own_process``: this process is the service (``hkv serve``, the
+    service actor): it also takes the service's GC policy (``gcpolicy``)."""
     inputs = inputs if inputs is not None else settings.load()
     settings = settings.service()
     state = CacheState(inputs.spec, settings.state_config())
@@ -127,10 +131,20 @@ def start_service(settings: ServiceSettings, inputs: ServiceInputs | None = None
     if not settings.guarded:
         log.warning("binding %s without TLS or auth token (--insecure): anyone who can reach "
                     "it can change cache state", settings.host)
+    stop = start_maintenance(state, service)
+    if own_process:
+        gcpolicy.install(stop)
+    return RunningService(settings, service, metrics, stop)
+
+
+def start_maintenance(state: CacheState, service: Service) -> threading.Event:
+    """The service's own work beside the RPCs: expiring silent owners (and publishing their
+    health) and reaping lost ones. Set the returned event to stop both."""
     stop = threading.Event()
     threading.Thread(target=_expire_loop, args=(state, stop, service), daemon=True,
                      name="hkv-expire").start()
-    return RunningService(settings, service, metrics, stop)
+    threading.Thread(target=reap_loop, args=(state, stop), daemon=True, name="hkv-reap").start()
+    return stop
 
 
 def _expire_loop(state: CacheState, stop: threading.Event, service: Service) -> None:
@@ -139,6 +153,16 @@ def _expire_loop(state: CacheState, stop: threading.Event, service: Service) -> 
         if lost:
             log.warning("owners silent past the heartbeat timeout, marked lost: %s", lost)
         publish_owner_health(service, state)
+
+
+def reap_loop(state: CacheState, stop: threading.Event) -> None:
+    """Bury lost owners' objects a slice at a time (``CacheState.reap``), the lock released
+    between slices: an owner loss never holds the view for the whole owner."""
+    while not stop.is_set():
+        if state.reap():
+            time.sleep(REAP_YIELD_S)
+        else:
+            stop.wait(REAP_IDLE_S)
 
 
 def publish_owner_health(service: Service, state: CacheState) -> None:
@@ -160,7 +184,7 @@ def run_serve(args: argparse.Namespace) -> int:
         sys.stderr.write(f"hkv serve: error: {err}\n")
         return 2
     try:
-        running = start_service(settings, inputs)
+        running = start_service(settings, inputs, own_process=True)
     except (RuntimeError, OSError) as err:
         sys.stderr.write(f"hkv serve: cannot bind {settings.host}:{settings.port}: {err}\n")
         return 1

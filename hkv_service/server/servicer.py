@@ -3,7 +3,8 @@
 Domain errors (:class:`HkvError`) become statuses through ``status_map`` in exactly one
 place (:func:`_abort`); anything else escapes to grpcio, which answers UNKNOWN and logs it.
 Batched calls validate every item before applying any (a rejected request changes nothing);
-``Transition`` then applies items one by one and reports an outcome per item.
+``Transition`` then applies items one by one and reports an outcome per item, and
+``TransitionMany`` does the same with items of many events, each item all or none.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from hkv_service.core.allocator import PoolConfig
-from hkv_service.core.errors import HkvError, InvalidInput
+from hkv_service.core.errors import HkvError, IllegalTransition, InvalidInput
 from hkv_service.core.ids import BlockHash, CaptureId, LeaseId, ObjectId, ShardId
 from hkv_service.core.state_view import AllocRequest, CacheState, Match
 from hkv_service.proto_gen.hkv.v1 import hkv_pb2 as pb
@@ -65,6 +66,8 @@ def _item_error(err: HkvError, out: Any) -> None:
     out.code, out.error_class, out.message = mapped.code.value[0], mapped.error_class, \
         mapped.message
     out.retry_after_ms = mapped.retry_after_ms or 0
+    if isinstance(err, IllegalTransition):
+        codec.encode_refusal(err, out)
 
 
 def _unary(method: F) -> F:
@@ -125,8 +128,9 @@ class MetadataServicer(pb_grpc.MetadataServiceServicer):
         validation.check_columns(self.state, (r.column for r in reports), "Confirm")
         if request.incarnation == 0:
             raise InvalidInput("Confirm needs the incarnation RegisterOwner returned (> 0)")
-        return pb.ConfirmResponse(
-            confirmed=self.state.confirm(owner, reports, request.incarnation))
+        ids = self.state.confirm_objects(owner, reports, request.incarnation)
+        return pb.ConfirmResponse(confirmed=sum(1 for oid in ids if oid),
+                                  object_ids=[oid or 0 for oid in ids])
 
     # ---- allocation and transitions -----------------------------------------------------
 
@@ -160,6 +164,19 @@ class MetadataServicer(pb_grpc.MetadataServiceServicer):
                 result = self.state.transition(oid, event, params, generation)
             except HkvError as err:
                 _item_error(err, outcome.error)
+            else:
+                codec.encode_result(result, outcome.result)
+        return out
+
+    @_unary
+    def TransitionMany(self, request: Any, context: grpc.ServicerContext) -> Any:
+        items = [codec.decode_object_transitions(it, f"TransitionMany item {i}")
+                 for i, it in enumerate(request.items)]
+        out = pb.TransitionManyResponse()
+        for result in self.state.transition_many(items):
+            outcome = out.outcomes.add()
+            if isinstance(result, HkvError):
+                _item_error(result, outcome.error)
             else:
                 codec.encode_result(result, outcome.result)
         return out

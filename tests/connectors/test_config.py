@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, supports_hma
 from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
-from vllm_harness import engine_config, hybrid_specs, write_tiny_config
+from vllm_harness import engine_config, hybrid_specs, readme_commands, write_tiny_config
 
 from hkv_service.connectors import systems
 from hkv_service.connectors.config import ConnectorConfig
@@ -19,17 +20,15 @@ from hkv_service.connectors.vllm import HkvConnector, engine_geometry
 from hkv_service.specs import default_spec
 from workers.inprocess import InProcessSystem
 
-# The README's --kv-transfer-config, as written there.
-README_KV_TRANSFER = (
-    '{"kv_connector": "HkvConnector", "kv_connector_module_path": "hkv_service.connectors.vllm",'
-    ' "kv_role": "kv_both", "kv_load_failure_policy": "recompute",'
-    ' "kv_connector_extra_config": {"endpoint": "127.0.0.1:50051",'
-    ' "ray_address": "auto", "spec_out": "vllm-spec.yaml"}}'
-)
+
+def readme_kv_transfer() -> str:
+    """The ``--kv-transfer-config`` of the README's ``vllm serve`` line, as written there."""
+    argv = shlex.split(readme_commands()[1])
+    return argv[argv.index("--kv-transfer-config") + 1]
 
 
 def test_the_readme_config_loads_the_connector_class_with_hma() -> None:
-    tc = KVTransferConfig(**json.loads(README_KV_TRANSFER))
+    tc = KVTransferConfig(**json.loads(readme_kv_transfer()))
     cls = KVConnectorFactory.get_connector_class(tc)
     assert cls is HkvConnector and supports_hma(cls)
     cfg = ConnectorConfig.from_extra(tc.kv_connector_extra_config)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import random
+import re
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +62,23 @@ TINY = {
 }
 LAYER = "model.layers.{}.self_attn.attn"
 F32 = torch.float32
+ROOT = Path(__file__).resolve().parents[2]
+README_SERVE = re.compile(
+    r"<!-- vllm-serve:start -->\s*```bash\n(.*?)```\s*<!-- vllm-serve:end -->", re.S)
+
+
+def readme_commands() -> tuple[list[str], str]:
+    """(the README's ``hkv up`` argv, its ``vllm serve`` command line as one shell string)."""
+    m = README_SERVE.search((ROOT / "README.md").read_text())
+    assert m, "README.md lost its vllm-serve markers"
+    lines = m.group(1).replace("\\\n", " ").splitlines()
+    up = [ln for ln in lines if ln.startswith(".venv-vllm/bin/hkv up ")]
+    serve = [ln for ln in lines if ln.startswith(".venv-vllm/bin/vllm serve ")]
+    assert len(up) == 1 and len(serve) == 1, lines
+    argv = shlex.split(up[0])
+    if argv[-1] == "&":
+        argv.pop()
+    return argv, re.sub(r"\s+", " ", serve[0]).strip()
 
 
 def write_tiny_config(path: Path) -> Path:

@@ -84,19 +84,24 @@ def test_a_captured_loaded_copy_is_not_dropped() -> None:
     assert st.objects[oid].state is State.ON_DISK
 
 
-def test_losing_the_copys_owner_drops_it_whatever_holds_it() -> None:
+@pytest.mark.parametrize("reaped", [False, True])
+def test_losing_the_copys_owner_drops_it_whatever_holds_it(reaped: bool) -> None:
+    """Unreaped (the loss was O(1), the copy not buried yet) or reaped, the copy is gone."""
     st, hs, oid = _loaded()
     m = st.lookup(LookupRequest(hs, lease_ttl_s=30))
     assert m.lease_id is not None
     handle = _copy_handle(st, m.handles, oid)
     cap, epoch = st.register_capture([handle])
     st.mark_owner_lost(S1)  # the memory the copy was in is gone: a fact, not a policy
-    rec = st.objects[oid]
-    assert rec.kind is Kind.DISK and rec.state is State.ON_DISK and rec.block == -1
+    if reaped:
+        st.reap_all()
+        rec = st.objects[oid]
+        assert rec.kind is Kind.DISK and rec.state is State.ON_DISK and rec.block == -1
     valid, new_epoch = st.capture_status(cap)
     assert not valid and new_epoch > epoch
     with pytest.raises(StaleHandle, match="stale"):
         st.check_read(handle, m.lease_id)
+    assert st.objects[oid].state is State.ON_DISK  # touched: buried back to rest
     again = st.lookup(LookupRequest(hs))
     assert all(h.object_id != oid or h.block != handle.block or h.shard != S1
                for hs_ in again.handles.values() for h in hs_)

@@ -350,6 +350,12 @@ class FunnelMachine(RuleBasedStateMachine):
         slot.disk_oid, slot.disk, slot.disk_pins = None, None, 0
 
     # ---- faults ------------------------------------------------------------------------
+    @rule(budget=st.integers(1, 64))
+    def reap_some(self, budget: int) -> None:
+        """Bury some of what lost owners left (an owner loss is O(1): until a slice or a
+        touch reaches them, its objects linger, dead; nothing may serve or reuse them)."""
+        self.state.reap(budget)
+
     @rule(i=st.integers(0, 1))
     def restart_owner(self, i: int) -> None:
         shard = SHARDS[i]

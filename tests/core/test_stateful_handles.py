@@ -787,6 +787,12 @@ class HandleMachine(RuleBasedStateMachine):
         self._swap([r for r in entry.mem if r is not None], disk_owner, owner, back, refill)
 
     # ---- owners --------------------------------------------------------------------------
+    @rule(budget=st.integers(1, 64))
+    def reap_some(self, budget: int) -> None:
+        """Bury some of what lost owners left (an owner loss is O(1): until a slice or a
+        touch reaches them, its objects linger, dead; nothing may serve or reuse them)."""
+        self.state.reap(budget)
+
     @rule(i=st.integers(0, 2), back=st.booleans())
     def lose_owner(self, i: int, back: bool) -> None:
         shard = (S0, S1, S2)[i]

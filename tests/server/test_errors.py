@@ -117,6 +117,28 @@ CASES: list[tuple[str, str, Callable[[Filled], Any], grpc.StatusCode, str, str |
      lambda f: pb.TransitionRequest(items=[pb.TransitionItem(
          object_id=f.oid, event=pb.EVENT_WRITE_DONE, lo=9, hi=5)]),
      C.INVALID_ARGUMENT, "greater than hi", "InvalidInput"),
+    # TransitionMany: a malformed item rejects the call; the valid item before it (an
+    # eviction of the committed object) must not have been applied
+    ("item with no steps", "TransitionMany",
+     lambda f: pb.TransitionManyRequest(items=[
+         pb.ObjectTransitions(object_id=f.oid, steps=[pb.TransitionStep(event=pb.EVENT_EVICT)]),
+         pb.ObjectTransitions(object_id=f.oid)]),
+     C.INVALID_ARGUMENT, "TransitionMany item 1: no steps", "InvalidInput"),
+    ("unknown event in a step", "TransitionMany",
+     lambda f: pb.TransitionManyRequest(items=[
+         pb.ObjectTransitions(object_id=f.oid, steps=[pb.TransitionStep(event=pb.EVENT_EVICT)]),
+         pb.ObjectTransitions(object_id=f.oid, steps=[
+             pb.TransitionStep(event=pb.EVENT_WRITE_DONE),
+             pb.TransitionStep(event=99)])]),  # type: ignore[arg-type]
+     C.INVALID_ARGUMENT, "item 1 step 1: event value 99 is unknown", "InvalidInput"),
+    ("negative range in a step", "TransitionMany",
+     lambda f: pb.TransitionManyRequest(items=[pb.ObjectTransitions(
+         object_id=f.oid, steps=[pb.TransitionStep(event=pb.EVENT_WRITE_DONE, lo=-1, hi=5)])]),
+     C.INVALID_ARGUMENT, "lo must not be negative", "InvalidInput"),
+    ("too many items", "TransitionMany",
+     lambda f: pb.TransitionManyRequest(items=[pb.ObjectTransitions(
+         object_id=f.oid, steps=[pb.TransitionStep(event=pb.EVENT_EVICT)])] * 4097),
+     C.INVALID_ARGUMENT, "at most 4096", "InvalidInput"),
     ("unknown lease", "ReleaseLease", lambda f: pb.ReleaseLeaseRequest(lease_id=777),
      C.NOT_FOUND, "does not exist", "UnknownLease"),
     ("expired lease on read", "CheckRead",

@@ -130,8 +130,8 @@ def _check_watch(fz: Fuzz, request: Any, out: Outcome) -> None:
 
 def _item_errors(method: str, replies: list[bytes]) -> list[Any] | None:
     """Per-item errors of the calls that report them in an OK reply (None for others)."""
-    if method == "Transition":
-        return [o.error for r in replies for o in pb.TransitionResponse.FromString(r).outcomes
+    if method in ("Transition", "TransitionMany"):
+        return [o.error for r in replies for o in RESPONSE[method].FromString(r).outcomes
                 if o.HasField("error")] if replies else None
     if method == "LookupStream":
         heads = [pb.LookupStreamResponse.FromString(r) for r in replies]
@@ -158,8 +158,8 @@ def _judge(fz: Fuzz, method: str, payload: bytes, out: Outcome) -> bool:
     if errors is None:
         return False
     assert {e.code for e in errors} <= PROPER_NUMBERS, (method, errors)
-    items = len(pb.TransitionRequest.FromString(payload).items) if method == "Transition" \
-        else len(out.replies)
+    items = len(REQUEST[method].FromString(payload).items) \
+        if method in ("Transition", "TransitionMany") else len(out.replies)
     return len(errors) == items  # every item refused: nothing may have changed
 
 
@@ -316,3 +316,26 @@ def test_transition_fields(fuzz_live: Fuzz, data: st.DataObject) -> None:
                           request_serializer=pb.TransitionRequest.SerializeToString,
                           response_deserializer=pb.TransitionResponse.FromString)
     _check(fuzz_live, lambda: stub(pb.TransitionRequest(items=[item]), timeout=5), True)
+
+
+@FUZZ
+@given(data=st.data())
+def test_transition_many_fields(fuzz_live: Fuzz, data: st.DataObject) -> None:
+    """Random items of random steps on the committed objects (and unknown ones): a call
+    whose items are all refused changes nothing (all or none per object)."""
+    ids = sorted(r.object_id for r in fuzz_live.live.state.objects.values())[:6]
+    items = []
+    for _ in range(data.draw(st.integers(1, 3))):
+        item = pb.ObjectTransitions(object_id=data.draw(st.sampled_from([*ids, 10**9])))
+        for _ in range(data.draw(st.integers(0, 3))):
+            step = item.steps.add(event=data.draw(st.integers(0, 17)))  # type: ignore[arg-type]
+            for f in ("lo", "hi", "tail_len"):
+                if data.draw(st.booleans()):
+                    setattr(step, f, data.draw(st.integers(-2, 200)))
+            if data.draw(st.booleans()):
+                step.version = data.draw(st.integers(0, 3))
+        if data.draw(st.booleans()):
+            item.generation = data.draw(st.integers(0, 2))
+        items.append(item)
+    payload = pb.TransitionManyRequest(items=items).SerializeToString()
+    _send(fuzz_live, "TransitionMany", payload)

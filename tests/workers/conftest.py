@@ -6,6 +6,7 @@ Helpers reach test modules through the ``w`` fixture (several conftest.py files,
 from __future__ import annotations
 
 import shutil
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -47,7 +48,24 @@ def prefix_payload(layout: Layout, n_blocks: int, seed: int = 0
     return blocks, tails
 
 
+class CountingPort:
+    """A metadata port that counts the calls made through it, by method name."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.calls: Counter[str] = Counter()
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.inner, name)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls[name] += 1
+            return method(*args, **kwargs)
+        return counted
+
+
 class Helpers:
+    CountingPort = CountingPort
     prompt = staticmethod(prompt)
     prefix_payload = staticmethod(prefix_payload)
     clear_stale_ray = staticmethod(clear_stale_ray)

@@ -289,3 +289,36 @@ def test_write_prefix_refuses_a_wrong_size_before_allocating(system: Any, w: Any
         dp.write_prefix(hashes, blocks, tails, swa_ranges=swa)
     assert len(meta.state.objects) == before
     assert meta.lookup(LookupRequest(hashes)).usable_tokens == 0
+
+
+def test_the_metadata_actor_reports_many_transitions_in_one_call(w: Any) -> None:
+    """ActorMetadata.transition_many: a refused item comes back as a value, its fields intact
+    through Ray's pickling; the unary transition's raised error reads them as well."""
+    from hkv_service.core.errors import IllegalTransition
+    from hkv_service.core.state_view import AllocRequest, ObjectTransitions, TransitionResult
+    from hkv_service.core.states import Event, State
+    from hkv_service.testing import pools_for
+
+    meta = w.metadata()
+    meta.register_owner(ShardId("s0"), pools_for(meta_layout(), 8))
+    allocs = meta.allocate(w.prompt(2, seed=77), [AllocRequest(0, "c4"), AllocRequest(1, "c4")],
+                           ShardId("s0"))
+    bad, good = (a.handle.object_id for a in allocs)
+    refused, done = meta.transition_many([
+        ObjectTransitions(bad, (Event.WRITE_DONE, Event.TAIL_DONE)),
+        ObjectTransitions(good, (Event.WRITE_DONE,)),
+    ])
+    assert isinstance(refused, IllegalTransition)
+    assert (refused.state, refused.event, refused.index) == (State.COMPRESSED_READY,
+                                                             Event.TAIL_DONE, 1)
+    assert isinstance(done, TransitionResult) and done.state is State.COMPRESSED_READY
+    with pytest.raises(IllegalTransition) as info:
+        meta.transition(good, Event.TAIL_DONE)
+    assert (info.value.state, info.value.precondition) == (State.COMPRESSED_READY, None)
+    ray.kill(meta.actor)
+
+
+def meta_layout() -> Any:
+    from hkv_service.core.layout import Layout
+
+    return Layout(default_spec())

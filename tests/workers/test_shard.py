@@ -82,6 +82,73 @@ def test_retried_commit_is_idempotent(meta: LocalMetadata, data_dir: Path, w: An
     shard.shutdown()
 
 
+def write_batch(shard: ShardActor, meta: LocalMetadata, w: Any, n: int,
+                commits: list[Commit]) -> tuple[list[Any], list[ItemResult]]:
+    """One write_blocks call of ``n`` c4 objects (depths 0..n-1), ``commits[i]`` for each."""
+    hashes = w.prompt(n, seed=40 + n)
+    allocs = meta.allocate(hashes, [AllocRequest(d, "c4") for d in range(n)], ShardId("s0"))
+    handles = [a.handle for a in allocs]
+    tags = [BlockTag(hashes[d], hashes[d - 1] if d else None, d) for d in range(n)]
+    return handles, shard.write_blocks(handles, [c4_bytes(d) for d in range(n)], tags, commits)
+
+
+def test_a_batch_reports_every_commit_in_one_call(meta: LocalMetadata, data_dir: Path,
+                                                  w: Any) -> None:
+    shard = make_shard(meta, data_dir)
+    shard.meta = counting = w.CountingPort(shard.meta)
+    handles, out = write_batch(shard, meta, w, 6, [Commit((Event.WRITE_DONE,))] * 6)
+    assert all(r.ok and r.version for r in out), out
+    assert counting.calls == {"transition_many": 1}
+    assert {meta.state.objects[h.object_id].state for h in handles} == {State.COMPRESSED_READY}
+    shard.shutdown()
+
+
+def test_a_large_batch_is_committed_in_bounded_calls(meta: LocalMetadata, data_dir: Path,
+                                                     w: Any, monkeypatch: Any) -> None:
+    import workers.shard
+
+    monkeypatch.setattr(workers.shard, "COMMIT_CHUNK", 2)  # 5 items: 3 calls
+    shard = make_shard(meta, data_dir)
+    shard.meta = counting = w.CountingPort(shard.meta)
+    handles, out = write_batch(shard, meta, w, 5, [Commit((Event.WRITE_DONE,))] * 5)
+    assert all(r.ok and r.version for r in out), out
+    assert counting.calls == {"transition_many": 3}
+    assert {meta.state.objects[h.object_id].state for h in handles} == {State.COMPRESSED_READY}
+    shard.shutdown()
+
+
+def test_a_refused_commit_fails_its_item_alone_and_whole(meta: LocalMetadata, data_dir: Path,
+                                                         w: Any) -> None:
+    shard = make_shard(meta, data_dir)
+    ok, bad = Commit((Event.WRITE_DONE,)), Commit((Event.WRITE_DONE, Event.TAIL_DONE))
+    handles, out = write_batch(shard, meta, w, 3, [ok, bad, ok])
+    assert [r.outcome for r in out] == [Outcome.OK, Outcome.NOT_READABLE, Outcome.OK]
+    assert "TAIL_DONE is not allowed" in out[1].detail
+    refused = meta.state.objects[handles[1].object_id]
+    assert refused.state is State.ALLOCATED and refused.seq == 0  # its WRITE_DONE not applied
+    [read] = shard.read_blocks([handles[1]])  # the bytes were forgotten
+    assert isinstance(read, ItemResult) and read.outcome is Outcome.STALE
+    shard.shutdown()
+
+
+def test_an_event_already_applied_counts_as_done(meta: LocalMetadata, data_dir: Path,
+                                                 w: Any) -> None:
+    """As reported one by one: an event refused because its object is already in the event's
+    target state is skipped, the item's other events apply (here the first two)."""
+    shard = make_shard(meta, data_dir)
+    twice = Commit((Event.BEGIN_WRITE, Event.WRITE_DONE, Event.WRITE_DONE))
+    shard.meta = counting = w.CountingPort(shard.meta)
+    handles, out = write_batch(shard, meta, w, 2, [twice, Commit((Event.WRITE_DONE,))])
+    assert all(r.ok for r in out), out
+    assert [meta.state.objects[h.object_id].seq for h in handles] == [2, 1]
+    assert counting.calls == {"transition_many": 2}  # the item without its repeat, once more
+    again = shard.write_blocks(handles, [c4_bytes(d) for d in range(2)], None,
+                               [Commit((Event.WRITE_DONE,))] * 2)  # the whole call re-run
+    assert all(r.ok for r in again), again
+    assert [meta.state.objects[h.object_id].seq for h in handles] == [2, 1]
+    shard.shutdown()
+
+
 def test_offload_evict_load_round_trip(meta: LocalMetadata, data_dir: Path, w: Any) -> None:
     shard = make_shard(meta, data_dir)
     hashes = w.prompt(1, seed=3)

@@ -291,10 +291,12 @@ class ConfirmRequest(_message.Message):
     def __init__(self, owner: _Optional[str] = ..., reports: _Optional[_Iterable[_Union[ObjectReport, _Mapping]]] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class ConfirmResponse(_message.Message):
-    __slots__ = ("confirmed",)
+    __slots__ = ("confirmed", "object_ids")
     CONFIRMED_FIELD_NUMBER: _ClassVar[int]
+    OBJECT_IDS_FIELD_NUMBER: _ClassVar[int]
     confirmed: int
-    def __init__(self, confirmed: _Optional[int] = ...) -> None: ...
+    object_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, confirmed: _Optional[int] = ..., object_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AllocSlot(_message.Message):
     __slots__ = ("depth", "column")
@@ -365,16 +367,24 @@ class TransitionResult(_message.Message):
     def __init__(self, object_id: _Optional[int] = ..., state: _Optional[_Union[State, str]] = ..., version: _Optional[int] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class ItemError(_message.Message):
-    __slots__ = ("code", "error_class", "message", "retry_after_ms")
+    __slots__ = ("code", "error_class", "message", "retry_after_ms", "state", "event", "precondition", "event_index")
     CODE_FIELD_NUMBER: _ClassVar[int]
     ERROR_CLASS_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     RETRY_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    PRECONDITION_FIELD_NUMBER: _ClassVar[int]
+    EVENT_INDEX_FIELD_NUMBER: _ClassVar[int]
     code: int
     error_class: str
     message: str
     retry_after_ms: int
-    def __init__(self, code: _Optional[int] = ..., error_class: _Optional[str] = ..., message: _Optional[str] = ..., retry_after_ms: _Optional[int] = ...) -> None: ...
+    state: State
+    event: Event
+    precondition: str
+    event_index: int
+    def __init__(self, code: _Optional[int] = ..., error_class: _Optional[str] = ..., message: _Optional[str] = ..., retry_after_ms: _Optional[int] = ..., state: _Optional[_Union[State, str]] = ..., event: _Optional[_Union[Event, str]] = ..., precondition: _Optional[str] = ..., event_index: _Optional[int] = ...) -> None: ...
 
 class TransitionOutcome(_message.Message):
     __slots__ = ("result", "error")
@@ -385,6 +395,44 @@ class TransitionOutcome(_message.Message):
     def __init__(self, result: _Optional[_Union[TransitionResult, _Mapping]] = ..., error: _Optional[_Union[ItemError, _Mapping]] = ...) -> None: ...
 
 class TransitionResponse(_message.Message):
+    __slots__ = ("outcomes",)
+    OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    outcomes: _containers.RepeatedCompositeFieldContainer[TransitionOutcome]
+    def __init__(self, outcomes: _Optional[_Iterable[_Union[TransitionOutcome, _Mapping]]] = ...) -> None: ...
+
+class TransitionStep(_message.Message):
+    __slots__ = ("event", "version", "lo", "hi", "tail_len", "expect_seq")
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    LO_FIELD_NUMBER: _ClassVar[int]
+    HI_FIELD_NUMBER: _ClassVar[int]
+    TAIL_LEN_FIELD_NUMBER: _ClassVar[int]
+    EXPECT_SEQ_FIELD_NUMBER: _ClassVar[int]
+    event: Event
+    version: int
+    lo: int
+    hi: int
+    tail_len: int
+    expect_seq: int
+    def __init__(self, event: _Optional[_Union[Event, str]] = ..., version: _Optional[int] = ..., lo: _Optional[int] = ..., hi: _Optional[int] = ..., tail_len: _Optional[int] = ..., expect_seq: _Optional[int] = ...) -> None: ...
+
+class ObjectTransitions(_message.Message):
+    __slots__ = ("object_id", "steps", "generation")
+    OBJECT_ID_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    object_id: int
+    steps: _containers.RepeatedCompositeFieldContainer[TransitionStep]
+    generation: int
+    def __init__(self, object_id: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[TransitionStep, _Mapping]]] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class TransitionManyRequest(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[ObjectTransitions]
+    def __init__(self, items: _Optional[_Iterable[_Union[ObjectTransitions, _Mapping]]] = ...) -> None: ...
+
+class TransitionManyResponse(_message.Message):
     __slots__ = ("outcomes",)
     OUTCOMES_FIELD_NUMBER: _ClassVar[int]
     outcomes: _containers.RepeatedCompositeFieldContainer[TransitionOutcome]

@@ -70,6 +70,11 @@ class MetadataServiceStub:
                 request_serializer=hkv_dot_v1_dot_hkv__pb2.TransitionRequest.SerializeToString,
                 response_deserializer=hkv_dot_v1_dot_hkv__pb2.TransitionResponse.FromString,
                 _registered_method=True)
+        self.TransitionMany = channel.unary_unary(
+                '/hkv.v1.MetadataService/TransitionMany',
+                request_serializer=hkv_dot_v1_dot_hkv__pb2.TransitionManyRequest.SerializeToString,
+                response_deserializer=hkv_dot_v1_dot_hkv__pb2.TransitionManyResponse.FromString,
+                _registered_method=True)
         self.Evict = channel.unary_unary(
                 '/hkv.v1.MetadataService/Evict',
                 request_serializer=hkv_dot_v1_dot_hkv__pb2.EvictRequest.SerializeToString,
@@ -182,6 +187,14 @@ class MetadataServiceServicer:
 
     def Transition(self, request, context):
         """Apply a batch of transitions, each independently (see TransitionResponse).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TransitionMany(self, request, context):
+        """Report many objects' events in one call: items in order, each object's events in order
+        and all or none of them (see TransitionManyResponse).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -309,6 +322,11 @@ def add_MetadataServiceServicer_to_server(servicer, server):
                     servicer.Transition,
                     request_deserializer=hkv_dot_v1_dot_hkv__pb2.TransitionRequest.FromString,
                     response_serializer=hkv_dot_v1_dot_hkv__pb2.TransitionResponse.SerializeToString,
+            ),
+            'TransitionMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.TransitionMany,
+                    request_deserializer=hkv_dot_v1_dot_hkv__pb2.TransitionManyRequest.FromString,
+                    response_serializer=hkv_dot_v1_dot_hkv__pb2.TransitionManyResponse.SerializeToString,
             ),
             'Evict': grpc.unary_unary_rpc_method_handler(
                     servicer.Evict,
@@ -561,6 +579,33 @@ class MetadataService:
             '/hkv.v1.MetadataService/Transition',
             hkv_dot_v1_dot_hkv__pb2.TransitionRequest.SerializeToString,
             hkv_dot_v1_dot_hkv__pb2.TransitionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TransitionMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hkv.v1.MetadataService/TransitionMany',
+            hkv_dot_v1_dot_hkv__pb2.TransitionManyRequest.SerializeToString,
+            hkv_dot_v1_dot_hkv__pb2.TransitionManyResponse.FromString,
             options,
             channel_credentials,
             insecure,

