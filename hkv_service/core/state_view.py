@@ -938,14 +938,7 @@ class CacheState:
         out: dict[str, tuple[ObjRecord, ...]] = {}
         for column in self.layout.columns:
             c = column.index
-            depths = self.layout.needed_depths(c, usable)
-            at = entries[depths.start : depths.stop : depths.step]  # needed depths: a range
-            found: list[ObjRecord | None] = list(map(operator.itemgetter(c), map(_MEM, at)))
-            for e in disky:
-                if e.depth in depths:
-                    found[(e.depth - depths.start) // depths.step] = self._readable_record(
-                        e, c, usable, align)
-            recs = tuple(r for r in found if r is not None)
+            recs = self._column_records(entries, c, disky, usable, align)
             if recs:
                 out[column.name] = recs
         return out
@@ -989,27 +982,36 @@ class CacheState:
         for column in lay.columns:
             c = column.index
             slot = self._mono_slot.get(c)
-            depths = lay.needed_depths(c, usable)
             if slot is not None:
                 records = b"".join(map(operator.itemgetter(slot), pieces))
                 if disky:
-                    records = self._patched(records, disky, c, depths, usable, align)
+                    records = self._patched(records, disky, c, lay.needed_depths(c, usable),
+                                            usable, align)
                 if records:
                     out[column.name] = HandleColumn(
                         c, column.name, column.kind, column.nbytes, column.abi_fingerprint,
                         records, self._shard_names, self._strides(c),
                     )
                 continue
-            at = entries[depths.start : depths.stop : depths.step]
-            found: list[ObjRecord | None] = list(map(operator.itemgetter(c), map(_MEM, at)))
-            for e in disky:
-                if e.depth in depths:
-                    found[(e.depth - depths.start) // depths.step] = self._readable_record(
-                        e, c, usable, align)
-            recs = tuple(r for r in found if r is not None)
+            recs = self._column_records(entries, c, disky, usable, align)
             if recs:
                 out[column.name] = self._snapshot(recs)
         return out
+
+    def _column_records(self, entries: Sequence[PrefixEntry], c: int,
+                        disky: Sequence[PrefixEntry], usable: int, align: int
+                        ) -> tuple[ObjRecord, ...]:
+        """Column ``c``'s records at the depths a reader resuming at ``usable`` needs: the
+        memory record of each entry the funnel accepted, and at a disky entry the copy its
+        verdict serves."""
+        depths = self.layout.needed_depths(c, usable)
+        at = entries[depths.start : depths.stop : depths.step]  # needed depths: a range
+        found: list[ObjRecord | None] = list(map(operator.itemgetter(c), map(_MEM, at)))
+        for e in disky:
+            if e.depth in depths:
+                found[(e.depth - depths.start) // depths.step] = self._readable_record(
+                    e, c, usable, align)
+        return tuple(r for r in found if r is not None)
 
     def _patched(self, records: bytes, disky: Sequence[PrefixEntry], c: int, depths: range,
                  usable: int, align: int) -> bytes:
