@@ -4,7 +4,8 @@
 `attach(...)` line replaced by the one `hkv up` printed when ready, and run twice as a fresh
 Python process: the first run reuses nothing and writes the prompt back, the second reuses it.
 Then the metadata service process is killed under `hkv up` (item 4): `hkv up` starts it again
-on its port, the shards rejoin, and the snippet works again.
+on its port, the shards rejoin and re-confirm the blocks they still hold, and the snippet
+reuses the whole prompt again (issue 19: a restarted service is back with its hits).
 """
 
 from __future__ import annotations
@@ -89,12 +90,13 @@ def test_readme_worker_snippet_runs_against_hkv_up(tmp_path: Path) -> None:
         os.kill(pid, signal.SIGKILL)  # the service crashes under hkv up
         _await(up, lines, seen, "hkv up: metadata service (pid")  # restarted as pid ...
         deadline = time.monotonic() + 60
-        while True:  # the shards rejoin within a heartbeat or two
-            _reused, written, failed = _run(code)
-            if failed == 0 or time.monotonic() > deadline:
+        while True:  # the shards rejoin within a heartbeat or two, vouching for what they hold
+            reused2, _, failed = _run(code)
+            if (failed == 0 and reused2 == 896) or time.monotonic() > deadline:
                 break
             time.sleep(1.0)
-        assert failed == 0 and written > 0, "".join(seen)
+        # the restarted service serves the prompt again from the shards' intact memory
+        assert failed == 0 and reused2 == 896, "".join(seen)
         assert up.poll() is None  # hkv up kept running
     finally:
         up.send_signal(signal.SIGTERM)
