@@ -237,6 +237,7 @@ class DemoBackend:
         self.layout = self.dp.layout
         self.odd_shard = wiring.odd_shard
         self.books = _Books(wiring.odd_shard)
+        self._odd_restarts = 0  # service restarts seen (the odd shard restarts every other)
         self.events: Counter[str] = Counter()
         self.lock = threading.RLock()  # allocations, block reuse and faults of this process
         self.faulty: dict[Key, int] = {}  # partial tails / unsynced indexers we left behind
@@ -684,9 +685,12 @@ class DemoBackend:
                 # The odd shard's padded pools are a deliberate fault; its copies, misaligned
                 # for every reader, would block their slots until evicted (shards keep their
                 # memory across a service restart, and a misaligned copy is not replaced).
-                # It restarts with the service, as the fault was meant: transient.
-                self.wiring.crash_shard(self.odd_shard)
-                self.wiring.revive_shard(self.odd_shard)
+                # It restarts with every other service restart: misaligned copies stay long
+                # enough for readers to meet them, and not for good.
+                self._odd_restarts += 1
+                if self._odd_restarts % 2 == 0:
+                    self.wiring.crash_shard(self.odd_shard)
+                    self.wiring.revive_shard(self.odd_shard)
             with self.books.lock:
                 self.books.forget_copies(self.disk_oids)
                 self._seq = 0

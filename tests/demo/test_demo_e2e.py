@@ -60,7 +60,11 @@ def test_each_fault_injected_and_downgraded(faulty: dict[str, Any]) -> None:
 def test_reuse_stays_substantial(faulty: dict[str, Any]) -> None:
     # raised fault rates here; at the default rates (`--faults all`) it is >= 0.90
     assert faulty["reuse_efficiency"] >= 0.5
-    assert faulty["reused_tokens"] >= 0.15 * faulty["prompt_tokens"]
+    # Of all prompt tokens, at these rates: 0.13-0.39 seen. Since shards keep their memory
+    # across a service restart, the odd shard's misaligned copies last longer and block their
+    # slots (a misaligned copy is not replaced: issue 19's note), so this is lower than the
+    # 0.15-0.3 it was when a restart emptied every shard.
+    assert faulty["reused_tokens"] >= 0.10 * faulty["prompt_tokens"]
 
 
 def test_no_faults_reuses_everything_safe() -> None:
