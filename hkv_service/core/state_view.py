@@ -398,15 +398,10 @@ class CacheState:
             last = max((r.depth for r in requests), default=-1)
             self._clean(block_hashes[: last + 1])  # a lost owner's object is not "existing"
             entries = self._ensure_path(block_hashes, last)
-            # Without an owner, one request's blocks go to one owner while it has room (the
-            # one with the most free blocks of the first column): its writer then commits
-            # through one shard, in one call per phase.
-            prefer = owner if owner is not None or not cols else next(
-                iter(self._owners_by_free(cols[0])), None)
             done: list[Allocation] = []
             try:
                 for r, c in zip(requests, cols, strict=True):
-                    done.append(self._allocate_one(entries[r.depth], c, owner, prefer))
+                    done.append(self._allocate_one(entries[r.depth], c, owner))
             except PoolExhausted:
                 # All or nothing: blocks reserved by this call go back, or they would leak.
                 for a in done:
@@ -417,12 +412,11 @@ class CacheState:
                 raise
             return done
 
-    def _allocate_one(self, entry: PrefixEntry, col: int, owner: ShardId | None,
-                      prefer: ShardId | None = None) -> Allocation:
+    def _allocate_one(self, entry: PrefixEntry, col: int, owner: ShardId | None) -> Allocation:
         existing = entry.mem[col]
         if existing is not None:
             return Allocation(self._handle(existing), True, existing.state, existing.version)
-        shard, pool, block = self._take_block(col, owner, prefer)
+        shard, pool, block = self._take_block(col, owner)
         column = self.layout.columns[col]
         rec = new_record(
             column.kind, col, self.objects.new_id(), entry, State.ALLOCATED, shard, block,
@@ -434,14 +428,7 @@ class CacheState:
         self._after_change(rec)
         return Allocation(self._handle(rec), False, rec.state)
 
-    def _take_block(self, col: int, owner: ShardId | None, prefer: ShardId | None = None
-                    ) -> tuple[ShardId, BlockPool, int]:
-        if owner is None and prefer is not None:  # a free block there, never an eviction
-            o = self.owners.get(prefer)
-            pool = o.pools.get(col) if o is not None and o.alive else None
-            block = pool.take() if pool is not None else None
-            if pool is not None and block is not None:
-                return prefer, pool, block
+    def _take_block(self, col: int, owner: ShardId | None) -> tuple[ShardId, BlockPool, int]:
         candidates = [owner] if owner is not None else self._owners_by_free(col)
         for shard in candidates:
             o = self._owner(shard)

@@ -213,7 +213,7 @@ def _inject(fault: str, system: Any, hashes: list[Any], limit: int, work: Path) 
             with contextlib.suppress(Exception):  # gone already with its partner
                 system.meta.evict(h.object_id)
         return len(handles)
-    if fault == "shard_kill":  # the shard holding the prefix (a request lands on one shard)
+    if fault == "shard_kill":  # a shard holding part of the prefix
         system.kill_shard(sorted({h.shard for h in handles})[0])
         return 1
     # disk_bitflip: every object to disk, then one bit of each record's payload flipped

@@ -65,22 +65,3 @@ def test_spread_over_shards_it_is_one_commit_per_shard_and_phase(system: InProce
     assert calls["allocate"] == 1 and "transition" not in calls
     assert calls["transition_many"] <= 2 * len(shards), calls
 
-
-def test_without_an_owner_a_request_lands_on_one_shard_in_3_calls(system: InProcessSystem,
-                                                                  w: Any) -> None:
-    """Regression: with no owner given, each object went to the shard with the most free
-    blocks of its column, so one request was spread over every shard and took 1 + 2 calls
-    per shard. A request now goes to one shard while it has room; requests still spread."""
-    plane, calls = counted(system, w)
-    landed = []
-    for seed in (21, 22):
-        calls.clear()
-        hashes = w.prompt(BLOCKS, seed=seed)
-        blocks, tails = w.prefix_payload(plane.layout, BLOCKS, seed=seed)
-        report = plane.write_prefix(hashes, blocks, tails)
-        assert report.ok, report.failed
-        assert calls == {"allocate": 1, "transition_many": 2}, calls
-        shards = {h.shard for h in report.handles.values()}
-        assert len(shards) == 1
-        landed.append(shards.pop())
-    assert len(set(landed)) == len(system.links)  # the second request went to the other one
