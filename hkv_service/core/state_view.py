@@ -396,7 +396,8 @@ class CacheState:
             if owner is not None:
                 self._owner(owner)
             last = max((r.depth for r in requests), default=-1)
-            self._clean(block_hashes[: last + 1])  # a lost owner's object is not "existing"
+            if self._reaping:  # a lost owner's object is not "existing"
+                self._clean(block_hashes[: last + 1])
             entries = self._ensure_path(block_hashes, last)
             done: list[Allocation] = []
             try:
@@ -759,7 +760,8 @@ class CacheState:
                     f"{self.config.max_lease_ttl_s}"
                 )
             # what the walk reads is alive (a lost owner's objects are buried lazily)
-            self._clean(req.block_hashes[: -(-limit // self.layout.hash_block)])
+            if self._reaping:  # (no copy of the hashes on the hot path otherwise)
+                self._clean(req.block_hashes[: -(-limit // self.layout.hash_block)])
             now = self.clock()
             self.leases.reap(now)
             key = self.memo.key(req, limit, self._owners_epoch)
