@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import shutil
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from hkv_service.core.ids import BlockHash
 from hkv_service.core.layout import Layout
 from hkv_service.core.state_view import StateConfig
 from hkv_service.specs import default_spec
+from workers.inprocess import InProcessConfig, InProcessSystem
 from workers.launcher import clear_stale_ray, init_local_ray, worker_pythonpath
 from workers.raylink import ActorMetadata, MetadataActor
 
@@ -98,3 +99,17 @@ def data_dir(tmp_path: Path) -> Iterator[Path]:
     d.mkdir()
     yield d
     shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def inprocess(tmp_path: Path) -> Iterator[Callable[..., InProcessSystem]]:
+    """``inprocess(shards=1, ...)``: an InProcessSystem of the reference spec (closed after)."""
+    made: list[InProcessSystem] = []
+
+    def make(**config: Any) -> InProcessSystem:
+        s = InProcessSystem(default_spec(), tmp_path / f"sys{len(made)}", InProcessConfig(**config))
+        made.append(s)
+        return s
+    yield make
+    for s in made:
+        s.close()

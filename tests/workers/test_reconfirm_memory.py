@@ -9,7 +9,7 @@ before the restart (a new view's objects have new ids).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +27,8 @@ BLOCKS = 8
 
 
 @pytest.fixture
-def system(tmp_path: Path) -> Iterator[InProcessSystem]:
-    s = InProcessSystem(default_spec(), tmp_path, InProcessConfig(shards=2))
-    yield s
-    s.close()
+def system(inprocess: Callable[..., InProcessSystem]) -> InProcessSystem:
+    return inprocess(shards=2)
 
 
 def _write(plane: DataPlane, w: Any, seed: int = 0) -> tuple[list[bytes], dict, dict]:

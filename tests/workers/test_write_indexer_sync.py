@@ -7,25 +7,21 @@ not computed from)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.states import Kind, State
-from hkv_service.specs import default_spec
-from workers.inprocess import InProcessConfig, InProcessSystem
+from workers.inprocess import InProcessSystem
 
 BLOCKS = 4
 
 
 @pytest.fixture
-def system(tmp_path: Path) -> Iterator[InProcessSystem]:
-    s = InProcessSystem(default_spec(), tmp_path, InProcessConfig(shards=1))
-    yield s
-    s.close()
+def system(inprocess: Callable[..., InProcessSystem]) -> InProcessSystem:
+    return inprocess(shards=1)
 
 
 def _split(system: InProcessSystem, w: Any, seed: int = 0) -> tuple[list[bytes], dict, dict,
