@@ -30,6 +30,7 @@ from hkv_service.core.errors import HkvError, UnknownGroup, WrongSize
 from hkv_service.core.hashing import content_version
 from hkv_service.core.ids import BlockHash, ShardId
 from hkv_service.core.layout import Layout
+from hkv_service.core.partitions import route_key
 from hkv_service.core.records import Handle
 from hkv_service.core.state_view import Allocation, AllocRequest, Match
 from hkv_service.core.states import Event, Kind, Reason, State
@@ -302,7 +303,9 @@ class DataPlane:
         if not slots:
             return
         handles = [report.handles[s] for s in slots]
-        tags = [BlockTag(hashes[d], hashes[d - 1] if d else None, d) for d, _ in slots]
+        route = route_key(hashes[0])  # the disk tag says which metadata partition it is in
+        tags = [BlockTag(hashes[d], hashes[d - 1] if d else None, d, route=route)
+                for d, _ in slots]
         extra = {"arrays": [data[s][0] for s in slots], "tags": tags,
                  "commits": [data[s][1] for s in slots]}
         results = self._by_shard(handles, "write_blocks", extra)

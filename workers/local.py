@@ -32,6 +32,7 @@ from hkv_service.core.states import Event
 from hkv_service.core.transitions import Params
 from hkv_service.settings import TlsConfig
 
+from .partitioned import PartitionedMetadata
 from .ports import MetadataPort
 
 __all__ = ["LocalMetadata", "connect"]
@@ -126,7 +127,14 @@ class LocalMetadata:
 def connect(source: Any, token: str | None = None, timeout_s: float = 10.0,
             tls: TlsConfig | None = None) -> MetadataPort:
     """A port from an endpoint ``"host:port"`` (gRPC; ``token`` and ``tls`` as the service
-    wants them) or a port (e.g. ``LocalMetadata``, ``workers.raylink.ActorMetadata``)."""
+    wants them), a port (e.g. ``LocalMetadata``, ``workers.raylink.ActorMetadata``), or
+    several of either (``"host:p0,host:p1"`` or a list, in partition order: a
+    :class:`~workers.partitioned.PartitionedMetadata` over the service's partitions)."""
+    if isinstance(source, str) and "," in source:
+        source = [e.strip() for e in source.split(",") if e.strip()]
+    if isinstance(source, list | tuple):
+        parts = [connect(s, token, timeout_s, tls) for s in source]
+        return parts[0] if len(parts) == 1 else PartitionedMetadata(parts)
     if isinstance(source, str):
         from hkv_service.client import MetadataClient  # the gRPC client (server/ + client/)
 

@@ -12,7 +12,8 @@ checksum), so a restarted shard can tell the metadata service what its disk hold
 
     [0, 4)  magic b"HKVT"   [4, 5) format   [5, 6) has parent   [6, 8) reserved
     [8, 24) parent hash     [24, 28) depth (u32)   [28, 32) payload length (u32)
-    [32, 40) version (u64)  [40, 48) lo (u64)      [48, 56) hi (u64)   [56, 64) reserved
+    [32, 40) version (u64)  [40, 48) lo (u64)      [48, 56) hi (u64)
+    [56, 64) route (u64): the chain's route key, its metadata partition (0 before partitions)
 """
 
 from __future__ import annotations
@@ -176,6 +177,7 @@ class BlockTag:
     version: int = 0
     lo: int = 0
     hi: int = 0
+    route: int = 0  # core/partitions.route_key of the chain's root (its metadata partition)
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,7 +246,7 @@ def encode_tagged(tag: BlockTag, payload: Any) -> bytearray:
     out = bytearray(TAG.size + len(view))
     TAG.pack_into(
         out, 0, _MAGIC, 1, tag.parent_hash is not None, 0, tag.parent_hash or _NO_PARENT,
-        tag.depth, len(view), tag.version, tag.lo, tag.hi, 0,
+        tag.depth, len(view), tag.version, tag.lo, tag.hi, tag.route,
     )
     out[TAG.size :] = view
     return out
@@ -255,10 +257,11 @@ def decode_tagged(block_hash: BlockHash, record: Any) -> tuple[BlockTag, memoryv
     view = memoryview(record).cast("B")
     if len(view) < TAG.size:
         raise ValueError(f"record of {len(view)} bytes is shorter than its tag")
-    magic, fmt, has_parent, _, parent, depth, n, version, lo, hi, _ = TAG.unpack_from(view)
+    magic, fmt, has_parent, _, parent, depth, n, version, lo, hi, route = TAG.unpack_from(view)
     if magic != _MAGIC or fmt != 1 or len(view) != TAG.size + n:
         raise ValueError("record tag is malformed (magic, format or length)")
     tag = BlockTag(
-        block_hash, BlockHash(bytes(parent)) if has_parent else None, depth, version, lo, hi
+        block_hash, BlockHash(bytes(parent)) if has_parent else None, depth, version, lo, hi,
+        route,
     )
     return tag, view[TAG.size :]

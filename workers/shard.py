@@ -59,6 +59,12 @@ from hkv_service.core.errors import (
 )
 from hkv_service.core.ids import BlockHash, ObjectId, ShardId
 from hkv_service.core.layout import Layout
+from hkv_service.core.partitions import (
+    block_range,
+    partition_of_block,
+    partition_of_id,
+    partition_of_route,
+)
 from hkv_service.core.records import Handle
 from hkv_service.core.state_view import (
     ObjectReport,
@@ -72,6 +78,7 @@ from hkv_service.settings import TlsConfig
 from storage import CorruptEntry, DiskFull, DiskKey, DiskTier, NotOnDisk
 
 from .local import connect
+from .partitioned import PartitionedMetadata, PartitionsLost, partition_count
 from .pool import BlockPool, HandleBatch, PoolSet, StaleRead, StaleWrite
 from .ports import (
     TAG,
@@ -167,19 +174,31 @@ class ShardActor:
 
     # -- registration -----------------------------------------------------------------------
 
-    def _register(self) -> None:
+    def _register(self, partitions: frozenset[int] | None = None) -> None:
         """Register (again) and vouch for what this shard still holds: the memory blocks whose
         bytes are intact (a service restart, or a loss the service declared while this
-        process lived on), then the disk tier."""
+        process lived on), then the disk tier. ``partitions``: only those metadata partitions
+        lost us (one restarted); what the others hold is left as it is."""
         with self._lock:
-            held = self._memory_reports()
-            self._reset_pools(keep={(g, r.block) for g, r in held})
-            self.incarnation = self.meta.register_owner(self.shard_id, self.pools.configs())
+            mine = self._in_partitions(partitions)
+            held = [(g, r) for g, r in self._memory_reports() if mine.block(g, r.block)]
+            self._reset_pools({(g, r.block) for g, r in held}, mine)
+            if partitions is None:
+                self.incarnation = self.meta.register_owner(self.shard_id, self.pools.configs())
+            else:
+                assert isinstance(self.meta, PartitionedMetadata)
+                self.incarnation = self.meta.register_owner(
+                    self.shard_id, self.pools.configs(), partitions=partitions)
             memory = self._confirm_memory(held)
-            disk = self._confirm_disk()
+            disk = self._confirm_disk(mine)
             self.confirmed = memory + disk
-            log.info("shard %s registered (incarnation %d; %d memory and %d disk objects "
-                     "confirmed)", self.shard_id, self.incarnation, memory, disk)
+            which = "" if partitions is None else f" with partitions {sorted(partitions)}"
+            log.info("shard %s registered%s (incarnation %d; %d memory and %d disk objects "
+                     "confirmed)", self.shard_id, which, self.incarnation, memory, disk)
+
+    def _in_partitions(self, partitions: frozenset[int] | None) -> _Mine:
+        return _Mine(partitions, partition_count(self.meta),
+                     {g: p.num_blocks for g, p in self.pools.configs().items()})
 
     def _memory_reports(self) -> list[tuple[str, ObjectReport]]:
         """A report per block whose tagged object still occupies it: written, committed and
@@ -195,7 +214,8 @@ class ShardActor:
             col = self.layout.by_name[group]
             report = ObjectReport(tag.block_hash, tag.parent_hash, tag.depth, group,
                                   _HELD[self.layout.columns[col].kind], block,
-                                  int(pool.generation[block]), tag.version, tag.lo, tag.hi)
+                                  int(pool.generation[block]), tag.version, tag.lo, tag.hi,
+                                  tag.route)
             try:
                 check_report(self.layout, report)
             except HkvError:
@@ -203,17 +223,20 @@ class ShardActor:
             out.append((group, report))
         return out
 
-    def _reset_pools(self, keep: set[tuple[str, int]]) -> None:
-        """Every block but ``keep`` back to empty at generation 0, as a new registration's
-        fresh pool twin on the service hands it out."""
+    def _reset_pools(self, keep: set[tuple[str, int]], mine: _Mine) -> None:
+        """Every block of the partitions re-registering but ``keep`` back to empty at
+        generation 0, as a new registration's fresh pool twin on the service hands it out."""
         for group, pool in self.pools.pools.items():
+            lo, hi = mine.blocks(group)
             kept = [b for g, b in keep if g == group]
             saved = pool.generation[kept].copy(), pool.object_id[kept].copy()
-            pool.generation[:] = 0
-            pool.object_id[:] = -1
+            for a, b in zip(lo, hi, strict=True):
+                pool.generation[a:b] = 0
+                pool.object_id[a:b] = -1
             pool.generation[kept], pool.object_id[kept] = saved
-        self._tags = {k: v for k, v in self._tags.items() if k in keep}
-        self._disk_ids.clear()
+        self._tags = {k: v for k, v in self._tags.items()
+                      if k in keep or not mine.block(k[0], k[1])}
+        self._disk_ids = {k: oid for k, oid in self._disk_ids.items() if not mine.object(oid)}
 
     def _confirm_memory(self, held: list[tuple[str, ObjectReport]]) -> int:
         """Vouch for ``held`` in batches; each block takes the id its object has now, and a
@@ -234,13 +257,14 @@ class ShardActor:
                 total += 1
         return total
 
-    def _confirm_disk(self) -> int:
-        """Report every verified disk record as ON_DISK, in batches."""
+    def _confirm_disk(self, mine: _Mine) -> int:
+        """Report every verified disk record (of the partitions re-registering) as ON_DISK,
+        in batches."""
         reports: list[tuple[DiskKey, ObjectReport]] = []
         total = 0
         for meta in self.disk.scan():
             report = self._report_of(meta.key)
-            if report is not None:
+            if report is not None and mine.route(report.route):
                 reports.append((meta.key, report))
             if len(reports) >= CONFIRM_BATCH:
                 total += self._confirm_disk_batch(reports)
@@ -272,24 +296,27 @@ class ShardActor:
             log.warning("disk record %s not confirmed: %s", key, exc)
             return None
         return ObjectReport(BlockHash(key.block_hash), tag.parent_hash, tag.depth, key.group,
-                            State.ON_DISK, version=tag.version, lo=tag.lo, hi=tag.hi)
+                            State.ON_DISK, version=tag.version, lo=tag.lo, hi=tag.hi,
+                            route=tag.route)
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.config.heartbeat_interval_s):
             try:
                 self.meta.heartbeat(self.shard_id, self.incarnation)
+            except PartitionsLost as lost:  # some metadata partitions restarted
+                self._rejoin(lost.partitions)
             except UnknownOwner:
                 self._rejoin()
             except Exception as exc:  # service briefly unreachable: try again next beat
                 log.warning("heartbeat of %s failed: %s", self.shard_id, exc)
 
-    def _rejoin(self) -> None:
-        """The service forgot us (restart) or declared us lost: register again, vouching for
-        the blocks still intact (``_register``)."""
+    def _rejoin(self, partitions: frozenset[int] | None = None) -> None:
+        """The service (or some of its partitions) forgot us (restart) or declared us lost:
+        register again, vouching for the blocks still intact (``_register``)."""
         with self._lock:
             self._bump("rejoins")
             try:
-                self._register()
+                self._register(partitions)
             except Exception as exc:
                 log.warning("re-registering %s failed: %s", self.shard_id, exc)
 
@@ -390,7 +417,8 @@ class ShardActor:
         lo = m.lo if m.lo is not None else lo
         hi = m.hi if m.hi is not None else (m.tail_len if m.tail_len is not None else hi)
         version = m.version if m.version is not None else version
-        return BlockTag(tag.block_hash, tag.parent_hash, tag.depth, version or tag.version, lo, hi)
+        return BlockTag(tag.block_hash, tag.parent_hash, tag.depth, version or tag.version, lo, hi,
+                        tag.route)
 
     def _commit_all(self, items: Sequence[tuple[Handle, Commit]]) -> list[ItemResult]:
         """Report every item's commit, :data:`COMMIT_CHUNK` items a ``transition_many`` call."""
@@ -809,6 +837,33 @@ class ShardActor:
 
     def _bump(self, name: str, n: int = 1) -> None:
         self._counts[name] = self._counts.get(name, 0) + n
+
+
+@dataclass(frozen=True, slots=True)
+class _Mine:
+    """Which blocks, records and ids belong to the metadata partitions re-registering
+    (``partitions`` None: all of them, the whole service)."""
+
+    partitions: frozenset[int] | None
+    count: int
+    pool_blocks: dict[str, int]
+
+    def block(self, group: str, block: int) -> bool:
+        return self.partitions is None or partition_of_block(
+            block, self.pool_blocks[group], self.count) in self.partitions
+
+    def blocks(self, group: str) -> tuple[list[int], list[int]]:
+        """The block ranges [lo, hi) of ``group``'s pool these partitions hand out."""
+        n = self.pool_blocks[group]
+        which = range(self.count) if self.partitions is None else sorted(self.partitions)
+        spans = [block_range(n, i, self.count) for i in which]
+        return [a for a, _ in spans], [b for _, b in spans]
+
+    def route(self, key: int) -> bool:
+        return self.partitions is None or partition_of_route(key, self.count) in self.partitions
+
+    def object(self, oid: int) -> bool:
+        return self.partitions is None or partition_of_id(oid, self.count) in self.partitions
 
 
 def _already_done(exc: IllegalTransition, event: Event) -> bool:

@@ -56,6 +56,9 @@ class PoolConfig:
     num_blocks: int
     stride: int  # bytes between block starts
     base_align: int = 4096  # alignment of the pool's base address (power of two)
+    # The first block this view hands out: blocks [first, num_blocks) are its own. A shard
+    # registered with N metadata partitions gives each its own range (core/partitions.py).
+    first: int = 0
 
 
 _POWERS = {1 << i: 1 << i for i in range(31)}  # one shared int object per power of two
@@ -83,13 +86,13 @@ class BlockPool:
         self._free: set[int] = set()
         self.generation: dict[int, int] = {}  # every block ever handed out
         self.owner: dict[int, ObjRecord | None] = {}
-        self._next = 0  # blocks [_next, num_blocks) were never handed out, but _ahead's
+        self._next = config.first  # [_next, num_blocks) were never handed out, but _ahead's
         self._ahead: set[int] = set()
         self._span = 0  # 1 + the highest block ever handed out (eviction samples below it)
         self._rng = random.Random(seed)
 
     def free_count(self) -> int:
-        return len(self._free) + self.config.num_blocks - len(self.generation)
+        return len(self._free) + self.config.num_blocks - self.config.first - len(self.generation)
 
     def occupied(self) -> int:
         """Blocks handed out and not free."""
@@ -122,7 +125,7 @@ class BlockPool:
     def claim(self, block: int) -> bool:
         """Take the free ``block`` itself (an owner re-confirms what it still holds there);
         False if it is not free or outside the pool."""
-        if not 0 <= block < self.config.num_blocks:
+        if not self.config.first <= block < self.config.num_blocks:
             return False
         if block in self.generation:
             if block not in self._free:
@@ -154,7 +157,8 @@ class BlockPool:
             pool = [r for r in self.owner.values() if r is not None]
         else:  # sampled over the block numbers in use (claimed ones ahead may be sparse)
             get = self.owner.get
-            pool = [r for r in (get(self._rng.randrange(self._span)) for _ in range(_SAMPLE))
+            lo = self.config.first
+            pool = [r for r in (get(self._rng.randrange(lo, self._span)) for _ in range(_SAMPLE))
                     if r is not None]
         candidates = [r for r in pool if _evictable(r, holds)]
         if not candidates:

@@ -64,9 +64,10 @@ class LeaseBook:
     leases: dict[LeaseId, Lease] = field(default_factory=dict)
     expiry: list[tuple[float, LeaseId]] = field(default_factory=list)
     next_id: int = 0
+    step: int = 1  # a metadata partition's lease ids are its index modulo the count
 
     def open(self, records: list[ObjRecord], expires_at: float) -> Lease:
-        self.next_id += 1
+        self.next_id += self.step
         lease = Lease(LeaseId(self.next_id), records, expires_at)
         self.holds.add(self.holds.pins, records, 1)
         self.leases[lease.lease_id] = lease

@@ -71,6 +71,7 @@ __all__ = [
     "UnsetVersion",
     "VersionConflict",
     "WindowSmallerThanBlock",
+    "WrongPartition",
     "WrongSize",
     "ZeroBlockSize",
 ]
@@ -192,6 +193,17 @@ class LeaseExpired(FailedPrecondition):
 
 class TopologyPinned(FailedPrecondition):
     pass
+
+
+class WrongPartition(FailedPrecondition):
+    """Sent to a metadata partition that does not hold it: ``partition`` is the one that
+    was asked (``I/N``), ``expected`` the index that holds it (a client whose partition list
+    is in another order than the deployment's, or of another length)."""
+
+    def __init__(self, message: str, *, partition: str | None = None,
+                 expected: int | None = None) -> None:
+        super().__init__(message)
+        self.partition, self.expected = partition, expected
 
 
 class ResourceExhausted(HkvError):

@@ -22,14 +22,17 @@ _SLOT_MASK = (1 << _SLOT_BITS) - 1
 
 
 class ObjectTable:
-    def __init__(self, serial_base: int | None = None) -> None:
+    def __init__(self, serial_base: int | None = None, index: int = 0, count: int = 1) -> None:
+        """``index``/``count``: a metadata partition's place (core/partitions.py): every
+        serial it issues is ``index`` modulo ``count``, so an id names its partition."""
         self._slab: list[ObjRecord | None] = []
         self._free: list[int] = []
         # A random base per state view: ids issued before a service restart do not match ids
         # issued after it, so a pre-restart handle can never name a new object.
-        self._serial = (
-            random.SystemRandom().getrandbits(17) << 10 if serial_base is None else (serial_base)
-        )
+        base = random.SystemRandom().getrandbits(17) << 10 if serial_base is None else serial_base
+        # the first serial issued is the multiple of count at or below base, plus index
+        self._serial = base // count * count + index - count
+        self._step = count
         self._count = 0
 
     def new_id(self) -> ObjectId:
@@ -39,7 +42,7 @@ class ObjectTable:
         else:
             slot = len(self._slab)
             self._slab.append(None)
-        self._serial += 1
+        self._serial += self._step
         return ObjectId(self._serial << _SLOT_BITS | slot)
 
     def put(self, rec: ObjRecord) -> None:

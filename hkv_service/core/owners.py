@@ -86,6 +86,7 @@ def sweep(reap: Reap, budget: int, bury: Callable[[ObjRecord], None]) -> int:
             bury(rec)
     while reap.columns and budget > 0:
         pool = reap.owner.pools[reap.columns[0]]
+        reap.block = max(reap.block, pool.config.first)  # the blocks below are not its own
         end = min(pool.span, reap.block + budget)
         for block in range(reap.block, end):
             held = pool.owner.get(block)

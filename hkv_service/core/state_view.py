@@ -50,6 +50,7 @@ from .errors import (
     UnknownObject,
     UnknownOwner,
     UnsetVersion,
+    WrongPartition,
 )
 from .funnel import (
     Downgrade,
@@ -66,6 +67,7 @@ from .match import Match, Memo, MemoKey
 from .memo import LookupMemo
 from .objects import ObjectTable
 from .owners import REAP_SLICE, Owner, Reap, dead, disk_part_alive, sweep
+from .partitions import Partition, partition_of_root
 from .records import (
     HANDLE_DTYPE,
     DiskRecord,
@@ -116,6 +118,9 @@ class StateConfig:
     # twice, are taken whole by later walks of any prompt through them. 0: off; None: the
     # multiple of the layout's period nearest above DEFAULT_SEGMENT_BLOCKS (any spec works).
     segment_blocks: int | None = None
+    # This view's place among the service's metadata partitions (core/partitions.py): it
+    # holds only chains whose root routes here, and its ids and leases name it.
+    partition: Partition = field(default_factory=Partition)
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +185,9 @@ class ObjectReport:
     version: int = 0
     lo: int = 0
     hi: int = 0
+    # The chain's route key (core/partitions.route_key of its root): which metadata partition
+    # a disk record's report goes to. Only a partitioned client reads it; 0 where unknown.
+    route: int = 0
 
 
 class CacheState:
@@ -199,13 +207,14 @@ class CacheState:
         self.admission = AdmissionGate(self.config.admission)
         self.counters = Counters()
         self.index: dict[BlockHash, PrefixEntry] = {}
-        self.objects = ObjectTable()
+        self.partition = self.config.partition
+        self.objects = ObjectTable(index=self.partition.index, count=self.partition.count)
         self.owners: dict[ShardId, Owner] = {}
         # lost owner incarnations whose records are still to be buried (see core/owners.py);
         # while it is not empty, every path that serves or reuses a record asks _dead first
         self._reaping: deque[Reap] = deque()
         self._loss_epoch = 0  # moves on with every owner loss (PrefixEntry.clean)
-        self.leases = LeaseBook()
+        self.leases = LeaseBook(next_id=self.partition.index, step=self.partition.count)
         self.holds = self.leases.holds  # leases and captures per record
         self.captures: dict[CaptureId, Capture] = {}
         self.topology_epoch = 0
@@ -390,6 +399,7 @@ class CacheState:
         already in a requested slot is returned with ``existing=True``."""
         with self._lock:
             self._check_hashes(block_hashes)
+            self._check_root(block_hashes)
             cols = [self._column(r.column) for r in requests]
             for r in requests:
                 self._check_slot(r, len(block_hashes))
@@ -754,6 +764,7 @@ class CacheState:
     def lookup(self, req: LookupRequest) -> Match:
         with self._lock:
             limit = validate_request(req, self.layout, hash_lengths=False)
+            self._check_root(req.block_hashes)
             if req.lease_ttl_s > self.config.max_lease_ttl_s:
                 raise InvalidInput(
                     f"lease_ttl_s {req.lease_ttl_s} exceeds the maximum "
@@ -1356,6 +1367,16 @@ class CacheState:
             if not isinstance(h, bytes) or len(h) != BLOCK_HASH_BYTES:
                 raise BadHash(f"block hash must be {BLOCK_HASH_BYTES} bytes, got {len(h)}")
 
+    def _check_root(self, hashes: Sequence[BlockHash]) -> None:
+        """A partitioned view holds only the chains whose root routes to it."""
+        part = self.partition
+        if not part.whole and hashes and not part.owns_root(hashes[0]):
+            expected = partition_of_root(hashes[0], part.count)
+            raise WrongPartition(
+                f"this metadata partition is {part}; the chain's root belongs to partition "
+                f"{expected}: give every client the partitions in the deployment's order",
+                partition=str(part), expected=expected)
+
     def _check_slot(self, r: AllocRequest, nhashes: int) -> None:
         col = self._column(r.column)
         if not 0 <= r.depth < nhashes:
@@ -1474,6 +1495,7 @@ class CacheState:
         with self._lock:
             adm = self.admission.stats()
             snap: dict[str, object] = dict(self.counters.snapshot())
+            snap["partition"] = str(self.partition)
             snap["gauges"] = {
                 "objects": len(self.objects),
                 "owners_reaping": len(self._reaping),  # lost, objects not all buried yet
@@ -1569,6 +1591,8 @@ def segment_blocks_for(layout: Layout, asked: int | None) -> int:
 def _checked_pool(name: str, cfg: PoolConfig) -> PoolConfig:
     if not 1 <= cfg.num_blocks <= _MAX_POOL_BLOCKS:
         raise InvalidInput(f"pool {name!r}: num_blocks must be in [1, {_MAX_POOL_BLOCKS}]")
+    if not 0 <= cfg.first < cfg.num_blocks:
+        raise InvalidInput(f"pool {name!r}: first block {cfg.first} must be in [0, num_blocks)")
     if cfg.stride < 1 or cfg.base_align < 1 or cfg.base_align & (cfg.base_align - 1):
         raise InvalidInput(f"pool {name!r}: stride >= 1 and a power-of-two base_align needed")
     return cfg

@@ -392,8 +392,11 @@ def decode_report(msg: Any, where: str) -> ObjectReport:
 
 
 def stats_to_dict(msg: Any) -> dict[str, object]:
-    return {f: dict(getattr(msg, f)) for f in
-            ("transitions", "downgrades", "lookups", "evictions", "events", "gauges")}
+    out: dict[str, object] = {f: dict(getattr(msg, f)) for f in
+                              ("transitions", "downgrades", "lookups", "evictions", "events",
+                               "gauges")}
+    out["partition"] = msg.partition or "0/1"
+    return out
 
 
 def encode_stats(stats: Mapping[str, object], out: Any) -> Any:
@@ -401,4 +404,5 @@ def encode_stats(stats: Mapping[str, object], out: Any) -> Any:
         value = stats.get(f, {})
         assert isinstance(value, Mapping)
         getattr(out, f).update({str(k): int(v) for k, v in value.items()})
+    out.partition = str(stats.get("partition", "0/1"))
     return out

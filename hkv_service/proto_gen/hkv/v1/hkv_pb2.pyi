@@ -202,14 +202,16 @@ class GetSpecResponse(_message.Message):
     def __init__(self, spec_json: _Optional[str] = ..., model_id: _Optional[str] = ..., hash_block_size: _Optional[int] = ..., lcm_block_size: _Optional[int] = ..., columns: _Optional[_Iterable[_Union[ColumnInfo, _Mapping]]] = ...) -> None: ...
 
 class PoolConfig(_message.Message):
-    __slots__ = ("num_blocks", "stride", "base_align")
+    __slots__ = ("num_blocks", "stride", "base_align", "first_block")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     STRIDE_FIELD_NUMBER: _ClassVar[int]
     BASE_ALIGN_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     stride: int
     base_align: int
-    def __init__(self, num_blocks: _Optional[int] = ..., stride: _Optional[int] = ..., base_align: _Optional[int] = ...) -> None: ...
+    first_block: int
+    def __init__(self, num_blocks: _Optional[int] = ..., stride: _Optional[int] = ..., base_align: _Optional[int] = ..., first_block: _Optional[int] = ...) -> None: ...
 
 class RegisterOwnerRequest(_message.Message):
     __slots__ = ("owner", "pools")
@@ -656,7 +658,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("transitions", "downgrades", "lookups", "evictions", "events", "gauges")
+    __slots__ = ("transitions", "downgrades", "lookups", "evictions", "events", "gauges", "partition")
     class TransitionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -705,10 +707,12 @@ class StatsResponse(_message.Message):
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     GAUGES_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
     transitions: _containers.ScalarMap[str, int]
     downgrades: _containers.ScalarMap[str, int]
     lookups: _containers.ScalarMap[str, int]
     evictions: _containers.ScalarMap[str, int]
     events: _containers.ScalarMap[str, int]
     gauges: _containers.ScalarMap[str, int]
-    def __init__(self, transitions: _Optional[_Mapping[str, int]] = ..., downgrades: _Optional[_Mapping[str, int]] = ..., lookups: _Optional[_Mapping[str, int]] = ..., evictions: _Optional[_Mapping[str, int]] = ..., events: _Optional[_Mapping[str, int]] = ..., gauges: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    partition: str
+    def __init__(self, transitions: _Optional[_Mapping[str, int]] = ..., downgrades: _Optional[_Mapping[str, int]] = ..., lookups: _Optional[_Mapping[str, int]] = ..., evictions: _Optional[_Mapping[str, int]] = ..., events: _Optional[_Mapping[str, int]] = ..., gauges: _Optional[_Mapping[str, int]] = ..., partition: _Optional[str] = ...) -> None: ...

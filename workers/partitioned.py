@@ -1,0 +1,323 @@
+"""One metadata port over N metadata partitions (``hkv up --service-replicas N``).
+
+Each partition is a whole service (a ``hkv serve`` process, an actor, a ``LocalMetadata``)
+holding the chains whose root routes to it (:mod:`hkv_service.core.partitions`). This class
+is the :class:`~workers.ports.MetadataPort` its callers already use, so the data plane, the
+shards and the connector do not change::
+
+    lookup / allocate       -> the partition of block_hashes[0] (the root)
+    transition, evict, begin_offload, begin_load, check_read -> the partition of the object id
+    transition_many         -> split by object id, one call per partition, answers in order
+    release_lease           -> the partition of the lease id
+    register_owner          -> every partition, each given its own range of every pool
+    heartbeat               -> every partition; those that forgot the owner are named in
+                               PartitionsLost, so the owner re-registers with those only
+    confirm_objects         -> a memory report by its block's range, a disk record by the
+                               route key its tag carries (ObjectReport.route)
+
+The incarnation returned to an owner is this client's own number for the set of per-partition
+incarnations it holds; a partition re-registered alone gives a new one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import Any, TypeVar
+
+from hkv_service.core.allocator import PoolConfig
+from hkv_service.core.errors import HkvError, InvalidInput, UnknownOwner
+from hkv_service.core.funnel import LookupRequest
+from hkv_service.core.ids import BlockHash, LeaseId, ObjectId, ShardId
+from hkv_service.core.partitions import (
+    MAX_PARTITIONS,
+    block_range,
+    partition_of_block,
+    partition_of_id,
+    partition_of_lease,
+    partition_of_root,
+    partition_of_route,
+)
+from hkv_service.core.records import Handle
+from hkv_service.core.spec import CacheSpec
+from hkv_service.core.state_view import (
+    Allocation,
+    AllocRequest,
+    Match,
+    ObjectReport,
+    ObjectTransitions,
+    TransitionResult,
+)
+from hkv_service.core.states import Event
+from hkv_service.core.transitions import Params
+
+from .ports import MetadataPort
+
+__all__ = ["PartitionedMetadata", "PartitionsLost", "partition_count"]
+
+T = TypeVar("T")
+
+
+class PartitionsLost(UnknownOwner):
+    """Some partitions no longer know the owner (restarted, or declared it lost):
+    ``partitions`` names them; re-register with those (``register_owner(..., partitions=)``)
+    and vouch again for what is theirs."""
+
+    def __init__(self, message: str, *, partitions: frozenset[int]) -> None:
+        super().__init__(message)
+        self.partitions = partitions
+
+
+def partition_count(meta: object) -> int:
+    """How many metadata partitions stand behind a port (1 for a plain one)."""
+    return meta.count if isinstance(meta, PartitionedMetadata) else 1
+
+
+class PartitionedMetadata:
+    def __init__(self, parts: Sequence[MetadataPort]) -> None:
+        if not 1 <= len(parts) <= MAX_PARTITIONS:
+            raise InvalidInput(f"between 1 and {MAX_PARTITIONS} metadata partitions are "
+                               f"supported, got {len(parts)}")
+        self.parts = list(parts)
+        self.count = len(parts)
+        self._lock = threading.Lock()
+        self._numbers = itertools.count(1)
+        # owner -> (the incarnation handed out, per-partition incarnations, whole pools)
+        self._owners: dict[ShardId, tuple[int, list[int], dict[str, PoolConfig]]] = {}
+        self._fan = ThreadPoolExecutor(max_workers=self.count, thread_name_prefix="hkv-part")
+        self._spec: CacheSpec | None = None
+
+    # -- routing ------------------------------------------------------------------------------
+
+    def _root(self, hashes: Sequence[BlockHash]) -> MetadataPort:
+        return self.parts[partition_of_root(hashes[0], self.count) if len(hashes) else 0]
+
+    def _of_id(self, object_id: int) -> MetadataPort:
+        return self.parts[partition_of_id(object_id, self.count)]
+
+    def _each(self, call: Callable[[int, MetadataPort], T],
+              which: Sequence[int] | None = None) -> list[tuple[int, T | BaseException]]:
+        """``call`` on the partitions ``which`` (default all) at once; every answer or error."""
+        which = range(self.count) if which is None else which
+        futures = [(i, self._fan.submit(call, i, self.parts[i])) for i in which]
+        out: list[tuple[int, T | BaseException]] = []
+        for i, f in futures:
+            try:
+                out.append((i, f.result()))
+            except BaseException as exc:  # each partition's answer is sorted by the caller
+                out.append((i, exc))
+        return out
+
+    # -- the port -----------------------------------------------------------------------------
+
+    def get_spec(self) -> CacheSpec:
+        if self._spec is None:
+            specs = [s for _, s in self._raising(self._each(lambda _i, p: p.get_spec()))]
+            if any(s != specs[0] for s in specs):
+                raise InvalidInput("the metadata partitions run different cache specs: start "
+                                   "every replica with the same --spec")
+            self._check_places()
+            self._spec = specs[0]
+        return self._spec
+
+    def _check_places(self) -> None:
+        """Each partition says which it is (stats ``partition``): a list given in another
+        order than the deployment's would send chains to partitions that refuse them."""
+        for i, part in enumerate(self.parts):
+            stats = getattr(part, "stats", None)
+            if stats is None:
+                continue
+            place = stats().get("partition", f"{i}/{self.count}")
+            if place != f"{i}/{self.count}":
+                raise InvalidInput(f"metadata partition {i} of {self.count} in this client's "
+                                   f"list says it is partition {place}: list the endpoints in "
+                                   "the order hkv up printed them")
+
+    def register_owner(self, owner: ShardId, pools: Mapping[str, PoolConfig],
+                       partitions: frozenset[int] | None = None) -> int:
+        """Register with every partition (or only ``partitions``: those that lost the owner),
+        each over its own range of every pool. Returns this client's incarnation number."""
+        whole = {name: cfg for name, cfg in pools.items()}
+        for name, cfg in whole.items():
+            if cfg.num_blocks - cfg.first < self.count:
+                raise InvalidInput(f"pool {name!r} has {cfg.num_blocks - cfg.first} blocks, "
+                                   f"fewer than the {self.count} metadata partitions that "
+                                   "each need a range of it")
+        with self._lock:
+            prior = self._owners.get(owner)
+            if partitions is not None and prior is None:
+                partitions = None  # never registered here: all of them
+            which = sorted(range(self.count) if partitions is None else partitions)
+            got = self._raising(self._each(
+                lambda i, p: p.register_owner(owner, _split(whole, i, self.count)), which))
+            incs = list(prior[1]) if prior is not None else [0] * self.count
+            for i, inc in got:
+                incs[i] = inc
+            number = next(self._numbers)
+            self._owners[owner] = (number, incs, whole)
+            return number
+
+    def _current(self, owner: ShardId, incarnation: int) -> tuple[list[int],
+                                                                   dict[str, PoolConfig]]:
+        known = self._owners.get(owner)
+        if known is None or known[0] != incarnation:
+            raise UnknownOwner(f"owner {owner!r} incarnation {incarnation} is not current; "
+                               "re-register")
+        return known[1], known[2]
+
+    def heartbeat(self, owner: ShardId, incarnation: int) -> None:
+        """Every partition; PartitionsLost names those that forgot the owner, else the first
+        other error (a partition unreachable) is raised once all were asked."""
+        incs, _ = self._current(owner, incarnation)
+        answers = self._each(lambda i, p: p.heartbeat(owner, incs[i]))
+        lost = frozenset(i for i, r in answers if isinstance(r, UnknownOwner))
+        if lost:
+            raise PartitionsLost(f"metadata partitions {sorted(lost)} of {self.count} do not "
+                                 f"know owner {owner!r}; re-register with them",
+                                 partitions=lost)
+        self._raising(answers)
+
+    def mark_owner_lost(self, owner: ShardId) -> int:
+        return sum(n for _, n in self._raising(self._each(lambda _i, p: p.mark_owner_lost(owner))))
+
+    def confirm(self, owner: ShardId, reports: Sequence[ObjectReport], incarnation: int) -> int:
+        return sum(1 for oid in self.confirm_objects(owner, reports, incarnation)
+                   if oid is not None)
+
+    def confirm_objects(self, owner: ShardId, reports: Sequence[ObjectReport],
+                        incarnation: int) -> list[ObjectId | None]:
+        incs, pools = self._current(owner, incarnation)
+        groups: dict[int, list[int]] = {}
+        for k, r in enumerate(reports):
+            groups.setdefault(self._partition_of_report(r, pools), []).append(k)
+        out: list[ObjectId | None] = [None] * len(reports)
+        answers = self._raising(self._each(
+            lambda i, p: p.confirm_objects(owner, [reports[k] for k in groups[i]], incs[i]),
+            sorted(groups)))
+        for i, ids in answers:
+            for k, oid in zip(groups[i], ids, strict=True):
+                out[k] = oid
+        return out
+
+    def _partition_of_report(self, r: ObjectReport, pools: Mapping[str, PoolConfig]) -> int:
+        if r.block >= 0:
+            cfg = pools.get(r.column)
+            if cfg is None:
+                raise InvalidInput(f"report names column {r.column!r}, which this owner "
+                                   "registered no pool for")
+            return partition_of_block_of(cfg, r.block, self.count)
+        return partition_of_route(r.route, self.count)
+
+    def allocate(self, block_hashes: Sequence[BlockHash], requests: Sequence[AllocRequest],
+                 owner: ShardId | None = None) -> list[Allocation]:
+        return self._root(block_hashes).allocate(block_hashes, requests, owner)
+
+    def transition(self, object_id: ObjectId, event: Event, params: Params | None = None,
+                   generation: int | None = None) -> TransitionResult:
+        return self._of_id(object_id).transition(object_id, event, params, generation)
+
+    def transition_many(self, items: Sequence[ObjectTransitions]
+                        ) -> list[TransitionResult | HkvError]:
+        groups: dict[int, list[int]] = {}
+        for k, item in enumerate(items):
+            groups.setdefault(partition_of_id(item.object_id, self.count), []).append(k)
+        if len(groups) == 1:
+            return self.parts[next(iter(groups))].transition_many(items)
+        out: list[TransitionResult | HkvError] = [HkvError("not answered")] * len(items)
+        answers = self._raising(self._each(
+            lambda i, p: p.transition_many([items[k] for k in groups[i]]), sorted(groups)))
+        for i, results in answers:
+            for k, res in zip(groups[i], results, strict=True):
+                out[k] = res
+        return out
+
+    def evict(self, object_id: ObjectId) -> None:
+        self._of_id(object_id).evict(object_id)
+
+    def begin_offload(self, object_id: ObjectId, disk_owner: ShardId) -> Handle:
+        return self._of_id(object_id).begin_offload(object_id, disk_owner)
+
+    def begin_load(self, object_id: ObjectId, owner: ShardId | None = None) -> Handle:
+        return self._of_id(object_id).begin_load(object_id, owner)
+
+    def lookup(self, req: LookupRequest) -> Match:
+        return self._root(req.block_hashes).lookup(req)
+
+    def release_lease(self, lease_id: LeaseId) -> None:
+        self.parts[partition_of_lease(lease_id, self.count)].release_lease(lease_id)
+
+    def check_read(self, handle: Handle, lease_id: LeaseId | None = None) -> None:
+        self._of_id(handle.object_id).check_read(handle, lease_id)
+
+    # -- not part of the port -------------------------------------------------------------------
+
+    def stats(self) -> dict[str, object]:
+        """Every partition's stats under ``partitions`` (in order), and their counters and
+        gauges summed at the top level, as one service reports them."""
+        each = [s for _, s in self._raising(self._each(lambda _i, p: _stats_of(p)))]
+        merged: dict[str, object] = _summed(each)
+        merged["partition"] = f"all {self.count}"
+        merged["partitions"] = each
+        return merged
+
+    def close(self) -> None:
+        for part in self.parts:
+            close = getattr(part, "close", None)
+            if close is not None:
+                close()
+        self._fan.shutdown(wait=False)
+
+    def __enter__(self) -> PartitionedMetadata:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @staticmethod
+    def _raising(answers: list[tuple[int, T | BaseException]]) -> list[tuple[int, T]]:
+        for _, r in answers:
+            if isinstance(r, BaseException):
+                raise r
+        return answers  # type: ignore[return-value]
+
+
+def _split(pools: Mapping[str, PoolConfig], index: int, count: int) -> dict[str, PoolConfig]:
+    """Partition ``index``'s range of every pool (blocks keep their numbers: a handle's block
+    is the shard's own)."""
+    out = {}
+    for name, cfg in pools.items():
+        lo, hi = block_range(cfg.num_blocks - cfg.first, index, count)
+        out[name] = replace(cfg, first=cfg.first + lo, num_blocks=cfg.first + hi)
+    return out
+
+
+def partition_of_block_of(cfg: PoolConfig, block: int, count: int) -> int:
+    """The partition that hands out ``block`` of a pool registered whole as ``cfg``."""
+    return partition_of_block(block - cfg.first, cfg.num_blocks - cfg.first, count)
+
+
+def _stats_of(part: Any) -> dict[str, object]:
+    stats = getattr(part, "stats", None)
+    return dict(stats()) if stats is not None else {}
+
+
+def _summed(each: Sequence[Mapping[str, object]]) -> dict[str, object]:
+    """Numbers summed key by key (nested dicts alike); anything else from the first."""
+    out: dict[str, object] = {}
+    for stats in each:
+        for key, value in stats.items():
+            if isinstance(value, bool) or key in ("partition", "partitions"):
+                out.setdefault(key, value)
+            elif isinstance(value, int | float):
+                prior = out.get(key, 0)
+                out[key] = (prior if isinstance(prior, int | float) else 0) + value
+            elif isinstance(value, Mapping):
+                prior_map = out.get(key)
+                out[key] = _summed([prior_map, value] if isinstance(prior_map, Mapping)
+                                   else [value])
+            else:
+                out.setdefault(key, value)
+    return out
