@@ -81,6 +81,22 @@ def _not_empty(v: str) -> str | None:
     return None if v.strip() else "must not be empty"
 
 
+MAX_PARTITIONS = 64  # core.partitions' (not imported: --help stays fast); a test ties them
+
+
+def _partition(v: str) -> str | None:
+    index, sep, count = v.partition("/")
+    if not (sep and index.isdigit() and count.isdigit()):
+        return "must be written I/N (e.g. 0/1, or 2/4: the third of four partitions)"
+    if not 0 <= int(index) < int(count) <= MAX_PARTITIONS:
+        return f"must have 0 <= I < N <= {MAX_PARTITIONS}"
+    return None
+
+
+def _replicas(v: int) -> str | None:
+    return None if 1 <= v <= MAX_PARTITIONS else f"must be between 1 and {MAX_PARTITIONS}"
+
+
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -312,6 +328,10 @@ class ServiceSettings(_Settings):
         "whole by later lookups through them (a multiple of the spec's period, 2 for the "
         "reference spec; 0 = off; default: the first multiple of the period from "
         f"{DEFAULT_SEGMENT_BLOCKS})")
+    partition: str = setting("0/1", "this service's metadata partition, I of N: it holds the "
+                             "prompts whose root hash routes to it (hkv up "
+                             "--service-replicas N sets it for each replica; default 0/1, "
+                             "the whole view)", _partition)
 
     @property
     def tls(self) -> bool:
@@ -360,6 +380,7 @@ class ServiceSettings(_Settings):
 
     def state_config(self) -> StateConfig:
         from hkv_service.core.admission import AdmissionCap
+        from hkv_service.core.partitions import Partition
         from hkv_service.core.state_view import StateConfig
 
         return StateConfig(
@@ -368,6 +389,7 @@ class ServiceSettings(_Settings):
             max_owners=self.max_owners,
             memo_max_bytes=self.lookup_memo_mib << 20,
             segment_blocks=self.walk_segment_blocks,
+            partition=Partition.parse(self.partition),
         )
 
 
@@ -386,6 +408,12 @@ class SystemSettings(ServiceSettings):
     disk_budget_bytes: int = setting(1 << 30, "byte budget of each node's disk tier "
                                      "(default 1 GiB)", _positive)
     shards_per_node: int = setting(1, "shard actors per node (default 1)", _positive)
+    service_replicas: int = setting(1, "metadata partitions, each its own service (a `hkv "
+                                    "serve` process, or a Ray actor with --address) on "
+                                    "consecutive ports from --port (and --metrics-port); a "
+                                    "prompt's metadata lives in the partition of its root "
+                                    "hash, so lookups and writes spread (default 1)",
+                                    _replicas)
     tls_client_cert: str | None = setting(None, "certificate (PEM) the shards and hkv up's "
                                           "own client present under mTLS (--tls-ca)")
     tls_client_key: str | None = setting(None, "private key (PEM) of --tls-client-cert")
@@ -400,6 +428,9 @@ class SystemSettings(ServiceSettings):
 
     def _rules(self) -> Iterator[str]:
         yield from ServiceSettings._rules(self)
+        if self.partition != "0/1":
+            yield ("--partition is one replica's own: hkv up sets it for each; give "
+                   "--service-replicas N")
         if (self.tls_client_cert is None) != (self.tls_client_key is None):
             yield "--tls-client-cert and --tls-client-key must be given together"
         if self.tls_ca is not None and self.tls_client_cert is None:

@@ -142,16 +142,19 @@ def _wait(system: System, stop: _StopSignals, say: Emit) -> int:
     ticks = 0
     while not stop.requested.wait(0.5):
         stop.install()
-        if system.service is not None and system.service.poll() is not None:
-            code = system.service.returncode
+        for i, proc in enumerate(system.services):
+            if proc.poll() is None:
+                continue
+            code = proc.returncode
             if system.service_restarts >= SERVICE_RESTARTS:
                 sys.stderr.write(f"hkv up: error: the metadata service exited (code {code}) "
                                  f"after {SERVICE_RESTARTS} restarts; giving up\n")
                 return 1
-            say(f"metadata service exited (code {code}); starting it again "
+            which = "" if len(system.services) == 1 else f" partition {i}"
+            say(f"metadata service{which} exited (code {code}); starting it again "
                 f"({system.service_restarts + 1}/{SERVICE_RESTARTS})")
             try:
-                system.restart_service(say)
+                system.restart_service(say, partition=i)
             except Exception as exc:
                 sys.stderr.write(f"hkv up: error: could not restart the metadata service: "
                                  f"{exc}\n")

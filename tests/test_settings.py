@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +56,7 @@ def _away_from_defaults(d: Path) -> ServiceSettings:
         auth_token_file=str(d / "t"), tls_cert=str(d / "c"), tls_key=str(d / "k"),
         tls_ca=str(d / "ca"), tls_allowed_cn=("a", "b"), insecure=True,
         heartbeat_timeout_s=2.5, grace_s=0.25, max_inflight_objects=3, max_inflight_bytes=7,
-        max_owners=5, lookup_memo_mib=0, walk_segment_blocks=0)
+        max_owners=5, lookup_memo_mib=0, walk_segment_blocks=0, partition="1/3")
 
 
 def test_to_argv_gives_the_same_object_back(tmp_path: Path) -> None:
@@ -71,10 +71,29 @@ def test_to_argv_gives_the_same_object_back(tmp_path: Path) -> None:
 
 
 def test_system_settings_hand_over_their_service_part(tmp_path: Path) -> None:
-    service = _away_from_defaults(tmp_path)
+    # hkv up sets each replica's partition itself (launcher.replica_settings)
+    service = replace(_away_from_defaults(tmp_path), partition="0/1")
     system = SystemSettings(**{f.name: getattr(service, f.name) for f in fields(service)},
                             tls_client_cert="cc", tls_client_key="ck", data_dir="/d")
     assert type(system.service()) is ServiceSettings and system.service() == service
+
+
+def test_partitions_are_checked_and_hkv_up_sets_them_per_replica() -> None:
+    from workers.launcher import replica_settings
+
+    for bad, needle in [("3/3", "0 <= I < N"), ("x", "I/N"), ("0/65", "N <= 64")]:
+        with pytest.raises(SettingsError, match=needle):
+            ServiceSettings(partition=bad)
+    with pytest.raises(SettingsError, match="--service-replicas"):
+        SystemSettings(partition="1/2")
+    with pytest.raises(SettingsError, match="--service-replicas must be between 1 and 64"):
+        SystemSettings(service_replicas=65)
+    system = SystemSettings(service_replicas=3, port=7000, metrics_port=9000)
+    replicas = [replica_settings(system, i) for i in range(3)]
+    assert [(r.partition, r.port, r.metrics_port) for r in replicas] == [
+        ("0/3", 7000, 9000), ("1/3", 7001, 9001), ("2/3", 7002, 9002)]
+    assert [replica_settings(SystemSettings(port=0), 0).port] == [0]  # 0: each picks a port
+    assert replicas[2].state_config().partition.index == 2
 
 
 def test_config_mapping_coerces_and_refuses() -> None:

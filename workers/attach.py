@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 import ray
 
-from hkv_service.client import MetadataClient
 from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.hashing import ExtraKeys, hash_blocks
 from hkv_service.core.ids import BlockHash
@@ -27,6 +26,7 @@ from hkv_service.core.state_view import Match
 from hkv_service.settings import TlsConfig
 
 from .dataplane import DataPlane
+from .local import connect
 from .raylink import NAMESPACE, ray_links, shard_actors
 
 __all__ = ["Worker", "attach"]
@@ -34,7 +34,7 @@ __all__ = ["Worker", "attach"]
 
 @dataclass
 class Worker:
-    meta: MetadataClient
+    meta: Any  # a MetadataClient, or a PartitionedMetadata over the partitions' clients
     plane: DataPlane
     spec: CacheSpec
     layout: Layout
@@ -69,7 +69,7 @@ def attach(endpoint: str, ray_address: str = "auto", *, token: str | None = None
            timeout_s: float = 10.0) -> Worker:
     """Connect to the hkv at ``endpoint`` whose shards run on the Ray cluster at
     ``ray_address``. Raises RuntimeError with a sentence when no shard is found."""
-    meta = MetadataClient(endpoint, token=token, tls=tls, timeout_s=timeout_s)
+    meta: Any = connect(endpoint, token, timeout_s, tls)  # HOST:PORT, or partitions: H:P0,H:P1
     try:
         spec = meta.get_spec()
         if not ray.is_initialized():

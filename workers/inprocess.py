@@ -9,7 +9,9 @@ run, so a bug in them shows up here. Faults are real too:
   data directory (new incarnation, empty pools, its disk records re-confirmed), as Ray restarts
   an actor;
 * :meth:`InProcessSystem.restart_service` swaps in a fresh ``CacheState``: every shard finds
-  out from its next heartbeat (``UnknownOwner``) and goes through its real rejoin path.
+  out from its next heartbeat (``UnknownOwner``) and goes through its real rejoin path. With
+  ``partitions`` > 1 the view is that many partitions behind a ``PartitionedMetadata`` (as
+  ``hkv up --service-replicas N``), and one of them can be restarted alone.
 
 Used by the demo (``HKV_DEMO_BACKEND=inprocess``), ``hkv bench e2e`` and tests.
 """
@@ -17,16 +19,18 @@ Used by the demo (``HKV_DEMO_BACKEND=inprocess``), ``hkv bench e2e`` and tests.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from hkv_service.core.admission import AdmissionCap
+from hkv_service.core.partitions import Partition
 from hkv_service.core.spec import CacheSpec
 from hkv_service.core.state_view import CacheState, StateConfig, TransitionEvent
 
 from .dataplane import DataPlane
 from .link import InProcessLink
 from .local import LocalMetadata
+from .partitioned import PartitionedMetadata
 from .shard import ShardActor, ShardConfig
 
 __all__ = ["ODD_SHARD", "InProcessConfig", "InProcessSystem"]
@@ -46,6 +50,7 @@ class InProcessConfig:
     odd_shard: bool = False  # one more shard whose pools are only 32-byte aligned
     device: str = "cpu"
     unsafe_skip_read_check: bool = False  # TEST ONLY: see ShardConfig
+    partitions: int = 1  # metadata partitions (core/partitions.py)
 
 
 class InProcessSystem:
@@ -55,7 +60,10 @@ class InProcessSystem:
         self.config = config or InProcessConfig()
         self.data_dir = Path(data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        self.meta = LocalMetadata(CacheState(spec, self.config.state))
+        self.parts = [LocalMetadata(self._fresh_state(i))
+                      for i in range(self.config.partitions)]
+        self.meta: LocalMetadata | PartitionedMetadata = (
+            self.parts[0] if len(self.parts) == 1 else PartitionedMetadata(self.parts))
         self.links: dict[str, InProcessLink] = {}
         self.restarts = 0
         names = [f"shard-{i}" for i in range(self.config.shards)]
@@ -103,12 +111,19 @@ class InProcessSystem:
         self.links[sid].revive(ShardActor(self.shard_config(sid)))
         return self.incarnation(sid)
 
-    def restart_service(self, timeout_s: float = 60.0) -> None:
-        """A fresh metadata view; returns once every shard has rejoined it (or raises
-        TimeoutError)."""
+    def _fresh_state(self, index: int) -> CacheState:
+        n = self.config.partitions
+        config = self.config.state if n == 1 else replace(self.config.state,
+                                                          partition=Partition(index, n))
+        return CacheState(self.spec, config)
+
+    def restart_service(self, timeout_s: float = 60.0, partition: int | None = None) -> None:
+        """A fresh metadata view (of ``partition`` only, if given); returns once every shard
+        has rejoined it (or raises TimeoutError)."""
         # a crashed shard is left out: its successor registers with whichever view is there
         before = {sid: self._rejoins(sid) for sid, link in self.links.items() if link.alive}
-        self.meta.swap(CacheState(self.spec, self.config.state))
+        for i in range(len(self.parts)) if partition is None else [partition]:
+            self.parts[i].swap(self._fresh_state(i))
         self.restarts += 1
         deadline = time.monotonic() + timeout_s
         while any(self._rejoins(sid) <= n for sid, n in before.items()):
@@ -123,7 +138,10 @@ class InProcessSystem:
     # -- the transition stream ------------------------------------------------------------
 
     def events_since(self, seq: int, limit: int = 4096) -> list[TransitionEvent]:
-        return self.meta.events_since(seq, limit)
+        if len(self.parts) > 1:
+            raise NotImplementedError("the transition stream is per partition: read "
+                                      "system.parts[i].events_since")
+        return self.parts[0].events_since(seq, limit)
 
     def close(self) -> None:
         for link in self.links.values():

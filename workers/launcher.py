@@ -47,6 +47,7 @@ from hkv_service.settings import (
 )
 
 from .dataplane import DataPlane
+from .local import connect
 from .raylink import NAMESPACE, ray_links
 from .shard import ShardActor, ShardConfig
 
@@ -72,44 +73,66 @@ SystemConfig = SystemSettings  # hkv up's settings: the service's, Ray's, the sh
 
 @dataclass(slots=True)
 class System:
+    """What ``start_system`` brought up. ``endpoint`` is what clients dial: one HOST:PORT, or
+    with ``--service-replicas N`` the N partitions' in partition order, comma-separated
+    (``workers.local.connect`` turns it into one port)."""
+
     config: SystemConfig
     endpoint: str
     shards: dict[str, Any] = field(default_factory=dict)
-    service: subprocess.Popen[str] | None = None
-    service_actor: Any = None
+    services: list[subprocess.Popen[str]] = field(default_factory=list)  # one per partition
+    service_actors: list[Any] = field(default_factory=list)  # --address: one per partition
     ray_started: bool = False
     token: str | None = None
     tls: TlsConfig | None = None  # what this side's clients use to reach the service
     replaced: dict[str, int] = field(default_factory=dict)  # shard id -> times replaced
     service_restarts: int = 0
 
-    def metadata(self) -> Any:
-        from hkv_service.client import MetadataClient
+    @property
+    def service(self) -> subprocess.Popen[str] | None:
+        """The first partition's process (the only one without --service-replicas)."""
+        return self.services[0] if self.services else None
 
-        return MetadataClient(self.endpoint, token=self.token, tls=self.tls)
+    @property
+    def service_actor(self) -> Any:
+        return self.service_actors[0] if self.service_actors else None
+
+    @property
+    def endpoints(self) -> list[str]:
+        return self.endpoint.split(",") if self.endpoint else []
+
+    def metadata(self) -> Any:
+        return connect(self.endpoint, self.token, 5.0, self.tls)
 
     def dataplane(self, timeout_s: float = 10.0) -> DataPlane:
         return DataPlane(self.metadata(), ray_links(self.shards), timeout_s)
 
-    def restart_service(self, emit: Emit | None = None) -> None:
-        """Start the metadata service process again on the same port, after a crash (or crash
-        it first: SIGKILL, nothing drained). It comes back empty; every shard finds out from its
-        next heartbeat (``UnknownOwner``) and rejoins: registers again, re-confirms its disk."""
-        if self.service is None:
+    def restart_service(self, emit: Emit | None = None, partition: int | None = None) -> None:
+        """Start the metadata service process (of ``partition``; default every partition)
+        again on the same port, after a crash (or crash it first: SIGKILL, nothing drained).
+        It comes back empty; every shard finds out from its next heartbeat (``UnknownOwner``,
+        or ``PartitionsLost`` naming that partition) and rejoins it: registers again,
+        re-confirms what it holds of that partition's chains."""
+        if not self.services:
             raise RuntimeError("only a metadata service process started here (hkv up without "
                                "--address) can be restarted by the launcher")
         say = emit or (lambda _msg: None)
-        old = self.service
-        if old.poll() is None:
-            old.kill()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            old.wait(10.0)
-        config = replace(self.config, port=int(self.endpoint.rsplit(":", 1)[1]))
-        self.service = _spawn_service(config)
-        self.endpoint = _await_listening(self.service, config.start_timeout_s)
-        self.service_restarts += 1
-        say(f"metadata service (pid {old.pid}) restarted as pid {self.service.pid} "
-            f"on {self.endpoint}")
+        endpoints = self.endpoints
+        for i in range(len(self.services)) if partition is None else [partition]:
+            old = self.services[i]
+            if old.poll() is None:
+                old.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                old.wait(10.0)
+            replica = replace(replica_settings(self.config, i),
+                              port=int(endpoints[i].rsplit(":", 1)[1]))
+            self.services[i] = _spawn_service(replica)
+            endpoints[i] = _await_listening(self.services[i], self.config.start_timeout_s)
+            self.service_restarts += 1
+            which = "" if len(self.services) == 1 else f" partition {replica.partition}"
+            say(f"metadata service{which} (pid {old.pid}) restarted as pid "
+                f"{self.services[i].pid} on {endpoints[i]}")
+        self.endpoint = ",".join(endpoints)
 
     def stop(self, emit: Emit | None = None, hurry: threading.Event | None = None) -> None:
         """Drain and stop everything, each wait bounded; idempotent. Health NOT_SERVING first
@@ -117,12 +140,13 @@ class System:
         ``ray.kill``), then the service (SIGKILL past its grace), then Ray if we started it,
         with every process of it. ``hurry`` set (a second signal) cuts the waits short."""
         say = emit or (lambda _msg: None)
-        if self.service is not None and self.service.poll() is None:
-            self.service.send_signal(signal.SIGTERM)
-            say(f"metadata service (pid {self.service.pid}) draining: health NOT_SERVING")
-        if self.service_actor is not None:
+        for proc in self.services:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                say(f"metadata service (pid {proc.pid}) draining: health NOT_SERVING")
+        if self.service_actors:
             with contextlib.suppress(Exception):
-                _bounded_wait([self.service_actor.drain.remote()], 5.0, hurry)
+                _bounded_wait([a.drain.remote() for a in self.service_actors], 5.0, hurry)
                 say("metadata service draining: health NOT_SERVING")
         shards = list(self.shards.items())
         with contextlib.suppress(Exception):
@@ -132,17 +156,19 @@ class System:
                 ray.kill(actor, no_restart=True)
             say(f"shard {sid} stopped")
         self.shards.clear()
-        if self.service is not None:
-            _stop_process(self.service, _serve_grace_s(self.config) + 5.0, hurry)
-            say(f"metadata service (pid {self.service.pid}) stopped")
-            self.service = None
-        if self.service_actor is not None:
+        for proc in self.services:
+            _stop_process(proc, _serve_grace_s(self.config) + 5.0, hurry)
+            say(f"metadata service (pid {proc.pid}) stopped")
+        self.services = []
+        if self.service_actors:
+            grace = _serve_grace_s(self.config)
             with contextlib.suppress(Exception):
-                grace = _serve_grace_s(self.config)
-                _bounded_wait([self.service_actor.close.remote(grace)], grace + 5.0, hurry)
-            with contextlib.suppress(Exception):
-                ray.kill(self.service_actor, no_restart=True)
-            self.service_actor = None
+                _bounded_wait([a.close.remote(grace) for a in self.service_actors],
+                              grace + 5.0, hurry)
+            for actor in self.service_actors:
+                with contextlib.suppress(Exception):
+                    ray.kill(actor, no_restart=True)
+            self.service_actors = []
             say("metadata service stopped")
         if self.ray_started and ray.is_initialized():
             ours = _ray_processes()
@@ -168,22 +194,43 @@ def start_system(config: SystemConfig, emit: Emit | None = None,
         f"({len(_alive_nodes())} node(s))")
     system = System(config, "", ray_started=started, token=creds.token, tls=creds.tls)
     try:
-        if config.address is None:
-            system.service = _spawn_service(config)
-            system.endpoint = _await_listening(system.service, config.start_timeout_s)
-            bound = f"{config.host}:{system.endpoint.rsplit(':', 1)[1]}"
-        else:
-            system.service_actor, bound, system.endpoint = _service_actor(config, inputs)
+        bound, dial = [], []
+        for i in range(config.service_replicas):
+            replica = replica_settings(config, i)
+            if config.address is None:
+                system.services.append(_spawn_service(replica))
+                dial.append(_await_listening(system.services[-1], config.start_timeout_s))
+                bound.append(f"{config.host}:{dial[-1].rsplit(':', 1)[1]}")
+            else:
+                actor, b, d = _service_actor(config, replica, inputs, i)
+                system.service_actors.append(actor)
+                bound.append(b)
+                dial.append(d)
+        if config.address is not None:
             _check_reachable(config)
-        dial = "" if bound == system.endpoint else f" (clients dial {system.endpoint})"
-        pid = f" (pid {system.service.pid})" if system.service is not None else ""
-        say(f"metadata service{pid} listening on {bound}{dial}")
+        system.endpoint = ",".join(dial)
+        for i, (b, d) in enumerate(zip(bound, dial, strict=True)):
+            via = "" if b == d else f" (clients dial {d})"
+            pid = f" (pid {system.services[i].pid})" if system.services else ""
+            which = "" if config.service_replicas == 1 else \
+                f" partition {i}/{config.service_replicas}"
+            say(f"metadata service{which}{pid} listening on {b}{via}")
         system.shards = place_shards(config, system.endpoint, creds.token, tls=creds.tls)
         say(f"{len(system.shards)} shard(s) up: {', '.join(sorted(system.shards))}")
     except BaseException:
         system.stop()
         raise
     return system
+
+
+def replica_settings(config: SystemConfig, index: int) -> ServiceSettings:
+    """The service settings of partition ``index``: the service's own, on the index-th port
+    from --port (and --metrics-port; 0 stays 0: each picks a free one)."""
+    n = config.service_replicas
+    service = config.service()
+    return replace(service, partition=f"{index}/{n}",
+                   port=service.port + index if service.port else 0,
+                   metrics_port=service.metrics_port + index if service.metrics_port else 0)
 
 
 # -- ray ------------------------------------------------------------------------------------
@@ -257,7 +304,7 @@ def serve_argv(config: ServiceSettings) -> list[str]:
     return [sys.executable, "-m", "hkv_service.cli", "serve", *config.service().to_argv()]
 
 
-def _spawn_service(config: SystemConfig) -> subprocess.Popen[str]:
+def _spawn_service(config: ServiceSettings) -> subprocess.Popen[str]:
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=worker_pythonpath())
     return subprocess.Popen(serve_argv(config), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
@@ -416,19 +463,21 @@ class _ServiceHost:
         self.running.close(grace_s).wait(grace_s + 1.0)
 
 
-def _service_actor(config: SystemConfig, inputs: ServiceInputs) -> tuple[Any, str, str]:
-    """The service actor, on this node (the files it was given were read here, and the
-    endpoint printed is this node's); one left by an earlier hkv up is taken over only if it
-    runs with the same settings. Returns (actor, bound address, dial address)."""
-    settings = config.service()
+def _service_actor(config: SystemConfig, settings: ServiceSettings, inputs: ServiceInputs,
+                   index: int) -> tuple[Any, str, str]:
+    """The service actor of partition ``index``, on this node (the files it was given were
+    read here, and the endpoint printed is this node's); one left by an earlier hkv up is
+    taken over only if it runs with the same settings. Returns (actor, bound address, dial
+    address)."""
+    name = SERVICE_ACTOR if config.service_replicas == 1 else f"{SERVICE_ACTOR}-{index}"
     here = _this_node()
     pin = {"scheduling_strategy": NodeAffinitySchedulingStrategy(here, soft=False)} if here else {}
     actor_cls: Any = ray.remote(num_cpus=0, max_restarts=0)(_ServiceHost)
-    actor = actor_cls.options(name=SERVICE_ACTOR, namespace=NAMESPACE, lifetime="detached",
+    actor = actor_cls.options(name=name, namespace=NAMESPACE, lifetime="detached",
                               get_if_exists=True, **pin).remote(settings, inputs)
     running = ray.get(actor.settings.remote(), timeout=config.start_timeout_s)
     if running != settings:
-        raise RuntimeError(f"a metadata service actor {SERVICE_ACTOR!r} (namespace "
+        raise RuntimeError(f"a metadata service actor {name!r} (namespace "
                            f"{NAMESPACE!r}) already runs on this cluster with other settings "
                            "(another hkv up, or one a killed hkv up left): stop that first")
     bound, dial = ray.get(actor.address.remote(), timeout=config.start_timeout_s)

@@ -19,9 +19,10 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from hkv_service.core.errors import HkvError, Unavailable
-from hkv_service.settings import ClientSettings, SettingsError
+from hkv_service.settings import ClientSettings, Credentials, SettingsError
 
 from .client import MetadataClient
 
@@ -78,7 +79,7 @@ def rate_jumps(samples: Sequence[tuple[float, Mapping[str, int]]],
     return out
 
 
-def _sample(client: MetadataClient) -> tuple[dict[str, object], dict[str, int]]:
+def _sample(client: Any) -> tuple[dict[str, object], dict[str, int]]:
     stats = client.stats()
     transitions = stats.get("transitions", {})
     assert isinstance(transitions, Mapping)
@@ -104,6 +105,16 @@ def _print_table(stats: Mapping[str, object], rates: Mapping[str, float],
         print(f"  {kind:<40} {rates[kind]:>10.1f}/s{mark}")
 
 
+def _client(endpoint: str, creds: Credentials) -> Any:
+    """One service, or its partitions (``HOST:P0,HOST:P1``, as ``hkv up`` prints them): their
+    stats summed, each partition's under ``partitions``."""
+    if "," not in endpoint:
+        return MetadataClient(endpoint, token=creds.token, tls=creds.tls, timeout_s=3.0)
+    from workers.local import connect
+
+    return connect(endpoint, creds.token, 3.0, creds.tls)
+
+
 def run_stats(args: argparse.Namespace) -> int:
     try:
         creds = ClientSettings.from_args(args).load()
@@ -112,8 +123,7 @@ def run_stats(args: argparse.Namespace) -> int:
         return 2
     samples: list[tuple[float, dict[str, int]]] = []
     try:
-        with MetadataClient(args.endpoint, token=creds.token, tls=creds.tls,
-                            timeout_s=3.0) as client:
+        with _client(args.endpoint, creds) as client:
             for i in range(SAMPLES):
                 if i:
                     time.sleep(SAMPLE_GAP_S)

@@ -75,7 +75,8 @@ def metadata(cfg: ConnectorConfig, spec: CacheSpec) -> MetadataPort:
     if cfg.system is not None:
         port: MetadataPort = _inprocess(cfg.system, spec).meta
         return port
-    from hkv_service.client import MetadataClient, TlsConfig
+    from hkv_service.settings import TlsConfig
+    from workers.local import connect
 
     tls = None
     if cfg.tls_ca or cfg.tls_cert:
@@ -83,8 +84,8 @@ def metadata(cfg: ConnectorConfig, spec: CacheSpec) -> MetadataPort:
                         _read(cfg.tls_key, "tls_key"), cfg.tls_server_name)
     token = _read(cfg.auth_token_file, "auth_token_file")
     assert cfg.endpoint is not None
-    return MetadataClient(cfg.endpoint, token=token.decode().strip() if token else None,
-                          tls=tls, timeout_s=cfg.timeout_s)
+    # one service, or its partitions in order (HOST:P0,HOST:P1 as hkv up prints them)
+    return connect(cfg.endpoint, token.decode().strip() if token else None, cfg.timeout_s, tls)
 
 
 def dataplane(cfg: ConnectorConfig, spec: CacheSpec) -> DataPlane:

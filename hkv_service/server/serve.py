@@ -70,6 +70,7 @@ class SettingsInfo(Collector):
         labels = {f.name: _label(getattr(self.settings, f.name))
                   for f in fields(ServiceSettings)}
         labels["walk_segment_blocks"] = str(self.state.segment_blocks)
+        labels["partition"] = str(self.state.partition)
         yield InfoMetricFamily("hkv_settings", "Settings of this metadata service",
                                value=labels)
 

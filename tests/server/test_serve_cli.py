@@ -59,7 +59,7 @@ SERVE_FLAGS = (
     "--host", "--port", "--metrics-port", "--spec", "--auth-token-file",
     "--tls-cert", "--tls-key", "--tls-ca", "--tls-allowed-cn", "--insecure",
     "--heartbeat-timeout-s", "--grace-s", "--max-inflight-objects", "--max-inflight-bytes",
-    "--max-owners", "--lookup-memo-mib", "--walk-segment-blocks",
+    "--max-owners", "--lookup-memo-mib", "--walk-segment-blocks", "--partition",
 )
 
 

@@ -93,6 +93,8 @@ CHECKS = {
     "max_owners": "registering past the bound is refused",
     "lookup_memo_mib": "0: no memo hit on a repeated long lookup",
     "walk_segment_blocks": "hkv_settings_info shows the state's segment size",
+    # hkv up sets each replica's own (--service-replicas; test_up_partitions.py runs two)
+    "partition": "Stats and hkv_settings_info say the state's partition, 0/1 here",
 }
 
 
@@ -382,6 +384,8 @@ def _check_state(run: Running, probe: Probe, flags: list[str], p: Problems) -> f
     with probe.client(run.endpoint) as c:
         spec = c.get_spec()
         p.expect("spec", spec.model_id == SPEC_MODEL, f"model id {spec.model_id!r}")
+        p.expect("partition", c.stats()["partition"] == "0/1",
+                 f"Stats says partition {c.stats()['partition']!r}")
         layout = Layout(spec)
         owners = {"probe": c.register_owner("probe", pools_for(layout, 256))}
         stop = threading.Event()
@@ -464,6 +468,7 @@ def _check_metrics(run: Running, flags: list[str], p: Problems) -> None:
              f"the state's walk segment size is not 4: {info}")
     p.expect("host", _bound(metrics_port) == {"0.0.0.0"},
              f"/metrics bound on {_bound(metrics_port)}, not 0.0.0.0")
+    p.expect("partition", 'partition="0/1"' in info, f"the state's partition is not 0/1: {info}")
 
 
 def _stop_timing_grace(run: Running, probe: Probe, p: Problems) -> None:
