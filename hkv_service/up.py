@@ -137,7 +137,7 @@ def _shutdown_ray() -> None:
 def _wait(system: System, stop: _StopSignals, say: Emit) -> int:
     """0 once a signal asks to stop. A metadata service that exits on its own is started
     again on its port (the shards rejoin it), up to SERVICE_RESTARTS times; 1 after that."""
-    from workers.launcher import RECONCILE_EVERY_TICKS, reconcile_shards
+    from workers.launcher import RECONCILE_EVERY_TICKS, dead_service_actors, reconcile_shards
 
     ticks = 0
     while not stop.requested.wait(0.5):
@@ -161,6 +161,18 @@ def _wait(system: System, stop: _StopSignals, say: Emit) -> int:
                 return 1
         ticks += 1
         if ticks % RECONCILE_EVERY_TICKS == 0:
+            for i in dead_service_actors(system) if system.service_actors else []:
+                if system.service_restarts >= SERVICE_RESTARTS:
+                    sys.stderr.write(f"hkv up: error: a metadata service actor died after "
+                                     f"{SERVICE_RESTARTS} restarts; giving up\n")
+                    return 1
+                say(f"metadata service actor of partition {i} died; starting it again")
+                try:
+                    system.restart_service_actor(i, say)
+                except Exception as exc:
+                    sys.stderr.write(f"hkv up: error: could not restart the metadata service "
+                                     f"actor: {exc}\n")
+                    return 1
             reconcile_shards(system, say)
     return 0
 

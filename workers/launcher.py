@@ -87,6 +87,7 @@ class System:
     tls: TlsConfig | None = None  # what this side's clients use to reach the service
     replaced: dict[str, int] = field(default_factory=dict)  # shard id -> times replaced
     service_restarts: int = 0
+    inputs: ServiceInputs | None = None  # what the service actors are started with again
 
     @property
     def service(self) -> subprocess.Popen[str] | None:
@@ -106,6 +107,24 @@ class System:
 
     def dataplane(self, timeout_s: float = 10.0) -> DataPlane:
         return DataPlane(self.metadata(), ray_links(self.shards), timeout_s)
+
+    def restart_service_actor(self, index: int, emit: Emit | None = None) -> None:
+        """Start partition ``index``'s service actor (--address) again, on the port it had:
+        it died (its node, its process); it comes back empty and the shards rejoin it."""
+        assert self.inputs is not None
+        say = emit or (lambda _msg: None)
+        endpoints = self.endpoints
+        with contextlib.suppress(Exception):
+            ray.kill(self.service_actors[index], no_restart=True)
+        replica = replace(replica_settings(self.config, index),
+                          port=int(endpoints[index].rsplit(":", 1)[1]))
+        actor, _bound, endpoints[index] = _service_actor(self.config, replica, self.inputs,
+                                                          index)
+        self.service_actors[index] = actor
+        self.endpoint = ",".join(endpoints)
+        self.service_restarts += 1
+        say(f"metadata service actor of partition {replica.partition} restarted on "
+            f"{endpoints[index]}")
 
     def restart_service(self, emit: Emit | None = None, partition: int | None = None) -> None:
         """Start the metadata service process (of ``partition``; default every partition)
@@ -192,7 +211,8 @@ def start_system(config: SystemConfig, emit: Emit | None = None,
         after_ray_init()
     say(f"ray: {'started a local instance' if started else 'joined'} "
         f"({len(_alive_nodes())} node(s))")
-    system = System(config, "", ray_started=started, token=creds.token, tls=creds.tls)
+    system = System(config, "", ray_started=started, token=creds.token, tls=creds.tls,
+                    inputs=inputs)
     try:
         bound, dial = [], []
         for i in range(config.service_replicas):
@@ -553,6 +573,20 @@ def _shard_nodes(config: SystemConfig) -> list[dict[str, Any]]:
         return nodes
     workers = [n for n in nodes if _HEAD_RESOURCE not in n.get("Resources", {})]
     return workers or nodes
+
+
+def dead_service_actors(system: System, timeout_s: float = 5.0) -> list[int]:
+    """Partitions whose service actor (--address) died: Ray answers ActorDiedError."""
+    refs = [actor.address.remote() for actor in system.service_actors]
+    dead = []
+    for i, ref in enumerate(refs):
+        try:
+            ray.get(ref, timeout=timeout_s)
+        except ray.exceptions.ActorDiedError:
+            dead.append(i)
+        except Exception:  # busy: asked again next time
+            pass
+    return dead
 
 
 def dead_shards(system: System, timeout_s: float = 5.0) -> list[str]:

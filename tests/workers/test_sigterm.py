@@ -31,6 +31,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from workers.raylink import NAMESPACE
+
 ROOT = Path(__file__).resolve().parents[2]
 RAY = str(Path(sys.executable).with_name("ray"))
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -321,6 +323,86 @@ def test_address_up_sigterm_stops_ours_and_leaves_the_cluster(tmp_path: Path) ->
     finally:
         if watch is not None:
             watch.close()
+        if proc is not None:
+            _stop_up(proc, tree)
+        everything = cluster | _descendants(head.pid)
+        if head.poll() is None:
+            head.send_signal(signal.SIGTERM)
+            try:
+                head.wait(30)
+            except subprocess.TimeoutExpired:
+                head.kill()
+                head.wait(10)
+        _kill(_wait_gone(everything, 10) | _group(head.pid))
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def _kill_actor(address: str, name: str) -> None:
+    """SIGKILL-like end of a named actor of hkv's namespace, from a driver of its own."""
+    code = (f"import ray; ray.init(address={address!r}, log_to_driver=False); "
+            f"ray.kill(ray.get_actor({name!r}, namespace={NAMESPACE!r}), no_restart=True); "
+            "ray.shutdown()")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=_env(**NO_AUTH), timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_address_up_restarts_a_dead_partition_actor(tmp_path: Path) -> None:
+    """--address with --service-replicas 2: a partition's actor that dies is started again on
+    its port by hkv up, and the shard rejoins it; SIGTERM still leaves no actor behind."""
+    gcs = _free_port()
+    temp = tempfile.mkdtemp(prefix="hkvray-", dir="/tmp")
+    head = subprocess.Popen(
+        [RAY, "start", "--head", "--block", "--port", str(gcs), "--include-dashboard=false",
+         "--num-cpus", "2", "--temp-dir", temp,
+         "--disable-usage-stats", "--ray-client-server-port", str(_free_port()),
+         "--dashboard-agent-listen-port", str(_free_port())],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(**NO_AUTH),
+        start_new_session=True, cwd=tmp_path)
+    head_out = Lines(head, "Ray runtime started")
+    cluster: dict[int, str] = {}
+    proc: subprocess.Popen[str] | None = None
+    tree: dict[int, str] = {}
+    try:
+        head_out.wait(90)
+        address = f"127.0.0.1:{gcs}"
+        cluster = _descendants(head.pid)
+        token = tmp_path / "token"
+        token.write_text("partition-test-token\n")
+        proc, out = start_up(tmp_path, "--address", address, "--host", "0.0.0.0",
+                             "--auth-token-file", str(token), "--service-replicas", "2",
+                             "--heartbeat-timeout-s", "2", env=_env(**NO_AUTH))
+        endpoint = out.wait(120).split()[-1]
+        assert len(endpoint.split(",")) == 2, out.text()
+        tree = _descendants(proc.pid)
+        assert {"hkv-metadata-0", "hkv-metadata-1"} <= set(_named_actors(address))
+        _kill_actor(address, "hkv-metadata-1")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not any(
+                "restarted on" in ln for ln in out.lines):
+            time.sleep(0.5)
+        assert any("actor of partition 1/2 restarted on" in ln for ln in out.lines), out.text()
+        restarted = next(ln for ln in out.lines if "restarted on" in ln).split()[-1]
+        assert restarted == endpoint.split(",")[1]  # the same port: clients keep their list
+        from workers.local import connect
+
+        meta = connect(endpoint, "partition-test-token")
+        try:
+            alive = 0
+            while time.monotonic() < deadline + 30:
+                parts = meta.stats()["partitions"]  # type: ignore[attr-defined]
+                alive = parts[1]["gauges"]["owners_alive"]
+                if alive == 1:
+                    break
+                time.sleep(0.5)
+            assert alive == 1, "the shard did not rejoin the restarted partition"
+            assert parts[0]["events"].get("owner_lost", 0) == 0
+        finally:
+            meta.close()  # type: ignore[attr-defined]
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(EXIT_S) == 0, out.text()
+        assert not _named_actors(address)
+    finally:
         if proc is not None:
             _stop_up(proc, tree)
         everything = cluster | _descendants(head.pid)
