@@ -453,8 +453,15 @@ def test_probes_service_and_scrape_ports_match_the_served_ports(overlay: str) ->
     assert matches(svc["spec"]["selector"], tpl["metadata"]["labels"])
     ports = {p["name"]: p for p in svc["spec"]["ports"]}
     assert ports["grpc"]["port"] == 50051
-    assert port_of(c, ports["grpc"]["targetPort"]) == args.port
-    assert port_of(c, ports["metrics"]["targetPort"]) == args.metrics_port
+    # every metadata partition (--service-replicas) is declared, exposed and admitted
+    for i in range(args.service_replicas):
+        grpc_name, metrics_name = ("grpc", "metrics") if i == 0 else (f"grpc-{i}",
+                                                                      f"metrics-{i}")
+        assert grpc_name in ports and metrics_name in ports, f"{overlay}: partition {i}"
+        assert ports[grpc_name]["port"] == 50051 + i
+        assert port_of(c, ports[grpc_name]["targetPort"]) == args.port + i
+        assert port_of(c, ports[metrics_name]["targetPort"]) == args.metrics_port + i
+    assert len(ports) == 2 * args.service_replicas, f"{overlay}: ports {sorted(ports)}"
 
     np = the(overlay, "NetworkPolicy", "hkv-metadata-service")
     assert matches(np["spec"]["podSelector"]["matchLabels"], tpl["metadata"]["labels"])
@@ -464,6 +471,9 @@ def test_probes_service_and_scrape_ports_match_the_served_ports(overlay: str) ->
         if any(p["port"] in (args.port, "grpc") for p in r.get("ports", []))
     ]
     assert grpc_rules, "no NetworkPolicy rule admits the gRPC port"
+    admitted = {p["port"] for r in grpc_rules for p in r.get("ports", [])}
+    partitions = set(range(args.port, args.port + args.service_replicas))
+    assert partitions <= admitted, f"{overlay}: gRPC ports admitted {admitted}"
     for rule in grpc_rules:
         for peer in rule["from"]:
             assert peer["podSelector"]["matchLabels"] == {"hkv.io/role": "inference-worker"}

@@ -128,6 +128,10 @@ def test_hkv_lines_parse_and_head_runs_the_service(path: Path) -> None:
     assert len(ups) == 1 and ups[0][0] == "up"
     up = parser.parse_args(ups[0])
     assert up.address == "auto"
+    # the security group lets workers reach every metadata partition's port
+    rules = cfg.get("provider", {}).get("security_group", {}).get("IpPermissions", [])
+    for port in range(up.port, up.port + up.service_replicas):
+        assert any(r["FromPort"] <= port <= r["ToPort"] for r in rules), f"port {port} closed"
     # `ray start --head` comes before `hkv up --address auto` joins it
     starts = cfg["head_start_ray_commands"]
     i_ray = next(i for i, c in enumerate(starts) if "ray start --head" in c)
