@@ -125,3 +125,26 @@ def test_nothing_of_the_restarted_partition_is_a_hit_before_it_is_vouched_for(
     report = plane.write_prefix(prompts[1][0], blocks, tails)
     assert not report.ok
     assert system.parts[1].state.object_count() == 0
+
+
+def test_disk_records_go_back_to_their_roots_partition(system: InProcessSystem, w: Any) -> None:
+    """Every shard restarts (its memory gone): it vouches for its disk tier, and each record
+    must reach the partition of its chain (the route key in its tag), or that chain's disk
+    copies are never hits again."""
+    plane = system.dataplane()
+    prompts = _prompts(w, 1)
+    before = {}
+    for i, chains in prompts.items():
+        _write(plane, w, chains[0], seed=i)
+        before[i] = _read(plane, chains[0])
+        m = plane.meta.lookup(LookupRequest(chains[0]))
+        handles = [h for hs in m.handles.values() for h in hs]
+        assert all(r.ok for r in plane.offload(handles, evict_memory=True))
+    for sid in list(system.links):
+        system.kill_shard(sid)
+    for i, chains in prompts.items():
+        m = plane.meta.lookup(LookupRequest(chains[0]))
+        assert m.usable_tokens == before[i][0] and m.needs_load, (i, m)
+        usable, data, _ = _read(plane, chains[0])
+        assert (usable, data) == before[i][:2], i
+    assert all(p.state.object_count() > 0 for p in system.parts)
