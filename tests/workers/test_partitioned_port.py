@@ -1,0 +1,150 @@
+"""workers/partitioned.py on its own: what goes where, and what a client is told when the
+partitions are listed wrong, one is down, or a pool is too small to split."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from hkv_service.core.errors import InvalidInput, Unavailable, UnknownOwner, WrongPartition
+from hkv_service.core.funnel import LookupRequest
+from hkv_service.core.ids import ShardId
+from hkv_service.core.layout import Layout
+from hkv_service.core.partitions import Partition, partition_of_id, partition_of_root
+from hkv_service.core.state_view import (
+    AllocRequest,
+    CacheState,
+    ObjectTransitions,
+    StateConfig,
+)
+from hkv_service.core.states import Event
+from hkv_service.core.transitions import Params
+from hkv_service.specs import default_spec
+from hkv_service.testing import pools_for
+from workers.local import LocalMetadata, connect
+from workers.partitioned import PartitionedMetadata, PartitionsLost
+
+SPEC = default_spec()
+LAYOUT = Layout(SPEC)
+OWNER = ShardId("s0")
+
+
+def _parts(n: int) -> list[LocalMetadata]:
+    return [LocalMetadata(CacheState(SPEC, StateConfig(partition=Partition(i, n))))
+            for i in range(n)]
+
+
+def _rooted(w: Any, n: int, want: int) -> list[bytes]:
+    return next(h for s in range(500) if partition_of_root((h := w.prompt(2, seed=s))[0], n)
+                == want)
+
+
+class Down:
+    """A partition that cannot be reached (every call: UNAVAILABLE)."""
+
+    def __init__(self, inner: LocalMetadata) -> None:
+        self.inner, self.down = inner, False
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.inner, name)
+
+        def call(*a: Any, **k: Any) -> Any:
+            if self.down:
+                raise Unavailable("partition down")
+            return method(*a, **k)
+        return call
+
+
+def test_a_list_in_another_order_is_refused_before_any_call() -> None:
+    parts = _parts(2)
+    with pytest.raises(InvalidInput, match="says it is partition 1/2"):
+        PartitionedMetadata(parts[::-1]).get_spec()
+    assert PartitionedMetadata(parts).get_spec() == SPEC
+
+
+def test_a_chain_sent_to_the_wrong_partition_is_refused(w: Any) -> None:
+    parts = _parts(2)
+    with pytest.raises(WrongPartition):
+        parts[0].lookup(LookupRequest(_rooted(w, 2, 1)))
+
+
+def test_every_partition_gets_its_own_range_of_every_pool() -> None:
+    parts = _parts(3)
+    meta = PartitionedMetadata(parts)
+    meta.register_owner(OWNER, pools_for(LAYOUT, 30))
+    ranges = [{(p.config.first, p.config.num_blocks)
+               for p in part.state.owners[OWNER].pools.values()} for part in parts]
+    assert ranges == [{(0, 10)}, {(10, 20)}, {(20, 30)}]
+
+
+def test_a_pool_smaller_than_the_partition_count_is_refused() -> None:
+    with pytest.raises(InvalidInput, match="fewer than the 3 metadata partitions"):
+        PartitionedMetadata(_parts(3)).register_owner(OWNER, pools_for(LAYOUT, 2))
+
+
+def test_transition_many_is_split_by_partition_and_answered_in_order(w: Any) -> None:
+    meta = PartitionedMetadata(_parts(2))
+    meta.register_owner(OWNER, pools_for(LAYOUT, 16))
+    oids = []
+    for k, i in enumerate((0, 1, 0, 1)):
+        a = meta.allocate(_rooted(w, 2, i), [AllocRequest(k // 2, "c4")], OWNER)[0]
+        oids.append(a.handle.object_id)
+    assert [partition_of_id(o, 2) for o in oids] == [0, 1, 0, 1]
+    items = [ObjectTransitions(o, (Event.WRITE_DONE,), (Params(version=7 + k),))
+             for k, o in enumerate(oids)]
+    items.insert(1, ObjectTransitions(oids[1], (Event.TAIL_DONE,)))  # refused: wrong kind
+    got = meta.transition_many(items)
+    assert [type(r).__name__ for r in got][1] == "IllegalTransition"
+    ok = [r for k, r in enumerate(got) if k != 1]
+    assert [r.object_id for r in ok] == oids  # type: ignore[union-attr]
+
+
+def test_heartbeat_names_the_partitions_that_forgot_the_owner() -> None:
+    parts = _parts(3)
+    meta = PartitionedMetadata(parts)
+    inc = meta.register_owner(OWNER, pools_for(LAYOUT, 9))
+    meta.heartbeat(OWNER, inc)
+    parts[2].swap(CacheState(SPEC, StateConfig(partition=Partition(2, 3))))
+    with pytest.raises(PartitionsLost) as lost:
+        meta.heartbeat(OWNER, inc)
+    assert lost.value.partitions == frozenset({2})
+    again = meta.register_owner(OWNER, pools_for(LAYOUT, 9), partitions=lost.value.partitions)
+    meta.heartbeat(OWNER, again)
+    with pytest.raises(UnknownOwner):
+        meta.heartbeat(OWNER, inc)  # the old number is not current any more
+    assert parts[0].state.owners[OWNER].incarnation == 1  # the others never re-registered
+
+
+def test_a_partition_down_fails_its_calls_and_not_the_others(w: Any) -> None:
+    parts = _parts(2)
+    flaky = Down(parts[1])
+    meta = PartitionedMetadata([parts[0], flaky])  # type: ignore[list-item]
+    inc = meta.register_owner(OWNER, pools_for(LAYOUT, 8))
+    flaky.down = True
+    with pytest.raises(Unavailable):
+        meta.heartbeat(OWNER, inc)
+    assert meta.lookup(LookupRequest(_rooted(w, 2, 0))).usable_tokens == 0  # answered
+    with pytest.raises(Unavailable):
+        meta.lookup(LookupRequest(_rooted(w, 2, 1)))
+
+
+def test_connect_takes_a_comma_separated_list_and_a_single_endpoint_stays_plain() -> None:
+    parts = _parts(2)
+    assert isinstance(connect(parts), PartitionedMetadata)
+    assert connect([parts[0]]) is parts[0]
+    meta = connect("127.0.0.1:1, 127.0.0.1:2")
+    try:
+        assert isinstance(meta, PartitionedMetadata) and meta.count == 2
+    finally:
+        meta.close()  # type: ignore[attr-defined]
+
+
+def test_stats_are_summed_and_kept_per_partition(w: Any) -> None:
+    parts = _parts(2)
+    meta = PartitionedMetadata(parts)
+    meta.register_owner(OWNER, pools_for(LAYOUT, 8))
+    stats = meta.stats()
+    each = stats["partitions"]
+    assert [p["partition"] for p in each] == ["0/2", "1/2"]  # type: ignore[index]
+    assert stats["gauges"]["owners_alive"] == 2  # type: ignore[index]  # one per partition
