@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--check", action="store_true",
                       help="compare every output with a full recompute; exit 1 on any mismatch")
     demo.add_argument("--workers", type=int, default=2, help="concurrent inference workers")
+    demo.add_argument("--service-replicas", type=int, default=1,
+                      help="metadata partitions the demo's system runs (default 1)")
     demo.add_argument("--json", action="store_true", help="print one JSON object")
 
     bench = sub.add_parser("bench", help="measure a part against a baseline from the same run")

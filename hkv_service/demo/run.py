@@ -22,6 +22,7 @@ from typing import Any, TextIO
 import torch
 
 from hkv_service.refmodel import RefModel
+from hkv_service.settings import MAX_PARTITIONS
 from hkv_service.specs import default_spec
 
 from .backend import DemoBackend
@@ -65,7 +66,8 @@ def backend_choice(default: str = "system") -> str:
 
 
 def make_backend(model: RefModel, rates: dict[str, float], note: Any = None,
-                 default: str = "system", unsafe_skip_read_check: bool = False) -> DemoBackend:
+                 default: str = "system", unsafe_skip_read_check: bool = False,
+                 partitions: int = 1) -> DemoBackend:
     """The backend on the chosen wiring. ``unsafe_skip_read_check`` (TEST ONLY, in-process):
     the shards skip their read re-check, a planted bug ``--check`` must catch."""
     from .wiring import InProcessWiring, SystemWiring, Wiring
@@ -76,13 +78,13 @@ def make_backend(model: RefModel, rates: dict[str, float], note: Any = None,
     wiring: Wiring | None = None
     if choice == "system" and not unsafe_skip_read_check:
         try:
-            wiring = SystemWiring(model.spec, pool, odd, emit=note)
+            wiring = SystemWiring(model.spec, pool, odd, emit=note, partitions=partitions)
         except Exception as err:
             if note is not None:
                 note(f"the system backend could not start ({type(err).__name__}: "
                      f"{str(err).splitlines()[0] if str(err) else ''}); running in-process")
     if wiring is None:
-        wiring = InProcessWiring(model.spec, pool, odd, unsafe_skip_read_check)
+        wiring = InProcessWiring(model.spec, pool, odd, unsafe_skip_read_check, partitions)
     return DemoBackend(wiring, _shapes(model))
 
 
@@ -96,11 +98,12 @@ def run_workload(
     progress: Any = None,
     backend: str = "inprocess",
     unsafe_skip_read_check: bool = False,
+    partitions: int = 1,
 ) -> dict[str, Any]:
     rates = parse_faults(faults) if isinstance(faults, str) else dict(faults)
     spec = default_spec()
     model = RefModel(spec)
-    be = make_backend(model, rates, progress, backend, unsafe_skip_read_check)
+    be = make_backend(model, rates, progress, backend, unsafe_skip_read_check, partitions)
     plan = FaultPlan(rates, seed)
     wl = make_workload(requests, seed, vocab=model.config.vocab)
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // max(1, workers)))
@@ -141,7 +144,9 @@ def run_workload(
         be.close()
     if errors:
         raise errors[0]
-    return _report(totals, plan, st, elapsed, rates)
+    rep = _report(totals, plan, st, elapsed, rates)
+    rep["partitions"] = partitions
+    return rep
 
 
 def run_long_prompts(prefix: int, resumed: int, seed: int = 0, check: bool = True
@@ -274,10 +279,15 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.requests < 1 or args.workers < 1:
         sys.stderr.write("hkv: error: --requests and --workers must be at least 1.\n")
         return 2
+    if not 1 <= args.service_replicas <= MAX_PARTITIONS:
+        sys.stderr.write(f"hkv: error: --service-replicas must be between 1 and "
+                         f"{MAX_PARTITIONS}.\n")
+        return 2
     out = _json_stdout() if args.json else sys.stdout
     try:
         rep = run_workload(args.requests, args.seed, rates, args.check, args.workers,
-                           args.duration, note, backend="system")
+                           args.duration, note, backend="system",
+                           partitions=args.service_replicas)
     except FaultSpecError as err:
         sys.stderr.write(f"hkv: error: {err}.\n")
         return 2

@@ -11,7 +11,10 @@ transition stream, and the real faults a wiring can cause.
   port under the live shards.
 
 Each can add a shard whose pools are only 32-byte aligned (``odd_shard``): a writer placing
-blocks there makes handles a 128-byte-aligned reader must refuse (misaligned_handle).
+blocks there makes handles a 128-byte-aligned reader must refuse (misaligned_handle), and each
+can run the metadata view as ``partitions`` partitions (``hkv up --service-replicas``): the
+transition stream is then every partition's, merged (:class:`MergedEvents`), and a service
+restart restarts every partition.
 """
 
 from __future__ import annotations
@@ -21,8 +24,11 @@ import os
 import shutil
 import signal
 import tempfile
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +47,42 @@ ADMISSION = AdmissionCap(max_objects=64, max_bytes=1 << 28)
 HEARTBEAT_TIMEOUT_S = 8.0  # shards beat every 2 s: a restarted service is rejoined within it
 REVIVE_WAIT_S = 60.0
 EVENTS_BATCH = 4096  # transitions one poll returns at most
+
+
+Pull = Callable[[int, float], list[TransitionEvent]]  # one partition's events after a seq
+
+
+class MergedEvents:
+    """One transition stream over the partitions' streams, renumbered 1, 2, ... so the
+    backend's cursor stays one number. Each partition's events keep their order, and an
+    object never moves between partitions, so any interleaving of the streams is a valid
+    order of events. ``reset`` (the partitions restarted) starts the numbering again; a
+    cursor from before it gets nothing until the backend resets its own to 0."""
+
+    def __init__(self, pulls: list[Pull]) -> None:
+        self.pulls = pulls
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        with getattr(self, "_lock", contextlib.nullcontext()):
+            self._cursors = [0] * len(self.pulls)
+            self._numbered = 0
+            self._pending: deque[TransitionEvent] = deque()
+
+    def since(self, seq: int, timeout_s: float) -> list[TransitionEvent]:
+        with self._lock:
+            if seq > self._numbered:
+                return []  # a cursor from before a reset
+            while self._pending and self._pending[0].seq <= seq:
+                self._pending.popleft()
+            if not self._pending:
+                for i, pull in enumerate(self.pulls):
+                    for ev in pull(self._cursors[i], timeout_s / len(self.pulls)):
+                        self._cursors[i] = ev.seq
+                        self._numbered += 1
+                        self._pending.append(replace(ev, seq=self._numbered))
+            return list(self._pending)[:EVENTS_BATCH]
 
 
 class Wiring:
@@ -78,12 +120,12 @@ class InProcessWiring(Wiring):
     name = "inprocess"
 
     def __init__(self, spec: CacheSpec, pool_blocks: int, odd_shard: bool = False,
-                 unsafe_skip_read_check: bool = False) -> None:
+                 unsafe_skip_read_check: bool = False, partitions: int = 1) -> None:
         self._dir = Path(tempfile.mkdtemp(prefix="hkv-demo-"))
         config = InProcessConfig(
             shards=2, blocks_per_group=pool_blocks, admission=ADMISSION, odd_shard=odd_shard,
             state=StateConfig(ADMISSION, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S),
-            unsafe_skip_read_check=unsafe_skip_read_check,
+            unsafe_skip_read_check=unsafe_skip_read_check, partitions=partitions,
         )
         try:
             self.system = InProcessSystem(spec, self._dir, config)
@@ -94,9 +136,12 @@ class InProcessWiring(Wiring):
         self.dp = self.system.dataplane(timeout_s=15.0)
         self.odd_shard = ODD_SHARD if odd_shard else None
         self.restarts = 0
+        self._merged = MergedEvents([
+            lambda seq, _t, part=part: part.events_since(seq, EVENTS_BATCH)  # type: ignore[misc]
+            for part in self.system.parts])
 
     def events(self, seq: int, timeout_s: float) -> list[TransitionEvent]:
-        got = self.system.events_since(seq, EVENTS_BATCH)
+        got = self._merged.since(seq, timeout_s)
         if not got:
             time.sleep(min(timeout_s, 0.01))
         return got
@@ -109,6 +154,7 @@ class InProcessWiring(Wiring):
 
     def restart_service(self) -> None:
         self.system.restart_service()
+        self._merged.reset()
         self.restarts += 1
 
     def shard_dir(self, sid: str) -> Path:
@@ -126,7 +172,7 @@ class SystemWiring(Wiring):
 
     def __init__(self, spec: CacheSpec, pool_blocks: int, odd_shard: bool = False,
                  emit: Emit | None = None, data_dir: str = "hkv-data",
-                 start_timeout_s: float = 90.0) -> None:
+                 start_timeout_s: float = 90.0, partitions: int = 1) -> None:
         import ray
 
         from workers.launcher import (
@@ -145,7 +191,7 @@ class SystemWiring(Wiring):
         self._data_dir = Path(data_dir).resolve()
         self._closed = False
         self.odd_shard = ODD_SHARD if odd_shard else None
-        self._watcher: Any = None
+        self._watchers: list[Any] = []
         self._killed: dict[str, int] = {}  # pid of each crashed shard
         try:
             if not ray.is_initialized():
@@ -160,15 +206,18 @@ class SystemWiring(Wiring):
                 disk_budget_bytes=1 << 30, shards_per_node=2, max_restarts=1000, device="auto",
                 start_timeout_s=start_timeout_s, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
                 max_inflight_objects=ADMISSION.max_objects,
-                max_inflight_bytes=ADMISSION.max_bytes,
+                max_inflight_bytes=ADMISSION.max_bytes, service_replicas=partitions,
             )
             self.system = start_system(self.config, self.say)
-            if self.system.service is not None:
-                self.pids.append(self.system.service.pid)
+            self.pids += [p.pid for p in self.system.services]
             if odd_shard:
                 self._place_odd_shard()
             self.meta = self.system.metadata()
-            self._watcher = self.system.metadata()
+            from hkv_service.client import MetadataClient
+
+            self._watchers = [MetadataClient(e, token=self.system.token, tls=self.system.tls)
+                              for e in self.system.endpoints]
+            self._merged = MergedEvents([self._pull(c) for c in self._watchers])
             self.dp = self.system.dataplane(timeout_s=15.0)
             names = {c.name for c in self.dp.layout.columns}
             if names != {c.name for c in Layout(spec).columns}:
@@ -200,13 +249,19 @@ class SystemWiring(Wiring):
 
         return ray.get(self.system.shards[sid].ping.remote(), timeout=timeout_s)  # type: ignore[no-any-return]
 
+    @staticmethod
+    def _pull(client: Any) -> Pull:
+        def pull(seq: int, timeout_s: float) -> list[TransitionEvent]:
+            out = []
+            for ev in client.watch(seq, timeout_s=timeout_s):
+                out.append(ev)
+                if len(out) >= EVENTS_BATCH:
+                    break
+            return out
+        return pull
+
     def events(self, seq: int, timeout_s: float) -> list[TransitionEvent]:
-        out = []
-        for ev in self._watcher.watch(seq, timeout_s=timeout_s):
-            out.append(ev)
-            if len(out) >= EVENTS_BATCH:
-                break
-        return out
+        return self._merged.since(seq, timeout_s)
 
     def crash_shard(self, sid: str) -> None:
         """SIGKILL of the shard actor's process (Ray restarts it: max_restarts)."""
@@ -231,7 +286,8 @@ class SystemWiring(Wiring):
         """Kill ``hkv serve`` and start it again on its port; wait for every shard to rejoin."""
         before = {sid: _rejoins(a) for sid, a in self.system.shards.items()}
         self.system.restart_service(self.say)
-        self.pids.append(self.system.service.pid)
+        self._merged.reset()
+        self.pids += [p.pid for p in self.system.services]
         self.restarts += 1
         deadline = time.monotonic() + REVIVE_WAIT_S
         for sid, actor in self.system.shards.items():
@@ -249,7 +305,7 @@ class SystemWiring(Wiring):
         if self._closed:
             return
         self._closed = True
-        for client in (getattr(self, "meta", None), self._watcher):
+        for client in (getattr(self, "meta", None), *self._watchers):
             if client is not None:
                 with contextlib.suppress(Exception):
                     client.close()
