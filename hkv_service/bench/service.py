@@ -29,6 +29,12 @@ workers run apart from the service in production. Measured in the same run:
   each pair is the best of three alternating runs; ``lookup1_extra_per_call_us`` is what a
   1-block lookup costs beyond an echo call, from those two rates.
 
+The ``partitions`` section (:mod:`.partitions`) measures lookups/s and written objects/s over
+1, 2 and 4 metadata partitions, each its own process, through ``PartitionedMetadata`` (and,
+outside ``--quick``, over partitions that are Ray actors on a two-node cluster); its headline
+rates and ratios to one partition are also under ``figures`` / ``baseline`` / ``ratios`` as
+``partitions_*``.
+
 The servers share one process (and GIL), the clients another: 4 client threads show the
 server's GIL plus state-lock contention together. To tell the two apart, the service's state
 view runs on a :class:`~.lockstats.TimedLock` (a little dearer than an RLock) and the bench reports,
@@ -61,6 +67,7 @@ from ..server.codec import encode_lookup
 from ..server.servicer import MetadataServicer
 from ..specs import default_spec
 from ..testing import commit_prefix, pools_for, prompt_hashes, question
+from . import partitions as partitions_bench
 from .lockstats import LockStats, TimedLock
 from .timing import percentile, samples
 
@@ -401,5 +408,16 @@ def run(quick: bool = False) -> dict[str, Any]:
         "stream_lookups_per_s_vs_echo_rps":
             thr["stream_lookups_per_s"] / thr["echo_rps_1thread"],
     }
+    parts = partitions_bench.run(quick)  # after the servers above are gone
+    _headline_partitions(parts, figures, baseline, ratios)
     return {"name": "service", "quick": quick, "figures": figures, "baseline": baseline,
-            "ratios": ratios}
+            "ratios": ratios, "partitions": parts}
+
+
+def _headline_partitions(parts: dict[str, Any], figures: dict[str, float],
+                         baseline: dict[str, float], ratios: dict[str, float]) -> None:
+    """The partitions section's rates and ratios, flat: one partition is the baseline."""
+    for n, fig in parts["by_count"].items():
+        for unit in partitions_bench.UNITS:
+            (baseline if n == "1" else figures)[f"partitions_{unit}_{n}"] = fig[unit]
+    ratios.update({f"partitions_{k}": v for k, v in parts["ratios"].items()})

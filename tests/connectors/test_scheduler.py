@@ -96,8 +96,10 @@ def test_hma_stays_on_with_two_groups(make: Callable[..., Harness]) -> None:
     assert h.geo.spec.groups[0].window == 128
 
 
-def test_blocks_round_trip_and_b_computes_only_the_suffix(make: Callable[..., Harness]) -> None:
-    h = make()
+@pytest.mark.parametrize("partitions", [1, 2])  # 2: hkv's view split in metadata partitions
+def test_blocks_round_trip_and_b_computes_only_the_suffix(make: Callable[..., Harness],
+                                                          partitions: int) -> None:
+    h = make(partitions=partitions)
     tokens = prompt(N, seed=1)
     run_a(h, tokens)
     # A's blocks are in hkv, byte for byte what its forward wrote

@@ -153,14 +153,16 @@ def block_content(view: torch.Tensor, tokens: list[int], group: int, layer: int
 
 class Harness:
     def __init__(self, model: Path, data_dir: Path, specs: dict[str, KVCacheSpec],
-                 name: str, block_size: int = 16, pool_blocks: int = 1024) -> None:
+                 name: str, block_size: int = 16, pool_blocks: int = 1024,
+                 partitions: int = 1) -> None:
         self.name = name
         self.cfg = engine_config(model, name, block_size)
         self.kvc = get_kv_cache_configs(self.cfg, [specs], [48 << 20])[0]
         self.cfg.cache_config.num_gpu_blocks = self.kvc.num_blocks
         self.geo = engine_geometry(self.cfg, self.kvc)
         self.system = InProcessSystem(self.geo.spec, data_dir,
-                                      InProcessConfig(shards=2, blocks_per_group=pool_blocks))
+                                      InProcessConfig(shards=2, blocks_per_group=pool_blocks,
+                                                      partitions=partitions))
         systems.publish(name, self.system)
         sb, hb = resolve_kv_cache_block_sizes(self.kvc, self.cfg)
         self.sched = Scheduler(self.cfg, generate_scheduler_kv_cache_config([self.kvc]),
