@@ -61,7 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     stats = sub.add_parser("stats", help="print a running service's counters")
     stats.add_argument("--endpoint", default=f"127.0.0.1:{DEFAULT_PORT}",
-                       help=f"host:port (default 127.0.0.1:{DEFAULT_PORT})")
+                       help=f"host:port (default 127.0.0.1:{DEFAULT_PORT}); a service of N "
+                       "partitions: their host:port in order, comma-separated, as hkv up "
+                       "prints its endpoint")
     stats.add_argument("--json", action="store_true", help="print one JSON object")
     ClientSettings.add_flags(stats)
     return parser

@@ -97,3 +97,36 @@ def test_stats_dead_endpoint_is_one_sentence() -> None:
         capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 1 and "no hkv service answers there" in out.stderr
     assert out.stderr.count("\n") == 1
+
+
+def test_stats_json_over_two_partitions_sums_them_and_keeps_each() -> None:
+    """``hkv stats --endpoint A,B`` (the endpoint ``hkv up --service-replicas 2`` prints):
+    counters summed, each partition's under ``partitions``, in order."""
+    from hkv_service.core.partitions import Partition, partition_of_root
+    from hkv_service.core.state_view import StateConfig
+
+    states = [CacheState(default_spec(), StateConfig(partition=Partition(i, 2)))
+              for i in range(2)]
+    for st in states:
+        st.register_owner(ShardId("s0"), pools_for(st.layout, 64))
+    seeds = {partition_of_root(prompt_hashes(states[0].spec, 4, seed=s)[0], 2): s
+             for s in range(40)}
+    for i, st in enumerate(states):
+        commit_prefix(st, prompt_hashes(st.spec, 4, seed=seeds[i]))
+    services = [build_service(ServerConfig(port=0), st) for st in states]
+    for s in services:
+        s.server.start()
+    try:
+        endpoint = ",".join(f"127.0.0.1:{s.port}" for s in services)
+        out = subprocess.run(
+            [sys.executable, "-m", "hkv_service.cli", "stats", "--endpoint", endpoint,
+             "--json"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    finally:
+        for s in services:
+            s.stop(0).wait(10)
+    assert out.returncode == 0, out.stderr
+    stats = json.loads(out.stdout)["stats"]
+    each = [st.object_count() for st in states]
+    assert [p["partition"] for p in stats["partitions"]] == ["0/2", "1/2"]
+    assert [p["gauges"]["objects"] for p in stats["partitions"]] == each
+    assert stats["gauges"]["objects"] == sum(each) > 0
