@@ -9,6 +9,7 @@ the topology epoch moves on and the capture is marked invalid so its owner re-ca
 from __future__ import annotations
 
 import heapq
+import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -65,6 +66,13 @@ class LeaseBook:
     expiry: list[tuple[float, LeaseId]] = field(default_factory=list)
     next_id: int = 0
     step: int = 1  # a metadata partition's lease ids are its index modulo the count
+    # A random base per view, as object ids have: after a restart a client's old lease id
+    # must not name another client's new lease (releasing it would unpin that one's objects).
+    random_base: bool = True
+
+    def __post_init__(self) -> None:
+        if self.random_base:
+            self.next_id += random.SystemRandom().getrandbits(32) * self.step
 
     def open(self, records: list[ObjRecord], expires_at: float) -> Lease:
         self.next_id += self.step

@@ -452,6 +452,11 @@ class CacheState:
             if block is not None:
                 return shard, pool, block
         name = self.layout.columns[col].name
+        if not candidates:
+            raise PoolExhausted(
+                f"no owner (shard) with a pool for {name!r} is registered with this metadata "
+                f"view ({self.partition}) yet: a restarted service is back once the shards "
+                "have re-registered (within a heartbeat); retry then")
         raise PoolExhausted(
             f"no free or evictable block for {name!r}: every block is pinned, being written "
             "or leased; retry after readers release their leases"

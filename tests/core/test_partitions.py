@@ -110,3 +110,32 @@ def test_a_pool_range_outside_the_pool_is_refused() -> None:
            for name, cfg in pools_for(Layout(SPEC), 64).items()}
     with pytest.raises(InvalidInput, match="first block"):
         state.register_owner("s0", bad)
+
+
+def test_a_restarted_view_never_issues_a_lease_id_of_the_one_before() -> None:
+    """Regression: lease ids started at the same value in every view, so after a restart a
+    client releasing its old lease released another client's new one (its objects no longer
+    pinned). A view's lease ids now start from a random base, as object ids do."""
+    for partition in (Partition(), Partition(1, 2)):
+        firsts = set()
+        for _ in range(8):
+            state = CacheState(SPEC, StateConfig(partition=partition))
+            state.register_owner("s0", pools_for(Layout(SPEC), 64))
+            chain = next(c for s in range(200)
+                         if partition.owns_root((c := _chain(s))[0]))
+            commit_prefix(state, chain, "s0")
+            m = state.lookup(LookupRequest(chain, lease_ttl_s=5.0))
+            assert m.lease_id is not None
+            assert partition_of_lease(m.lease_id, partition.count) == partition.index
+            firsts.add(m.lease_id)
+        assert len(firsts) == 8  # (a collision has odds of about 2**-32 per pair)
+
+
+def test_an_allocation_before_any_owner_registered_says_so() -> None:
+    """A partition restarted a moment ago holds no owner yet: the refusal says to wait for
+    the shards' re-registration, not that every block is pinned."""
+    from hkv_service.core.errors import PoolExhausted
+
+    state = CacheState(SPEC)
+    with pytest.raises(PoolExhausted, match=r"no owner .* is registered"):
+        state.allocate(_chain(0), [AllocRequest(0, "c4")])
