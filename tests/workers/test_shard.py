@@ -92,27 +92,22 @@ def write_batch(shard: ShardActor, meta: LocalMetadata, w: Any, n: int,
     return handles, shard.write_blocks(handles, [c4_bytes(d) for d in range(n)], tags, commits)
 
 
-def test_a_batch_reports_every_commit_in_one_call(meta: LocalMetadata, data_dir: Path,
-                                                  w: Any) -> None:
-    shard = make_shard(meta, data_dir)
-    shard.meta = counting = w.CountingPort(shard.meta)
-    handles, out = write_batch(shard, meta, w, 6, [Commit((Event.WRITE_DONE,))] * 6)
-    assert all(r.ok and r.version for r in out), out
-    assert counting.calls == {"transition_many": 1}
-    assert {meta.state.objects[h.object_id].state for h in handles} == {State.COMPRESSED_READY}
-    shard.shutdown()
-
-
-def test_a_large_batch_is_committed_in_bounded_calls(meta: LocalMetadata, data_dir: Path,
-                                                     w: Any, monkeypatch: Any) -> None:
+@pytest.mark.parametrize("n, chunk, calls", [
+    (6, None, 1),  # a batch: every commit in one call
+    (5, 2, 3),  # a large batch: in calls of COMMIT_CHUNK items (the lock is held per call)
+])
+def test_a_batch_is_committed_in_one_call_per_chunk(meta: LocalMetadata, data_dir: Path, w: Any,
+                                                    monkeypatch: Any, n: int, chunk: int | None,
+                                                    calls: int) -> None:
     import workers.shard
 
-    monkeypatch.setattr(workers.shard, "COMMIT_CHUNK", 2)  # 5 items: 3 calls
+    if chunk is not None:
+        monkeypatch.setattr(workers.shard, "COMMIT_CHUNK", chunk)
     shard = make_shard(meta, data_dir)
     shard.meta = counting = w.CountingPort(shard.meta)
-    handles, out = write_batch(shard, meta, w, 5, [Commit((Event.WRITE_DONE,))] * 5)
+    handles, out = write_batch(shard, meta, w, n, [Commit((Event.WRITE_DONE,))] * n)
     assert all(r.ok and r.version for r in out), out
-    assert counting.calls == {"transition_many": 3}
+    assert counting.calls == {"transition_many": calls}
     assert {meta.state.objects[h.object_id].state for h in handles} == {State.COMPRESSED_READY}
     shard.shutdown()
 
