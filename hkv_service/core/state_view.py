@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+import random
 import struct
 import threading
 import time
@@ -246,7 +247,8 @@ class CacheState:
         self.memo = LookupMemo(self.config.memo_capacity, self.config.memo_max_bytes,
                                self.config.memo_min_blocks)
         self._owners_epoch = 0  # moves on whenever the owner table does (memo keys carry it)
-        self._captures = itertools.count(1)
+        # from a random base, as object and lease ids: an old capture id must not name a new one
+        self._captures = itertools.count(random.SystemRandom().getrandbits(32) + 1)
         self._incarnations = itertools.count(1)
 
     # ---- owners -------------------------------------------------------------------------

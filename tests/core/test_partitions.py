@@ -139,3 +139,18 @@ def test_an_allocation_before_any_owner_registered_says_so() -> None:
     state = CacheState(SPEC)
     with pytest.raises(PoolExhausted, match=r"no owner .* is registered"):
         state.allocate(_chain(0), [AllocRequest(0, "c4")])
+
+
+def test_a_restarted_view_never_issues_a_capture_id_of_the_one_before() -> None:
+    """As lease ids: capture ids counted from 1 in every view, so after a restart releasing
+    an old capture released another client's new one (its blocks no longer pinned)."""
+    firsts = set()
+    for _ in range(8):
+        state = CacheState(SPEC)
+        state.register_owner("s0", pools_for(Layout(SPEC), 64))
+        chain = _chain(1)
+        commit_prefix(state, chain, "s0")
+        m = state.lookup(LookupRequest(chain))
+        handles = [h for hs in m.handles.values() for h in hs]
+        firsts.add(state.register_capture(handles)[0])
+    assert len(firsts) == 8
