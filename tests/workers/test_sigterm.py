@@ -24,6 +24,8 @@ import tempfile
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -273,7 +275,18 @@ def test_local_up_drains_on_signal_and_leaves_nothing(tmp_path: Path, w: Any,
         _stop_up(proc, tree)
 
 
-def test_address_up_sigterm_stops_ours_and_leaves_the_cluster(tmp_path: Path) -> None:
+@dataclass
+class Head:
+    """A ``ray start --head`` cluster of this test's own (not ours to stop: hkv up joins it)."""
+
+    address: str
+    proc: subprocess.Popen[str]
+    cluster: dict[int, str]  # its processes before hkv up came
+
+
+@contextlib.contextmanager
+def _ray_head(tmp_path: Path) -> Iterator[Head]:
+    """Start the cluster; on the way out stop it and every process it started since."""
     gcs = _free_port()
     temp = tempfile.mkdtemp(prefix="hkvray-", dir="/tmp")  # short: ray's socket paths
     # --temp-dir keeps this cluster's address file out of /tmp/ray: a concurrent ray.init()
@@ -287,13 +300,34 @@ def test_address_up_sigterm_stops_ours_and_leaves_the_cluster(tmp_path: Path) ->
         start_new_session=True, cwd=tmp_path)
     head_out = Lines(head, "Ray runtime started")
     cluster: dict[int, str] = {}
+    try:
+        head_out.wait(90)
+        cluster = _descendants(head.pid)
+        yield Head(f"127.0.0.1:{gcs}", head, cluster)
+    finally:
+        everything = cluster | _descendants(head.pid)
+        if head.poll() is None:
+            head.send_signal(signal.SIGTERM)
+            try:
+                head.wait(30)
+            except subprocess.TimeoutExpired:
+                head.kill()
+                head.wait(10)
+        _kill(_wait_gone(everything, 10) | _group(head.pid))
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def test_address_up_sigterm_stops_ours_and_leaves_the_cluster(tmp_path: Path) -> None:
+    with _ray_head(tmp_path) as h:
+        _address_up_sigterm(tmp_path, h)
+
+
+def _address_up_sigterm(tmp_path: Path, h: Head) -> None:
     proc: subprocess.Popen[str] | None = None
     tree: dict[int, str] = {}
     watch = None
+    address, head, cluster = h.address, h.proc, h.cluster
     try:
-        head_out.wait(90)
-        address = f"127.0.0.1:{gcs}"
-        cluster = _descendants(head.pid)
         # The service actor is reached at the node's IP (ray advertises it even when told
         # --node-ip-address 127.0.0.1), so it binds all addresses, with a token.
         token = tmp_path / "token"
@@ -325,16 +359,6 @@ def test_address_up_sigterm_stops_ours_and_leaves_the_cluster(tmp_path: Path) ->
             watch.close()
         if proc is not None:
             _stop_up(proc, tree)
-        everything = cluster | _descendants(head.pid)
-        if head.poll() is None:
-            head.send_signal(signal.SIGTERM)
-            try:
-                head.wait(30)
-            except subprocess.TimeoutExpired:
-                head.kill()
-                head.wait(10)
-        _kill(_wait_gone(everything, 10) | _group(head.pid))
-        shutil.rmtree(temp, ignore_errors=True)
 
 
 def _kill_actor(address: str, name: str) -> None:
@@ -350,68 +374,50 @@ def _kill_actor(address: str, name: str) -> None:
 def test_address_up_restarts_a_dead_partition_actor(tmp_path: Path) -> None:
     """--address with --service-replicas 2: a partition's actor that dies is started again on
     its port by hkv up, and the shard rejoins it; SIGTERM still leaves no actor behind."""
-    gcs = _free_port()
-    temp = tempfile.mkdtemp(prefix="hkvray-", dir="/tmp")
-    head = subprocess.Popen(
-        [RAY, "start", "--head", "--block", "--port", str(gcs), "--include-dashboard=false",
-         "--num-cpus", "2", "--temp-dir", temp,
-         "--disable-usage-stats", "--ray-client-server-port", str(_free_port()),
-         "--dashboard-agent-listen-port", str(_free_port())],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(**NO_AUTH),
-        start_new_session=True, cwd=tmp_path)
-    head_out = Lines(head, "Ray runtime started")
-    cluster: dict[int, str] = {}
     proc: subprocess.Popen[str] | None = None
     tree: dict[int, str] = {}
-    try:
-        head_out.wait(90)
-        address = f"127.0.0.1:{gcs}"
-        cluster = _descendants(head.pid)
-        token = tmp_path / "token"
-        token.write_text("partition-test-token\n")
-        proc, out = start_up(tmp_path, "--address", address, "--host", "0.0.0.0",
-                             "--auth-token-file", str(token), "--service-replicas", "2",
-                             "--heartbeat-timeout-s", "2", env=_env(**NO_AUTH))
-        endpoint = out.wait(120).split()[-1]
-        assert len(endpoint.split(",")) == 2, out.text()
-        tree = _descendants(proc.pid)
-        assert {"hkv-metadata-0", "hkv-metadata-1"} <= set(_named_actors(address))
-        _kill_actor(address, "hkv-metadata-1")
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not any(
-                "restarted on" in ln for ln in out.lines):
-            time.sleep(0.5)
-        assert any("actor of partition 1/2 restarted on" in ln for ln in out.lines), out.text()
-        restarted = next(ln for ln in out.lines if "restarted on" in ln).split()[-1]
-        assert restarted == endpoint.split(",")[1]  # the same port: clients keep their list
-        from workers.local import connect
-
-        meta = connect(endpoint, "partition-test-token")
+    with _ray_head(tmp_path) as h:
         try:
-            alive = 0
-            while time.monotonic() < deadline + 30:
-                parts = meta.stats()["partitions"]  # type: ignore[attr-defined]
-                alive = parts[1]["gauges"]["owners_alive"]
-                if alive == 1:
-                    break
-                time.sleep(0.5)
-            assert alive == 1, "the shard did not rejoin the restarted partition"
-            assert parts[0]["events"].get("owner_lost", 0) == 0
+            token = tmp_path / "token"
+            token.write_text("partition-test-token\n")
+            proc, out = start_up(tmp_path, "--address", h.address, "--host", "0.0.0.0",
+                                 "--auth-token-file", str(token), "--service-replicas", "2",
+                                 "--heartbeat-timeout-s", "2", env=_env(**NO_AUTH))
+            endpoint = out.wait(120).split()[-1]
+            assert len(endpoint.split(",")) == 2, out.text()
+            tree = _descendants(proc.pid)
+            assert {"hkv-metadata-0", "hkv-metadata-1"} <= set(_named_actors(h.address))
+            _kill_actor(h.address, "hkv-metadata-1")
+            _check_partition_back(out, endpoint)
+            os.kill(proc.pid, signal.SIGTERM)
+            assert proc.wait(EXIT_S) == 0, out.text()
+            assert not _named_actors(h.address)
         finally:
-            meta.close()  # type: ignore[attr-defined]
-        os.kill(proc.pid, signal.SIGTERM)
-        assert proc.wait(EXIT_S) == 0, out.text()
-        assert not _named_actors(address)
+            if proc is not None:
+                _stop_up(proc, tree)
+
+
+def _check_partition_back(out: Lines, endpoint: str) -> None:
+    """hkv up restarted partition 1's actor on its port and the shard rejoined it; partition
+    0 never lost the shard."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not any("restarted on" in ln for ln in out.lines):
+        time.sleep(0.5)
+    assert any("actor of partition 1/2 restarted on" in ln for ln in out.lines), out.text()
+    restarted = next(ln for ln in out.lines if "restarted on" in ln).split()[-1]
+    assert restarted == endpoint.split(",")[1]  # the same port: clients keep their list
+    from workers.local import connect
+
+    meta: Any = connect(endpoint, "partition-test-token")
+    try:
+        alive, parts = 0, []
+        while time.monotonic() < deadline + 30:
+            parts = meta.stats()["partitions"]
+            alive = parts[1]["gauges"]["owners_alive"]
+            if alive == 1:
+                break
+            time.sleep(0.5)
+        assert alive == 1, "the shard did not rejoin the restarted partition"
+        assert parts[0]["events"].get("owner_lost", 0) == 0
     finally:
-        if proc is not None:
-            _stop_up(proc, tree)
-        everything = cluster | _descendants(head.pid)
-        if head.poll() is None:
-            head.send_signal(signal.SIGTERM)
-            try:
-                head.wait(30)
-            except subprocess.TimeoutExpired:
-                head.kill()
-                head.wait(10)
-        _kill(_wait_gone(everything, 10) | _group(head.pid))
-        shutil.rmtree(temp, ignore_errors=True)
+        meta.close()
