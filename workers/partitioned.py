@@ -56,7 +56,8 @@ from hkv_service.core.transitions import Params
 
 from .ports import MetadataPort
 
-__all__ = ["PartitionedMetadata", "PartitionsLost", "partition_count"]
+__all__ = ["PartitionedMetadata", "PartitionsLost", "partition_count", "partition_of_block_of",
+           "pool_ranges"]
 
 T = TypeVar("T")
 
@@ -152,7 +153,7 @@ class PartitionedMetadata:
                 partitions = None  # never registered here: all of them
             which = sorted(range(self.count) if partitions is None else partitions)
             got = self._raising(self._each(
-                lambda i, p: p.register_owner(owner, _split(whole, i, self.count)), which))
+                lambda i, p: p.register_owner(owner, pool_ranges(whole, i, self.count)), which))
             incs = list(prior[1]) if prior is not None else [0] * self.count
             for i, inc in got:
                 incs[i] = inc
@@ -284,7 +285,8 @@ class PartitionedMetadata:
         return answers  # type: ignore[return-value]
 
 
-def _split(pools: Mapping[str, PoolConfig], index: int, count: int) -> dict[str, PoolConfig]:
+def pool_ranges(pools: Mapping[str, PoolConfig], index: int, count: int
+                ) -> dict[str, PoolConfig]:
     """Partition ``index``'s range of every pool (blocks keep their numbers: a handle's block
     is the shard's own)."""
     out = {}

@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from hkv_service.core.admission import AdmissionCap
+from hkv_service.core.allocator import PoolConfig
 from hkv_service.core.errors import (
     AdmissionRefused,
     FailedPrecondition,
@@ -59,12 +60,7 @@ from hkv_service.core.errors import (
 )
 from hkv_service.core.ids import BlockHash, ObjectId, ShardId
 from hkv_service.core.layout import Layout
-from hkv_service.core.partitions import (
-    block_range,
-    partition_of_block,
-    partition_of_id,
-    partition_of_route,
-)
+from hkv_service.core.partitions import partition_of_id, partition_of_route
 from hkv_service.core.records import Handle
 from hkv_service.core.state_view import (
     ObjectReport,
@@ -78,7 +74,13 @@ from hkv_service.settings import TlsConfig
 from storage import CorruptEntry, DiskFull, DiskKey, DiskTier, NotOnDisk
 
 from .local import connect
-from .partitioned import PartitionedMetadata, PartitionsLost, partition_count
+from .partitioned import (
+    PartitionedMetadata,
+    PartitionsLost,
+    partition_count,
+    partition_of_block_of,
+    pool_ranges,
+)
 from .pool import BlockPool, HandleBatch, PoolSet, StaleRead, StaleWrite
 from .ports import (
     TAG,
@@ -197,8 +199,7 @@ class ShardActor:
                      "confirmed)", self.shard_id, which, self.incarnation, memory, disk)
 
     def _in_partitions(self, partitions: frozenset[int] | None) -> _Mine:
-        return _Mine(partitions, partition_count(self.meta),
-                     {g: p.num_blocks for g, p in self.pools.configs().items()})
+        return _Mine(partitions, partition_count(self.meta), self.pools.configs())
 
     def _memory_reports(self) -> list[tuple[str, ObjectReport]]:
         """A report per block whose tagged object still occupies it: written, committed and
@@ -842,22 +843,22 @@ class ShardActor:
 @dataclass(frozen=True, slots=True)
 class _Mine:
     """Which blocks, records and ids belong to the metadata partitions re-registering
-    (``partitions`` None: all of them, the whole service)."""
+    (``partitions`` None: all of them, the whole service). Each partition's range of a pool
+    is the one ``PartitionedMetadata`` registered it with (``pool_ranges``)."""
 
     partitions: frozenset[int] | None
     count: int
-    pool_blocks: dict[str, int]
+    pools: dict[str, PoolConfig]
 
     def block(self, group: str, block: int) -> bool:
-        return self.partitions is None or partition_of_block(
-            block, self.pool_blocks[group], self.count) in self.partitions
+        return self.partitions is None or partition_of_block_of(
+            self.pools[group], block, self.count) in self.partitions
 
     def blocks(self, group: str) -> tuple[list[int], list[int]]:
         """The block ranges [lo, hi) of ``group``'s pool these partitions hand out."""
-        n = self.pool_blocks[group]
         which = range(self.count) if self.partitions is None else sorted(self.partitions)
-        spans = [block_range(n, i, self.count) for i in which]
-        return [a for a, _ in spans], [b for _, b in spans]
+        spans = [pool_ranges(self.pools, i, self.count)[group] for i in which]
+        return [c.first for c in spans], [c.num_blocks for c in spans]
 
     def route(self, key: int) -> bool:
         return self.partitions is None or partition_of_route(key, self.count) in self.partitions
