@@ -73,6 +73,9 @@ def make_backend(model: RefModel, rates: dict[str, float], note: Any = None,
     from .wiring import InProcessWiring, SystemWiring, Wiring
 
     choice = backend_choice(default)
+    # asked for by name (HKV_DEMO_BACKEND): a system that cannot start is an error, never a
+    # silent run on the other wiring; only the default falls back, and says so
+    asked = bool(os.environ.get("HKV_DEMO_BACKEND", "").strip())
     pool = PRESSURE_POOL if rates.get("pool_pressure", 0.0) > 0 else NORMAL_POOL
     odd = rates.get("misaligned_handle", 0.0) > 0
     wiring: Wiring | None = None
@@ -80,6 +83,8 @@ def make_backend(model: RefModel, rates: dict[str, float], note: Any = None,
         try:
             wiring = SystemWiring(model.spec, pool, odd, emit=note, partitions=partitions)
         except Exception as err:
+            if asked:
+                raise
             if note is not None:
                 note(f"the system backend could not start ({type(err).__name__}: "
                      f"{str(err).splitlines()[0] if str(err) else ''}); running in-process")
