@@ -52,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--workers", type=int, default=2, help="concurrent inference workers")
     demo.add_argument("--service-replicas", type=int, default=1,
                       help="metadata partitions the demo's system runs (default 1)")
+    demo.add_argument("--range-blocks", type=int, default=0,
+                      help="split each prompt's chain across the partitions every this many "
+                           "blocks (a multiple of the spec's period, 2; default 0: a chain "
+                           "kept whole)")
     demo.add_argument("--json", action="store_true", help="print one JSON object")
 
     bench = sub.add_parser("bench", help="measure a part against a baseline from the same run")

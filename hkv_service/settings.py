@@ -332,6 +332,13 @@ class ServiceSettings(_Settings):
                              "prompts whose root hash routes to it (hkv up "
                              "--service-replicas N sets it for each replica; default 0/1, "
                              "the whole view)", _partition)
+    range_blocks: int = setting(0, "split each prompt's chain across the metadata partitions "
+                                "every this many blocks (range k lives in the partition of "
+                                "its first hash), so one system prompt shared by every "
+                                "request does not put every lookup's walk on one partition "
+                                "(a multiple of the spec's period; every replica and client "
+                                "must use the same; default 0: a chain kept whole in its "
+                                "root's partition)", _not_negative)
 
     @property
     def tls(self) -> bool:
@@ -362,6 +369,7 @@ class ServiceSettings(_Settings):
         segment size against the spec. Raises SettingsError with one sentence."""
         from hkv_service.core.errors import InvalidInput, SpecError
         from hkv_service.core.layout import Layout
+        from hkv_service.core.partitions import check_range_blocks
         from hkv_service.core.state_view import segment_blocks_for
         from hkv_service.specs import resolve_spec
 
@@ -376,6 +384,10 @@ class ServiceSettings(_Settings):
             segment_blocks_for(Layout(spec), self.walk_segment_blocks)
         except InvalidInput as err:
             raise SettingsError(f"--walk-segment-blocks: {err}") from None
+        try:
+            check_range_blocks(self.range_blocks, Layout(spec).period)
+        except InvalidInput as err:
+            raise SettingsError(f"--range-blocks: {err}") from None
         return ServiceInputs(spec, token, cert, key, ca)
 
     def state_config(self) -> StateConfig:
@@ -390,6 +402,7 @@ class ServiceSettings(_Settings):
             memo_max_bytes=self.lookup_memo_mib << 20,
             segment_blocks=self.walk_segment_blocks,
             partition=Partition.parse(self.partition),
+            range_blocks=self.range_blocks,
         )
 
 

@@ -56,7 +56,8 @@ def _away_from_defaults(d: Path) -> ServiceSettings:
         auth_token_file=str(d / "t"), tls_cert=str(d / "c"), tls_key=str(d / "k"),
         tls_ca=str(d / "ca"), tls_allowed_cn=("a", "b"), insecure=True,
         heartbeat_timeout_s=2.5, grace_s=0.25, max_inflight_objects=3, max_inflight_bytes=7,
-        max_owners=5, lookup_memo_mib=0, walk_segment_blocks=0, partition="1/3")
+        max_owners=5, lookup_memo_mib=0, walk_segment_blocks=0, partition="1/3",
+        range_blocks=4)
 
 
 def test_to_argv_gives_the_same_object_back(tmp_path: Path) -> None:

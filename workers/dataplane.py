@@ -30,13 +30,14 @@ from hkv_service.core.errors import HkvError, UnknownGroup, WrongSize
 from hkv_service.core.hashing import content_version
 from hkv_service.core.ids import BlockHash, ShardId
 from hkv_service.core.layout import Layout
-from hkv_service.core.partitions import route_key
+from hkv_service.core.partitions import range_anchor, route_key
 from hkv_service.core.records import Handle
 from hkv_service.core.state_view import Allocation, AllocRequest, Match
 from hkv_service.core.states import Event, Kind, Reason, State
 from hkv_service.core.transitions import Params
 
 from .link import Pending, ShardLink, ShardUnavailable
+from .partitioned import range_blocks_of
 from .pool import HandleBatch
 from .ports import (
     BlockTag,
@@ -303,9 +304,11 @@ class DataPlane:
         if not slots:
             return
         handles = [report.handles[s] for s in slots]
-        route = route_key(hashes[0])  # the disk tag says which metadata partition it is in
-        tags = [BlockTag(hashes[d], hashes[d - 1] if d else None, d, route=route)
-                for d, _ in slots]
+        # the disk tag says which metadata partition it is in: its root's, or with chains
+        # split, its range's first hash's
+        cut = range_blocks_of(self.meta)
+        tags = [BlockTag(hashes[d], hashes[d - 1] if d else None, d,
+                         route=route_key(hashes[range_anchor(d, cut)])) for d, _ in slots]
         extra = {"arrays": [data[s][0] for s in slots], "tags": tags,
                  "commits": [data[s][1] for s in slots]}
         results = self._by_shard(handles, "write_blocks", extra)

@@ -72,8 +72,9 @@ class LocalMetadata:
         block_hashes: Sequence[BlockHash],
         requests: Sequence[AllocRequest],
         owner: ShardId | None = None,
+        first_block: int = 0,
     ) -> list[Allocation]:
-        return self.state.allocate(block_hashes, requests, owner)
+        return self.state.allocate(block_hashes, requests, owner, first_block)
 
     def transition(
         self,

@@ -5,7 +5,10 @@ holding the chains whose root routes to it (:mod:`hkv_service.core.partitions`).
 is the :class:`~workers.ports.MetadataPort` its callers already use, so the data plane, the
 shards and the connector do not change::
 
-    lookup / allocate       -> the partition of block_hashes[0] (the root)
+    lookup / allocate       -> the partition of block_hashes[0] (the root); with chains split
+                               every R blocks (range_blocks), each range to the partition of
+                               its first hash, a lookup's answer found as a fixed point over
+                               them (workers/split.py)
     transition, evict, begin_offload, begin_load, check_read -> the partition of the object id
     transition_many         -> split by object id, one call per partition, answers in order
     release_lease           -> the partition of the lease id
@@ -21,8 +24,11 @@ incarnations it holds; a partition re-registered alone gives a new one.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import itertools
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -32,6 +38,7 @@ from hkv_service.core.allocator import PoolConfig
 from hkv_service.core.errors import HkvError, InvalidInput, UnknownOwner
 from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.ids import BlockHash, LeaseId, ObjectId, ShardId
+from hkv_service.core.layout import Layout
 from hkv_service.core.partitions import (
     MAX_PARTITIONS,
     block_range,
@@ -40,6 +47,7 @@ from hkv_service.core.partitions import (
     partition_of_lease,
     partition_of_root,
     partition_of_route,
+    ranges,
 )
 from hkv_service.core.records import Handle
 from hkv_service.core.spec import CacheSpec
@@ -54,10 +62,11 @@ from hkv_service.core.state_view import (
 from hkv_service.core.states import Event
 from hkv_service.core.transitions import Params
 
+from . import split
 from .ports import MetadataPort
 
 __all__ = ["PartitionedMetadata", "PartitionsLost", "partition_count", "partition_of_block_of",
-           "pool_ranges"]
+           "pool_ranges", "range_blocks_of"]
 
 T = TypeVar("T")
 
@@ -77,6 +86,11 @@ def partition_count(meta: object) -> int:
     return meta.count if isinstance(meta, PartitionedMetadata) else 1
 
 
+def range_blocks_of(meta: object) -> int:
+    """Where the chains behind a port are split (0: kept whole, as a plain port's are)."""
+    return meta.range_blocks if isinstance(meta, PartitionedMetadata) else 0
+
+
 class PartitionedMetadata:
     def __init__(self, parts: Sequence[MetadataPort]) -> None:
         if not 1 <= len(parts) <= MAX_PARTITIONS:
@@ -90,11 +104,36 @@ class PartitionedMetadata:
         self._owners: dict[ShardId, tuple[int, list[int], dict[str, PoolConfig]]] = {}
         self._fan = ThreadPoolExecutor(max_workers=self.count, thread_name_prefix="hkv-part")
         self._spec: CacheSpec | None = None
+        # a split chain's match holds a lease per range: the match names the first, which
+        # names the rest here, until released or past their time
+        self._joint: dict[LeaseId, tuple[float, list[tuple[int, LeaseId]]]] = {}
 
     # -- routing ------------------------------------------------------------------------------
 
     def _root(self, hashes: Sequence[BlockHash]) -> MetadataPort:
         return self.parts[partition_of_root(hashes[0], self.count) if len(hashes) else 0]
+
+    def _of_anchor(self, anchor: BlockHash) -> int:
+        return partition_of_root(anchor, self.count)
+
+    @functools.cached_property
+    def range_blocks(self) -> int:
+        """Where chains are split (every partition's stats ``range_blocks``; they must
+        agree): 0, chains kept whole in their root's partition."""
+        answers = self._each(lambda _i, p: _stats_of(p).get("range_blocks", 0) or 0)
+        each: set[int] = {int(r) for _, r in answers  # type: ignore[call-overload]
+                          if not isinstance(r, BaseException)}
+        if not each:  # none reachable: the first one's error (nothing is cached)
+            self._raising(answers)
+        if len(each) > 1:
+            raise InvalidInput(f"the metadata partitions split chains at different depths "
+                               f"({sorted(each)}): start every replica with the same "
+                               "--range-blocks")
+        return each.pop()
+
+    @functools.cached_property
+    def _layout(self) -> Layout:
+        return Layout(self.get_spec())
 
     def _of_id(self, object_id: int) -> MetadataPort:
         return self.parts[partition_of_id(object_id, self.count)]
@@ -192,6 +231,10 @@ class PartitionedMetadata:
                         incarnation: int) -> list[ObjectId | None]:
         incs, pools = self._current(owner, incarnation)
         groups: dict[int, list[int]] = {}
+        cut = self.range_blocks
+        if cut:  # a range's first block has no parent in its partition
+            reports = [replace(r, parent_hash=None) if r.depth % cut == 0 and r.depth
+                       else r for r in reports]
         for k, r in enumerate(reports):
             groups.setdefault(self._partition_of_report(r, pools), []).append(k)
         out: list[ObjectId | None] = [None] * len(reports)
@@ -204,6 +247,8 @@ class PartitionedMetadata:
         return out
 
     def _partition_of_report(self, r: ObjectReport, pools: Mapping[str, PoolConfig]) -> int:
+        """(A report's first block of a range, when chains are split, goes without its parent
+        hash: the parent is in another partition; :meth:`confirm_objects`.)"""
         if r.block >= 0:
             cfg = pools.get(r.column)
             if cfg is None:
@@ -213,8 +258,33 @@ class PartitionedMetadata:
         return partition_of_route(r.route, self.count)
 
     def allocate(self, block_hashes: Sequence[BlockHash], requests: Sequence[AllocRequest],
-                 owner: ShardId | None = None) -> list[Allocation]:
-        return self._root(block_hashes).allocate(block_hashes, requests, owner)
+                 owner: ShardId | None = None, first_block: int = 0) -> list[Allocation]:
+        cut = self.range_blocks
+        if not cut or first_block or all(r.depth < cut for r in requests):
+            return self._root(block_hashes).allocate(block_hashes, requests, owner,
+                                                     first_block=first_block)
+        groups = split.split_slots(block_hashes, requests, cut)
+        futures = [(idx, self._fan.submit(
+            self.parts[self._of_anchor(hashes[0])].allocate, hashes,
+            [requests[i] for i in idx], owner, first_block=lo)) for lo, hashes, idx in groups]
+        out: list[Allocation | None] = [None] * len(requests)
+        failed: BaseException | None = None
+        for idx, f in futures:
+            try:
+                for i, got in zip(idx, f.result(), strict=True):
+                    out[i] = got
+            except BaseException as exc:  # all answered first: then undo the others
+                failed = failed or exc
+        if failed is not None:
+            for a in out:  # all or nothing, as one partition's allocate is
+                if a is not None and not a.existing:
+                    self._quiet_evict(a.handle.object_id)
+            raise failed
+        return out  # type: ignore[return-value]
+
+    def _quiet_evict(self, object_id: ObjectId) -> None:
+        with contextlib.suppress(HkvError):  # already gone (an owner lost, a restart)
+            self.evict(object_id)
 
     def transition(self, object_id: ObjectId, event: Event, params: Params | None = None,
                    generation: int | None = None) -> TransitionResult:
@@ -245,13 +315,74 @@ class PartitionedMetadata:
         return self._of_id(object_id).begin_load(object_id, owner)
 
     def lookup(self, req: LookupRequest) -> Match:
-        return self._root(req.block_hashes).lookup(req)
+        cut, hashes = self.range_blocks, req.block_hashes
+        if not cut or req.first_block or len(hashes) <= cut:
+            return self._root(hashes).lookup(req)
+        hb = self._layout.hash_block
+        limit = len(hashes) * hb if req.resume_tokens is None else req.resume_tokens
+        if not 0 <= limit <= len(hashes) * hb or limit <= cut * hb:
+            # within the root's range (or malformed: the root's partition says why)
+            return self._root(hashes).lookup(
+                req if limit > cut * hb or limit < 0 else replace(req, block_hashes=hashes[:cut]))
+        spans = ranges(limit // hb, cut)
+
+        def ask(ks: Sequence[int], p: int) -> list[split.RangeAnswer]:
+            where = [self._of_anchor(hashes[spans[k][0]]) for k in ks]
+            futures = [self._fan.submit(self.parts[i].lookup,
+                                        split.range_request(req, spans, k, p, hb))
+                       for k, i in zip(ks, where, strict=True)]
+            got: list[split.RangeAnswer] = []
+            failed: BaseException | None = None
+            for k, i, f in zip(ks, where, futures, strict=True):
+                try:
+                    got.append(split.RangeAnswer(k, i, f.result()))
+                except BaseException as exc:
+                    failed = failed or exc
+            if failed is not None:
+                release(got)
+                raise failed
+            return got
+
+        def release(answers: Sequence[split.RangeAnswer]) -> None:
+            for a in answers:
+                if a.match.lease_id is not None:
+                    self._quiet_release(a.partition, a.match.lease_id)
+
+        p, final, first = split.fixed_point(limit, self._layout, cut, ask, release)
+        leases = [(a.partition, a.match.lease_id) for a in sorted(final, key=lambda a: a.index)
+                  if a.match.lease_id is not None]
+        lease_id = leases[0][1] if leases else None
+        if len(leases) > 1:
+            assert lease_id is not None
+            with self._lock:
+                self._prune_joint()
+                self._joint[lease_id] = (time.monotonic() + req.lease_ttl_s, leases[1:])
+        return split.joined(p, final, first, spans, hb, lease_id)
+
+    def _prune_joint(self) -> None:
+        now = time.monotonic()
+        if len(self._joint) > 1024:  # (their partitions have expired them already)
+            for lid in [k for k, (until, _) in self._joint.items() if until < now]:
+                del self._joint[lid]
+
+    def _quiet_release(self, partition: int, lease_id: LeaseId) -> None:
+        with contextlib.suppress(HkvError):  # expired already: nothing held
+            self.parts[partition].release_lease(lease_id)
 
     def release_lease(self, lease_id: LeaseId) -> None:
+        with self._lock:
+            _, rest = self._joint.pop(lease_id, (0.0, []))
+        for i, lid in rest:
+            self._quiet_release(i, lid)
         self.parts[partition_of_lease(lease_id, self.count)].release_lease(lease_id)
 
     def check_read(self, handle: Handle, lease_id: LeaseId | None = None) -> None:
-        self._of_id(handle.object_id).check_read(handle, lease_id)
+        part = partition_of_id(handle.object_id, self.count)
+        if lease_id is not None and partition_of_lease(lease_id, self.count) != part:
+            with self._lock:  # a split chain's match: the lease its partition gave
+                _, rest = self._joint.get(lease_id, (0.0, []))
+            lease_id = next((lid for i, lid in rest if i == part), lease_id)
+        self.parts[part].check_read(handle, lease_id)
 
     # -- not part of the port -------------------------------------------------------------------
 

@@ -81,6 +81,7 @@ class MetadataPort(Protocol):
         block_hashes: Sequence[BlockHash],
         requests: Sequence[AllocRequest],
         owner: ShardId | None = None,
+        first_block: int = 0,  # the hashes' first depth: a range of a split chain
     ) -> list[Allocation]: ...
 
     def transition(

@@ -138,8 +138,10 @@ class ActorMetadata:
         block_hashes: Sequence[BlockHash],
         requests: Sequence[AllocRequest],
         owner: ShardId | None = None,
+        first_block: int = 0,
     ) -> list[Allocation]:
-        return self._call("allocate", list(block_hashes), list(requests), owner)  # type: ignore[no-any-return]
+        return self._call("allocate", list(block_hashes), list(requests), owner,  # type: ignore[no-any-return]
+                          first_block)
 
     def transition(
         self,

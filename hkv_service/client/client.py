@@ -206,8 +206,9 @@ class MetadataClient:
     # ---- allocation and transitions -----------------------------------------------------
 
     def allocate(self, block_hashes: Sequence[BlockHash], requests: Sequence[AllocRequest],
-                 owner: ShardId | str | None = None) -> list[Allocation]:
-        req = pb.AllocateRequest(block_hashes=block_hashes, owner=owner or "")
+                 owner: ShardId | str | None = None, first_block: int = 0) -> list[Allocation]:
+        req = pb.AllocateRequest(block_hashes=block_hashes, owner=owner or "",
+                                 first_block=first_block)
         for r in requests:
             req.slots.add(depth=r.depth, column=r.column)
         return codec.decode_allocations(self._call("Allocate", req, idempotent=True))

@@ -50,6 +50,14 @@ class LookupRequest:
     alignment: int = 1  # bytes every handle's address and length must be a multiple of
     lease_ttl_s: float = 0.0  # > 0: pin the matched objects for this long (atomic with lookup)
     handles: bool = True  # False: usable tokens and downgrades only (a router's question)
+    # A range of a chain split across metadata partitions (core/partitions.py): the hashes
+    # are those of blocks [first_block, first_block + len), and this view answers for them
+    # alone, the blocks before taken as accepted (their own partitions answer for them).
+    first_block: int = 0
+    # The chain goes on past these hashes in other partitions: a resume point past them may
+    # be asked (this range's part of it answered: every block monotone-ready, the SWA blocks
+    # meeting its window).
+    open_end: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +76,7 @@ class FunnelResult:
     walked: Sequence[PrefixEntry] = ()  # every entry the walk accepted (the result's inputs)
     # per whole run of segment_blocks walked: the segment that certified it, else None
     runs: Sequence[Segment | None] = ()
+    first_block: int = 0  # the depth of entries[0] (a range's lookup: the request's)
 
 
 def validate_request(req: LookupRequest, layout: Layout, *, hash_lengths: bool = True) -> int:
@@ -79,12 +88,15 @@ def validate_request(req: LookupRequest, layout: Layout, *, hash_lengths: bool =
         raise BadHash("no block hashes given; a lookup needs at least one")
     if hash_lengths:
         check_hash_lengths(hashes)
-    hashed = len(hashes) * layout.hash_block
+    first = req.first_block
+    if first < 0:
+        raise InvalidInput(f"first_block must be >= 0, got {first}")
+    start, hashed = first * layout.hash_block, (first + len(hashes)) * layout.hash_block
     limit = hashed if req.resume_tokens is None else req.resume_tokens
-    if limit < 0 or limit > hashed:
+    if limit < start or (limit > hashed and not req.open_end):
+        cover = f"tokens [{start}, {hashed}) the" if first else f"{hashed} tokens the"
         raise PositionBeyondHashes(
-            f"resume position {limit} is outside the {hashed} tokens the {len(hashes)} hashes cover"
-        )
+            f"resume position {limit} is outside the {cover} {len(hashes)} hashes cover")
     if req.lease_ttl_s > 0 and not req.handles:
         raise InvalidInput("a lease pins the handles a lookup returns: ask for handles or "
                            "drop the lease")
@@ -120,10 +132,12 @@ def run_funnel(
         return FunnelResult(0, 0, (), abi)
     if contracts.UNSAFE_LAYER3_OFF:
         return _hash_level_hit(index, layout, req, limit)
-    max_entries = limit // layout.hash_block
-    hashes = req.block_hashes
+    hb, first, hashes = layout.hash_block, req.first_block, req.block_hashes
+    max_entries = min(limit // hb, first + len(hashes)) - first  # of this request's hashes
     need = req.alignment
-    data = _packed(hashes) if segment_blocks > 0 and max_entries >= segment_blocks else None
+    # (segments are certified from depth 0: a range's walk from another depth goes by block)
+    data = (_packed(hashes) if segment_blocks > 0 and max_entries >= segment_blocks
+            and not first else None)
     runs: list[Segment | None] = []
     if data is not None:
         entries, runs = segments.walk(index, data, max_entries, need, segment_blocks)
@@ -137,13 +151,16 @@ def run_funnel(
     n = len(entries)
     downgrades: list[Downgrade] = []
     if n < max_entries:
-        _stop_reason(index.get(hashes[n]), n, layout, need, downgrades)
-    usable = _shrink(entries, layout, downgrades, need, align_of)
-    if usable < n * layout.hash_block and not downgrades:
+        _stop_reason(index.get(hashes[n]), first + n, layout, need, downgrades)
+    # how far the monotone columns reach: past the hashes only if every one was accepted and
+    # the chain goes on in other partitions
+    reach = limit if req.open_end and n == len(hashes) else (first + n) * hb
+    usable = _shrink(entries, first, min(reach, limit), layout, downgrades, need, align_of)
+    if usable < min(reach, limit) // hb * hb and not downgrades:
         downgrades.append(Downgrade(Reason.PARTIAL_BLOCK, None, usable))
     return FunnelResult(
-        usable, n * layout.hash_block, entries[: usable // layout.hash_block], tuple(downgrades),
-        entries, runs,
+        usable, (first + n) * hb, entries[: max(0, usable // hb - first)], tuple(downgrades),
+        entries, runs, first,
     )
 
 
@@ -187,28 +204,32 @@ def _stop_reason(
                 return
 
 
-def _shrink(entries: list[PrefixEntry], layout: Layout, out: list[Downgrade], align: int,
-            align_of: AlignOf | None) -> int:
-    """Largest L-aligned p <= len(entries)*H at which tails and SWA windows are ready (and
-    their served copies aligned)."""
+def _shrink(entries: list[PrefixEntry], first: int, reach: int, layout: Layout,
+            out: list[Downgrade], align: int, align_of: AlignOf | None) -> int:
+    """Largest L-aligned p <= ``reach`` at which tails and SWA windows are ready (and their
+    served copies aligned). ``entries[i]`` is at depth ``first + i``; only those are asked
+    (a range's lookup: the other depths are other partitions'), so p = first*H, needing none
+    of them, is always accepted."""
     hb, lcm = layout.hash_block, layout.lcm
     seen: set[Reason] = set()
-    for k in range(len(entries) * hb // lcm, 0, -1):
+    for k in range(reach // lcm, first * hb // lcm, -1):
         p = k * lcm
-        e = entries[p // hb - 1]
-        reason: tuple[Reason, GroupName | None] | None
-        if not e.flags & F_TAIL:
-            reason = _tail_reason(e, layout)
-        else:
-            reason = _tail_misaligned(e, layout, align, align_of) if align > 1 else None
+        reason: tuple[Reason, GroupName | None] | None = None
+        i = p // hb - 1 - first
+        if i < len(entries):  # the tail at p is this request's to check
+            e = entries[i]
+            if not e.flags & F_TAIL:
+                reason = _tail_reason(e, layout)
+            elif align > 1:
+                reason = _tail_misaligned(e, layout, align, align_of)
         if reason is None:
-            reason = _swa_reason(entries, p, layout, align, align_of)
+            reason = _swa_reason(entries, p, layout, align, align_of, first)
         if reason is None:
             return p
         if reason[0] not in seen:
             seen.add(reason[0])
             out.append(Downgrade(reason[0], reason[1], p))
-    return 0
+    return first * hb
 
 
 def _tail_reason(e: PrefixEntry, layout: Layout) -> tuple[Reason, GroupName | None]:
@@ -239,21 +260,22 @@ def _aligned(rec: ObjRecord, align: int, align_of: AlignOf | None) -> int:
 
 def _swa_reason(
     entries: list[PrefixEntry], p: int, layout: Layout, align: int = 1,
-    align_of: AlignOf | None = None,
+    align_of: AlignOf | None = None, first_block: int = 0,
 ) -> tuple[Reason, GroupName | None] | None:
     hb = layout.hash_block
+    end_depth = first_block + len(entries)  # (a range's lookup asks its own blocks only)
     for col in layout.swa_columns:
         column = layout.columns[col]
         lo_needed = max(0, p - column.group.window)
-        first = lo_needed // hb  # first entry whose tokens meet [p-W, p)
-        for depth in range(first, p // hb):
+        first = max(lo_needed // hb, first_block)  # first entry whose tokens meet [p-W, p)
+        for depth in range(first, min(p // hb, end_depth)):
             if not layout.lives_at(col, depth):
                 continue
             start, end = layout.block_range(col, depth)
             if end <= lo_needed:
                 continue
             need_lo = max(start, lo_needed)
-            e = entries[depth]
+            e = entries[depth - first_block]
             if swa_cover(e, col, need_lo, end, layout, align, align_of) is None:
                 return _swa_miss(e, col, need_lo, end, layout), column.name
     return None

@@ -105,20 +105,23 @@ class Layout:
     def lives_at(self, column: int, depth: int) -> bool:
         return column in self.attached[depth % self.period]
 
-    def needed_depths(self, column: int, usable: int) -> range:
+    def needed_depths(self, column: int, usable: int, lo: int = 0, hi: int | None = None
+                      ) -> range:
         """Depths of the entries whose ``column`` objects a reader resuming at ``usable`` (a
         multiple of L) needs, in token order: every block in ``[0, usable)``; an SWA block only
-        if it meets ``[usable - W, usable)``; a TAIL only at ``usable`` itself."""
+        if it meets ``[usable - W, usable)``; a TAIL only at ``usable`` itself. Only depths in
+        ``[lo, hi)`` (a range of a chain split across partitions: the ones it holds)."""
         col = self.columns[column]
         n = usable // self.hash_block
+        n_end = n if hi is None else min(n, hi)
         if col.kind is Kind.TAIL:
-            return range(n - 1, n) if n else range(0)
+            return range(n - 1, n) if n and lo <= n - 1 < n_end else range(0)
         every = col.group.block_size // self.hash_block
         first = every - 1
         if col.kind is Kind.SWA:
-            lo = max(0, usable - col.group.window) // self.hash_block  # first meeting [p-W, p)
-            first += max(0, -(-(lo - first) // every)) * every
-        return range(first, n, every)
+            lo = max(lo, max(0, usable - col.group.window) // self.hash_block)  # meeting [p-W, p)
+        first += max(0, -(-(lo - first) // every)) * every
+        return range(first, n_end, every)
 
     def tail_tokens(self, column: int, depth: int) -> int:
         """Raw tokens the TAIL ``column`` at ``depth`` holds when complete (its boundary's)."""

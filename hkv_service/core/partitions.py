@@ -12,6 +12,16 @@ is a whole ``CacheState`` over part of the keys; nothing crosses between them::
 
 So a lookup, its lease and its handles touch one partition, a commit or a read goes to the
 one that issued the id, and two partitions never hand out the same block of a shard's pool.
+
+A hot root (one system prompt under every request) would put every lookup's whole walk and
+every write on one partition. With ``range_blocks`` R > 0 a chain is split at fixed depth
+ranges: range k (depths ``[kR, (k+1)R)``) is routed by its *anchor*, the hash at depth kR,
+as a root is (range 0's anchor is the root). Each range is then a chain of its own in its
+partition, starting at depth kR with no parent there. A lookup asks every range's partition
+for the longest resume point p it accepts from its own entries alone (the funnel's layer-3
+conditions are a conjunction over entries, each entry in one partition), and the client
+iterates p <- min of the answers until every partition accepts the same p: a fixed point,
+the answer one process holding the whole chain gives (workers/partitioned.py).
 A shard vouching again for what it holds after a partition restarted knows which reports
 are that partition's: a memory block by its range, a disk record by the route key its tag
 carries (:func:`route_key` of the root hash).
@@ -29,8 +39,18 @@ from dataclasses import dataclass
 from .errors import InvalidInput
 
 __all__ = [
-    "MAX_PARTITIONS", "Partition", "jump_hash", "partition_of_block", "partition_of_id",
-    "partition_of_lease", "partition_of_root", "partition_of_route", "route_key",
+    "MAX_PARTITIONS",
+    "Partition",
+    "check_range_blocks",
+    "jump_hash",
+    "partition_of_block",
+    "partition_of_id",
+    "partition_of_lease",
+    "partition_of_root",
+    "partition_of_route",
+    "range_anchor",
+    "ranges",
+    "route_key",
 ]
 
 MAX_PARTITIONS = 64
@@ -68,6 +88,28 @@ def partition_of_id(object_id: int, count: int) -> int:
 
 def partition_of_lease(lease_id: int, count: int) -> int:
     return lease_id % count
+
+
+def check_range_blocks(range_blocks: int, period: int) -> int:
+    """``range_blocks`` if a layout of ``period`` hash blocks per LCM block can be split
+    there (0: off; else a positive multiple of the period, so every range starts at a resume
+    point), else InvalidInput."""
+    if range_blocks < 0 or range_blocks % period:
+        raise InvalidInput(f"range_blocks must be 0 (chains kept whole) or a positive multiple "
+                           f"of {period} (the layout's period), got {range_blocks}")
+    return range_blocks
+
+
+def range_anchor(depth: int, range_blocks: int) -> int:
+    """The depth of the hash that routes the block at ``depth`` (0 when chains are whole)."""
+    return depth - depth % range_blocks if range_blocks else 0
+
+
+def ranges(num_blocks: int, range_blocks: int) -> list[tuple[int, int]]:
+    """The ranges ``[lo, hi)`` covering depths ``[0, num_blocks)``, in order."""
+    if not range_blocks:
+        return [(0, num_blocks)] if num_blocks else []
+    return [(lo, min(lo + range_blocks, num_blocks)) for lo in range(0, num_blocks, range_blocks)]
 
 
 def block_range(num_blocks: int, index: int, count: int) -> tuple[int, int]:

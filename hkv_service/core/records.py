@@ -113,6 +113,34 @@ class HandleColumn:
         return cls(column, name, kind, nbytes, abi_fingerprint, arr.tobytes(), shard_names,
                    strides)
 
+    @classmethod
+    def concat(cls, pieces: Sequence[HandleColumn]) -> HandleColumn:
+        """One column of ``pieces`` (of the same column, in token order) joined: the ranges
+        of a chain split across partitions, each with its own shard-name table, become one
+        column over the union of their tables (a shard's stride: the first piece's)."""
+        first = pieces[0]
+        names: dict[ShardId, int] = {}
+        strides: list[int] = []
+        parts = []
+        for piece in pieces:
+            if piece.column != first.column:
+                raise ValueError(f"columns {first.column} and {piece.column} do not join")
+            remap = np.empty(len(piece.shard_names), np.uint16)
+            for i, (name, stride) in enumerate(zip(piece.shard_names, piece.strides,
+                                                   strict=True)):
+                j = names.get(name)
+                if j is None:
+                    j = names[name] = len(strides)
+                    strides.append(stride)
+                remap[i] = j
+            arr = piece.array.copy()
+            if len(arr):
+                arr["shard"] = remap[arr["shard"]]
+            parts.append(arr)
+        joined = np.concatenate(parts) if parts else np.zeros(0, HANDLE_DTYPE)
+        return cls(first.column, first.name, first.kind, first.nbytes, first.abi_fingerprint,
+                   joined.tobytes(), tuple(names), tuple(strides))
+
     @property
     def array(self) -> npt.NDArray[np.void]:
         return np.frombuffer(self.records, HANDLE_DTYPE)

@@ -68,7 +68,7 @@ from .match import Match, Memo, MemoKey
 from .memo import LookupMemo
 from .objects import ObjectTable
 from .owners import REAP_SLICE, Owner, Reap, dead, disk_part_alive, sweep
-from .partitions import Partition, partition_of_root
+from .partitions import Partition, check_range_blocks, partition_of_root
 from .records import (
     HANDLE_DTYPE,
     DiskRecord,
@@ -122,6 +122,10 @@ class StateConfig:
     # This view's place among the service's metadata partitions (core/partitions.py): it
     # holds only chains whose root routes here, and its ids and leases name it.
     partition: Partition = field(default_factory=Partition)
+    # Chains are split across the partitions every this many blocks (core/partitions.py:
+    # range k of a chain, depths [kR, (k+1)R), lives in the partition of its hash at depth
+    # kR), so one hot root's continuations spread; 0: a chain lives whole in its root's.
+    range_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +213,7 @@ class CacheState:
         self.counters = Counters()
         self.index: dict[BlockHash, PrefixEntry] = {}
         self.partition = self.config.partition
+        self.range_blocks = check_range_blocks(self.config.range_blocks, self.layout.period)
         self.objects = ObjectTable(index=self.partition.index, count=self.partition.count)
         self.owners: dict[ShardId, Owner] = {}
         # lost owner incarnations whose records are still to be buried (see core/owners.py);
@@ -396,25 +401,28 @@ class CacheState:
         block_hashes: Sequence[BlockHash],
         requests: Sequence[AllocRequest],
         owner: ShardId | None = None,
+        first_block: int = 0,
     ) -> list[Allocation]:
-        """Reserve blocks for objects of the prefix ``block_hashes``. Idempotent: a live object
-        already in a requested slot is returned with ``existing=True``."""
+        """Reserve blocks for objects of the prefix ``block_hashes`` (the hashes of blocks
+        ``first_block`` on: a range of a chain split across partitions). Idempotent: a live
+        object already in a requested slot is returned with ``existing=True``."""
         with self._lock:
             self._check_hashes(block_hashes)
             self._check_root(block_hashes)
+            self._check_range(first_block, len(block_hashes), "allocate")
             cols = [self._column(r.column) for r in requests]
             for r in requests:
-                self._check_slot(r, len(block_hashes))
+                self._check_slot(r, len(block_hashes), first_block)
             if owner is not None:
                 self._owner(owner)
-            last = max((r.depth for r in requests), default=-1)
+            last = max((r.depth for r in requests), default=first_block - 1)
             if self._reaping:  # a lost owner's object is not "existing"
-                self._clean(block_hashes[: last + 1])
-            entries = self._ensure_path(block_hashes, last)
+                self._clean(block_hashes[: last + 1 - first_block])
+            entries = self._ensure_path(block_hashes, last, first_block)
             done: list[Allocation] = []
             try:
                 for r, c in zip(requests, cols, strict=True):
-                    done.append(self._allocate_one(entries[r.depth], c, owner))
+                    done.append(self._allocate_one(entries[r.depth - first_block], c, owner))
             except PoolExhausted:
                 # All or nothing: blocks reserved by this call go back, or they would leak.
                 for a in done:
@@ -772,17 +780,21 @@ class CacheState:
         with self._lock:
             limit = validate_request(req, self.layout, hash_lengths=False)
             self._check_root(req.block_hashes)
+            self._check_range(req.first_block, len(req.block_hashes), "lookup")
             if req.lease_ttl_s > self.config.max_lease_ttl_s:
                 raise InvalidInput(
                     f"lease_ttl_s {req.lease_ttl_s} exceeds the maximum "
                     f"{self.config.max_lease_ttl_s}"
                 )
             # what the walk reads is alive (a lost owner's objects are buried lazily)
+            first = req.first_block
             if self._reaping:  # (no copy of the hashes on the hot path otherwise)
-                self._clean(req.block_hashes[: -(-limit // self.layout.hash_block)])
+                self._clean(req.block_hashes[: -(-limit // self.layout.hash_block) - first])
             now = self.clock()
             self.leases.reap(now)
-            key = self.memo.key(req, limit, self._owners_epoch)
+            # (a range of a split chain is not memoised: memos answer whole chains)
+            key = (None if first or req.open_end else
+                   self.memo.key(req, limit, self._owners_epoch))
             memo = self.memo.get(key, req.block_hashes) if key is not None else None
             stop_key = None
             if memo is None and key is not None:
@@ -798,8 +810,8 @@ class CacheState:
                                     self._align_of)  # changes no state
                 # The walk found the first matched/H hashes in the index, whose keys are all 16
                 # bytes (allocate and confirm check them): only the rest can be malformed.
-                check_hash_lengths(req.block_hashes,
-                                   result.matched_tokens // self.layout.hash_block)
+                check_hash_lengths(req.block_hashes, max(
+                    0, result.matched_tokens // self.layout.hash_block - first))
                 stop_key = self._stop_key(req, result, limit) if key is not None else None
             self._count_lookup(result.usable_tokens, limit, result.downgrades)
             usable, entries = result.usable_tokens, result.entries
@@ -809,7 +821,7 @@ class CacheState:
             lease_id = None
             if req.lease_ttl_s > 0 and usable:
                 if records is None:
-                    records = self._resolve(entries, usable, req.alignment)
+                    records = self._resolve(entries, usable, req.alignment, first)
                     if memo is not None:
                         memo.records = records
                 pinned = [r for recs in records.values() for r in recs]
@@ -890,23 +902,26 @@ class CacheState:
         entry takes the packed fast path, whatever other entries hold."""
         if not req.handles:
             return None
-        entries, usable = result.entries, result.usable_tokens
-        disky = self._disky(entries, usable)
+        entries, usable, first = result.entries, result.usable_tokens, result.first_block
+        disky = self._disky(entries, usable, first)
         if len(disky) <= _DISKY_PATCHED:  # the same copies _resolve gives, packed faster
             try:
-                return self._packed_columns(entries, usable, result.runs, disky, req.alignment)
+                return self._packed_columns(entries, usable, result.runs, disky, req.alignment,
+                                            first)
             except _NoCopy:
                 pass  # a column with a gap: as _resolve gives it (the reader recomputes)
         if records is None:
-            records = self._resolve(entries, usable, req.alignment)
+            records = self._resolve(entries, usable, req.alignment, first)
         return {name: self._snapshot(recs) for name, recs in records.items()}
 
-    def _disky(self, entries: Sequence[PrefixEntry], usable: int) -> list[PrefixEntry]:
+    def _disky(self, entries: Sequence[PrefixEntry], usable: int, first: int = 0
+               ) -> list[PrefixEntry]:
         """The entries in ``[0, usable)`` that hold a disk copy (``entry.disk`` is None
-        wherever none is)."""
+        wherever none is); ``entries[0]`` is at depth ``first``."""
         if not self._disk_records:
             return []
-        return [e for e in entries[: usable // self.layout.hash_block] if e.disk is not None]
+        return [e for e in entries[: usable // self.layout.hash_block - first]
+                if e.disk is not None]
 
     def _age(self, entries: Sequence[PrefixEntry]) -> None:
         """Age the whole path a lookup used (or a write made), root first: an entry is then
@@ -930,7 +945,7 @@ class CacheState:
             self.counters.downgrades[d.reason] += 1
 
     def _resolve(
-        self, entries: Sequence[PrefixEntry], usable: int, align: int
+        self, entries: Sequence[PrefixEntry], usable: int, align: int, first: int = 0
     ) -> dict[str, tuple[ObjRecord, ...]]:
         """The records a reader resuming at ``usable`` needs, per column, in token order: the
         copies the funnel accepted (``contracts.served``; SWA: the one covering the window,
@@ -939,13 +954,13 @@ class CacheState:
         Fast path: an entry the funnel accepted that holds no disk copy has a READY memory
         record in each needed column, so no verdict is recomputed there; only entries with a
         disk copy get one."""
-        if usable == 0:
+        if usable == 0 or not entries:
             return {}
-        disky = self._disky(entries, usable)
+        disky = self._disky(entries, usable, first)
         out: dict[str, tuple[ObjRecord, ...]] = {}
         for column in self.layout.columns:
             c = column.index
-            recs = self._column_records(entries, c, disky, usable, align)
+            recs = self._column_records(entries, c, disky, usable, align, first)
             if recs:
                 out[column.name] = recs
         return out
@@ -972,7 +987,7 @@ class CacheState:
     def _packed_columns(
         self, entries: Sequence[PrefixEntry], usable: int,
         runs: Sequence[Segment | None] = (), disky: Sequence[PrefixEntry] = (),
-        align: int = 1,
+        align: int = 1, first: int = 0,
     ) -> dict[str, HandleColumn]:
         """The lookup fast path (no disk copy anywhere): the funnel accepted ``entries``, so
         each holds a READY memory record in every column living there. COMPRESSED and
@@ -981,10 +996,11 @@ class CacheState:
         segment, packed once; SWA and TAIL need a few records each. The ``disky`` entries
         (holding a disk copy) are packed as placeholders, then patched with the copy each
         column's verdict serves there."""
-        if usable == 0:
+        if usable == 0 or not entries:
             return {}
         lay = self.layout
-        pieces = self._mono_pieces(entries, usable, runs)
+        end = first + len(entries)  # (entries[0] at depth first: a range of a split chain)
+        pieces = self._mono_pieces(entries, usable, runs, first)
         out: dict[str, HandleColumn] = {}
         for column in lay.columns:
             c = column.index
@@ -992,7 +1008,8 @@ class CacheState:
             if slot is not None:
                 records = b"".join(map(operator.itemgetter(slot), pieces))
                 if disky:
-                    records = self._patched(records, disky, c, lay.needed_depths(c, usable),
+                    records = self._patched(records, disky, c,
+                                            lay.needed_depths(c, usable, first, end),
                                             usable, align)
                 if records:
                     out[column.name] = HandleColumn(
@@ -1000,19 +1017,19 @@ class CacheState:
                         records, self._shard_names, self._strides(c),
                     )
                 continue
-            recs = self._column_records(entries, c, disky, usable, align)
+            recs = self._column_records(entries, c, disky, usable, align, first)
             if recs:
                 out[column.name] = self._snapshot(recs)
         return out
 
     def _column_records(self, entries: Sequence[PrefixEntry], c: int,
-                        disky: Sequence[PrefixEntry], usable: int, align: int
+                        disky: Sequence[PrefixEntry], usable: int, align: int, first: int = 0
                         ) -> tuple[ObjRecord, ...]:
         """Column ``c``'s records at the depths a reader resuming at ``usable`` needs: the
         memory record of each entry the funnel accepted, and at a disky entry the copy its
-        verdict serves."""
-        depths = self.layout.needed_depths(c, usable)
-        at = entries[depths.start : depths.stop : depths.step]  # needed depths: a range
+        verdict serves. ``entries[0]`` is at depth ``first``."""
+        depths = self.layout.needed_depths(c, usable, first, first + len(entries))
+        at = entries[depths.start - first : depths.stop - first : depths.step]  # a range
         found: list[ObjRecord | None] = list(map(operator.itemgetter(c), map(_MEM, at)))
         for e in disky:
             if e.depth in depths:
@@ -1038,14 +1055,16 @@ class CacheState:
         return bytes(out)
 
     def _mono_pieces(self, entries: Sequence[PrefixEntry], usable: int,
-                     runs: Sequence[Segment | None]) -> list[tuple[bytes, ...]]:
+                     runs: Sequence[Segment | None], first: int = 0
+                     ) -> list[tuple[bytes, ...]]:
         """The monotone columns' packed records for ``[0, usable)`` in pieces, in depth order,
         each piece one bytes per column: a certified run's as its segment keeps them, the
-        blocks between packed from rows."""
+        blocks between packed from rows. ``entries[0]`` is at depth ``first`` (runs: only
+        from depth 0)."""
         size = self.segment_blocks
-        n = usable // self.layout.hash_block
+        n = min(usable // self.layout.hash_block, first + len(entries))
         pieces: list[tuple[bytes, ...]] = []
-        done = 0
+        done = first
         for j in range(min(len(runs), n // size) if size else 0):
             seg = runs[j]
             if seg is not None:
@@ -1054,23 +1073,23 @@ class CacheState:
                 pieces.append(seg.cols or self._segment_cols(seg))
                 done = (j + 1) * size
         if done < n:
-            pieces.append(self._grid_piece(entries, usable, done, n))
+            pieces.append(self._grid_piece(entries, usable, done, n, first))
         return pieces
 
-    def _grid_piece(self, entries: Sequence[PrefixEntry], usable: int, lo: int, hi: int
-                    ) -> tuple[bytes, ...]:
-        """Each monotone column's records among ``entries[lo:hi]`` (depths ``lo`` on)."""
+    def _grid_piece(self, entries: Sequence[PrefixEntry], usable: int, lo: int, hi: int,
+                    first: int = 0) -> tuple[bytes, ...]:
+        """Each monotone column's records at depths ``[lo, hi)`` (``entries[0]`` at depth
+        ``first``)."""
         lay = self.layout
         # a comprehension: 3.11's specialised slot load beats operator.attrgetter here
-        joined = b"".join([e.row or self._build_row(e) for e in entries[lo:hi]])
+        joined = b"".join([e.row or self._build_row(e) for e in entries[lo - first:hi - first]])
         # opaque 22-byte records: a strided copy of those is a memcpy per record, ~4x faster
         # than copying HANDLE_DTYPE's fields one by one
         grid = np.frombuffer(joined, _HANDLE_BYTES).reshape(hi - lo, len(lay.mono_columns))
         out = []
         for slot, c in enumerate(lay.mono_columns):
-            depths = lay.needed_depths(c, usable)
-            first = depths.start + max(0, -(-(lo - depths.start) // depths.step)) * depths.step
-            out.append(grid[first - lo : min(hi, depths.stop) - lo : depths.step, slot].tobytes())
+            depths = lay.needed_depths(c, usable, lo, hi)
+            out.append(grid[depths.start - lo : depths.stop - lo : depths.step, slot].tobytes())
         return tuple(out)
 
     def _segment_cols(self, seg: Segment) -> tuple[bytes, ...]:
@@ -1213,8 +1232,10 @@ class CacheState:
             for r in reports:  # validate all before applying any: all or nothing
                 self._column(r.column)
                 self._check_hashes([r.block_hash] + ([r.parent_hash] if r.parent_hash else []))
-                if r.depth < 0 or (r.depth == 0) != (r.parent_hash is None):
-                    raise InvalidInput(f"report at depth {r.depth}: depth and parent disagree")
+                if r.depth < 0 or self._starts_range(r.depth) != (r.parent_hash is None):
+                    raise InvalidInput(f"report at depth {r.depth}: depth and parent disagree "
+                                       "(a chain's root, or a range's first block when chains "
+                                       "are split, has none)")
             # a slot a lost incarnation (ours, say) still seems to hold is free to re-confirm
             self._clean(h for r in reports for h in (r.block_hash, r.parent_hash) if h)
             # Half-written objects (ALLOCATED, WRITING, TAIL_PARTIAL, ...) are not re-created:
@@ -1313,26 +1334,29 @@ class CacheState:
         self.objects.put(rec)
         return rec
 
-    def _ensure_path(self, hashes: Sequence[BlockHash], last: int) -> list[PrefixEntry]:
-        self._check_path(hashes, last)
+    def _ensure_path(self, hashes: Sequence[BlockHash], last: int, first: int = 0
+                     ) -> list[PrefixEntry]:
+        """The entries at depths ``[first, last]`` (``hashes[0]`` is depth ``first``'s: a
+        range of a split chain starts at an entry whose parent lives in another partition)."""
+        self._check_path(hashes, last, first)
         out: list[PrefixEntry] = []
         parent: PrefixEntry | None = None
-        for depth in range(last + 1):
-            parent = self._entry_under(hashes[depth], parent, depth)
+        for depth in range(first, last + 1):
+            parent = self._entry_under(hashes[depth - first], parent, depth)
             out.append(parent)
         self._age(out)  # a written block is as recent as a looked-up one, its path with it
         return out
 
-    def _check_path(self, hashes: Sequence[BlockHash], last: int) -> None:
-        """Raise what :meth:`_entry_under` would raise part way down ``hashes[:last + 1]``:
-        checked first, so a refused call leaves no entry behind."""
+    def _check_path(self, hashes: Sequence[BlockHash], last: int, first: int = 0) -> None:
+        """Raise what :meth:`_entry_under` would raise part way down the path to depth
+        ``last``: checked first, so a refused call leaves no entry behind."""
         seen: set[BlockHash] = set()
         parent: PrefixEntry | None = None  # the known entry one depth up; None if made here
-        for depth in range(last + 1):
-            h = hashes[depth]
+        for depth in range(first, last + 1):
+            h = hashes[depth - first]
             e = self.index.get(h)
             clash = e is not None and (e.depth != depth or (
-                depth > 0 and e.parent is not None and e.parent is not parent))
+                depth > first and e.parent is not None and e.parent is not parent))
             if h in seen or clash:
                 raise _unchained(depth, depth if e is None else e.depth)
             seen.add(h)
@@ -1344,7 +1368,7 @@ class CacheState:
         """Entry for a re-confirmed object. Its parent may not be known (yet): the walk goes by
         hashes, so an orphan is still found; it is linked when its parent arrives."""
         self._check_hashes([block_hash] + ([parent_hash] if parent_hash is not None else []))
-        if depth < 0 or (depth == 0) != (parent_hash is None):
+        if depth < 0 or self._starts_range(depth) != (parent_hash is None):
             raise InvalidInput(f"depth {depth} and parent hash disagree (root has no parent)")
         parent = self.index.get(parent_hash) if parent_hash is not None else None
         if parent is not None and parent.depth != depth - 1:
@@ -1384,10 +1408,35 @@ class CacheState:
                 f"{expected}: give every client the partitions in the deployment's order",
                 partition=str(part), expected=expected)
 
-    def _check_slot(self, r: AllocRequest, nhashes: int) -> None:
+    def _starts_range(self, depth: int) -> bool:
+        """Whether an entry at ``depth`` has no parent in this view: a chain's root, or the
+        first block of a range when chains are split (its parent is another partition's)."""
+        r = self.range_blocks
+        return depth % r == 0 if r else depth == 0
+
+    def _check_range(self, first: int, nhashes: int, what: str) -> None:
+        """A request's hashes start at a range's first block and stay inside that range
+        (StateConfig.range_blocks): a range lives whole in one partition."""
+        r = self.range_blocks
+        if first < 0:
+            raise InvalidInput(f"first_block must be >= 0, got {first}")
+        if not r:
+            if first:
+                raise InvalidInput(
+                    f"{what} from block {first}: this service keeps a chain whole "
+                    "(range_blocks 0); send the hashes from block 0")
+            return
+        if first % r or nhashes > r:
+            raise InvalidInput(
+                f"{what} of {nhashes} hashes from block {first}: this service splits chains "
+                f"every {r} blocks, so a request covers one range [kR, (k+1)R); the "
+                "partitioned client (workers.partitioned) splits them")
+
+    def _check_slot(self, r: AllocRequest, nhashes: int, first: int = 0) -> None:
         col = self._column(r.column)
-        if not 0 <= r.depth < nhashes:
-            raise InvalidInput(f"depth {r.depth} is outside the {nhashes} hashes given")
+        if not first <= r.depth < first + nhashes:
+            raise InvalidInput(f"depth {r.depth} is outside the {nhashes} hashes given"
+                               + (f" from block {first}" if first else ""))
         if not self.layout.lives_at(col, r.depth):
             raise InvalidInput(
                 f"column {r.column!r} has no block ending at hash block {r.depth} "
@@ -1503,6 +1552,7 @@ class CacheState:
             adm = self.admission.stats()
             snap: dict[str, object] = dict(self.counters.snapshot())
             snap["partition"] = str(self.partition)
+            snap["range_blocks"] = self.range_blocks
             snap["gauges"] = {
                 "objects": len(self.objects),
                 "owners_reaping": len(self._reaping),  # lost, objects not all buried yet

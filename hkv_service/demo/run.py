@@ -21,6 +21,9 @@ from typing import Any, TextIO
 
 import torch
 
+from hkv_service.core.errors import InvalidInput
+from hkv_service.core.layout import Layout
+from hkv_service.core.partitions import check_range_blocks
 from hkv_service.refmodel import RefModel
 from hkv_service.settings import MAX_PARTITIONS
 from hkv_service.specs import default_spec
@@ -67,7 +70,7 @@ def backend_choice(default: str = "system") -> str:
 
 def make_backend(model: RefModel, rates: dict[str, float], note: Any = None,
                  default: str = "system", unsafe_skip_read_check: bool = False,
-                 partitions: int = 1) -> DemoBackend:
+                 partitions: int = 1, range_blocks: int = 0) -> DemoBackend:
     """The backend on the chosen wiring. ``unsafe_skip_read_check`` (TEST ONLY, in-process):
     the shards skip their read re-check, a planted bug ``--check`` must catch."""
     from .wiring import InProcessWiring, SystemWiring, Wiring
@@ -81,7 +84,8 @@ def make_backend(model: RefModel, rates: dict[str, float], note: Any = None,
     wiring: Wiring | None = None
     if choice == "system" and not unsafe_skip_read_check:
         try:
-            wiring = SystemWiring(model.spec, pool, odd, emit=note, partitions=partitions)
+            wiring = SystemWiring(model.spec, pool, odd, emit=note, partitions=partitions,
+                                  range_blocks=range_blocks)
         except Exception as err:
             if asked:
                 raise
@@ -89,7 +93,8 @@ def make_backend(model: RefModel, rates: dict[str, float], note: Any = None,
                 note(f"the system backend could not start ({type(err).__name__}: "
                      f"{str(err).splitlines()[0] if str(err) else ''}); running in-process")
     if wiring is None:
-        wiring = InProcessWiring(model.spec, pool, odd, unsafe_skip_read_check, partitions)
+        wiring = InProcessWiring(model.spec, pool, odd, unsafe_skip_read_check, partitions,
+                                 range_blocks)
     return DemoBackend(wiring, _shapes(model))
 
 
@@ -104,11 +109,13 @@ def run_workload(
     backend: str = "inprocess",
     unsafe_skip_read_check: bool = False,
     partitions: int = 1,
+    range_blocks: int = 0,
 ) -> dict[str, Any]:
     rates = parse_faults(faults) if isinstance(faults, str) else dict(faults)
     spec = default_spec()
     model = RefModel(spec)
-    be = make_backend(model, rates, progress, backend, unsafe_skip_read_check, partitions)
+    be = make_backend(model, rates, progress, backend, unsafe_skip_read_check, partitions,
+                      range_blocks)
     plan = FaultPlan(rates, seed)
     wl = make_workload(requests, seed, vocab=model.config.vocab)
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // max(1, workers)))
@@ -151,6 +158,7 @@ def run_workload(
         raise errors[0]
     rep = _report(totals, plan, st, elapsed, rates)
     rep["partitions"] = partitions
+    rep["range_blocks"] = range_blocks
     return rep
 
 
@@ -284,6 +292,11 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.requests < 1 or args.workers < 1:
         sys.stderr.write("hkv: error: --requests and --workers must be at least 1.\n")
         return 2
+    try:
+        check_range_blocks(args.range_blocks, Layout(default_spec()).period)
+    except InvalidInput as err:
+        sys.stderr.write(f"hkv: error: --range-blocks: {err}.\n")
+        return 2
     if not 1 <= args.service_replicas <= MAX_PARTITIONS:
         sys.stderr.write(f"hkv: error: --service-replicas must be between 1 and "
                          f"{MAX_PARTITIONS}.\n")
@@ -292,7 +305,7 @@ def run_demo(args: argparse.Namespace) -> int:
     try:
         rep = run_workload(args.requests, args.seed, rates, args.check, args.workers,
                            args.duration, note, backend="system",
-                           partitions=args.service_replicas)
+                           partitions=args.service_replicas, range_blocks=args.range_blocks)
     except FaultSpecError as err:
         sys.stderr.write(f"hkv: error: {err}.\n")
         return 2

@@ -120,11 +120,13 @@ class InProcessWiring(Wiring):
     name = "inprocess"
 
     def __init__(self, spec: CacheSpec, pool_blocks: int, odd_shard: bool = False,
-                 unsafe_skip_read_check: bool = False, partitions: int = 1) -> None:
+                 unsafe_skip_read_check: bool = False, partitions: int = 1,
+                 range_blocks: int = 0) -> None:
         self._dir = Path(tempfile.mkdtemp(prefix="hkv-demo-"))
         config = InProcessConfig(
             shards=2, blocks_per_group=pool_blocks, admission=ADMISSION, odd_shard=odd_shard,
-            state=StateConfig(ADMISSION, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S),
+            state=StateConfig(ADMISSION, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
+                              range_blocks=range_blocks),
             unsafe_skip_read_check=unsafe_skip_read_check, partitions=partitions,
         )
         try:
@@ -172,7 +174,8 @@ class SystemWiring(Wiring):
 
     def __init__(self, spec: CacheSpec, pool_blocks: int, odd_shard: bool = False,
                  emit: Emit | None = None, data_dir: str = "hkv-data",
-                 start_timeout_s: float = 90.0, partitions: int = 1) -> None:
+                 start_timeout_s: float = 90.0, partitions: int = 1,
+                 range_blocks: int = 0) -> None:
         import ray
 
         from workers.launcher import (
@@ -207,6 +210,7 @@ class SystemWiring(Wiring):
                 start_timeout_s=start_timeout_s, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
                 max_inflight_objects=ADMISSION.max_objects,
                 max_inflight_bytes=ADMISSION.max_bytes, service_replicas=partitions,
+                range_blocks=range_blocks,
             )
             self.system = start_system(self.config, self.say)
             self.pids += [p.pid for p in self.system.services]

@@ -234,6 +234,8 @@ def encode_lookup(req: LookupRequest, out: Any) -> Any:
     out.alignment = req.alignment
     out.lease_ttl_s = req.lease_ttl_s
     out.match_only = not req.handles
+    out.first_block = req.first_block
+    out.open_end = req.open_end
     return out
 
 
@@ -263,6 +265,8 @@ def decode_lookup(msg: Any, index: int | None = None) -> LookupRequest:
         msg.alignment or 1,
         ttl,
         not msg.match_only,
+        msg.first_block,
+        msg.open_end,
     )
 
 
@@ -396,6 +400,7 @@ def stats_to_dict(msg: Any) -> dict[str, object]:
                               ("transitions", "downgrades", "lookups", "evictions", "events",
                                "gauges")}
     out["partition"] = msg.partition or "0/1"
+    out["range_blocks"] = msg.range_blocks
     return out
 
 
@@ -405,4 +410,5 @@ def encode_stats(stats: Mapping[str, object], out: Any) -> Any:
         assert isinstance(value, Mapping)
         getattr(out, f).update({str(k): int(v) for k, v in value.items()})
     out.partition = str(stats.get("partition", "0/1"))
+    out.range_blocks = int(stats.get("range_blocks", 0) or 0)  # type: ignore[call-overload]
     return out

@@ -71,6 +71,7 @@ class SettingsInfo(Collector):
                   for f in fields(ServiceSettings)}
         labels["walk_segment_blocks"] = str(self.state.segment_blocks)
         labels["partition"] = str(self.state.partition)
+        labels["range_blocks"] = str(self.state.range_blocks)
         yield InfoMetricFamily("hkv_settings", "Settings of this metadata service",
                                value=labels)
 

@@ -141,7 +141,7 @@ class MetadataServicer(pb_grpc.MetadataServiceServicer):
         hashes = [BlockHash(h) for h in request.block_hashes]
         validation.check_hashes(hashes, "Allocate")
         slots = [AllocRequest(s.depth, s.column) for s in request.slots]
-        allocations = self.state.allocate(hashes, slots, owner)
+        allocations = self.state.allocate(hashes, slots, owner, request.first_block)
         out = pb.AllocateResponse()
         for a in allocations:
             codec.encode_handle(a.handle, out.handles.add())

@@ -21,8 +21,8 @@ RATES = {**DEFAULT_RATES, "evict_race": 0.3, "shard_kill": 0.1, "service_restart
          "partial_tail": 1.0, "stale_indexer": 0.6, "disk_bitflip": 0.4, "abi_mismatch": 0.2}
 
 
-def _assert_campaign(rep: dict[str, Any], requests: int) -> None:
-    assert rep["partitions"] == 2
+def _assert_campaign(rep: dict[str, Any], requests: int, partitions: int = 2) -> None:
+    assert rep["partitions"] == partitions
     assert rep["checked"] == rep["requests"] == requests
     assert rep["silent_errors"] == 0
     assert rep["service_restarts"] > 0
@@ -36,6 +36,21 @@ def test_every_fault_over_two_partitions_in_process(monkeypatch: pytest.MonkeyPa
     rep = run_workload(requests=60, seed=0, faults=RATES, check=True, workers=1, partitions=2)
     assert rep["backend"] == "inprocess"
     _assert_campaign(rep, 60)
+
+
+def test_every_fault_over_chains_split_across_partitions_in_process(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every prompt's chain split every 2 blocks over 3 partitions (a prompt spans ~9
+    ranges): writes, lookups (the fixed point over the ranges' partitions), reads, and the
+    shards' re-confirm after each service restart all go range by range, and every output
+    still equals a full recompute."""
+    monkeypatch.setenv("HKV_DEMO_BACKEND", "inprocess")
+    # (misaligned writes more often: a misaligned range is then looked up before it ages out)
+    rates = {**RATES, "misaligned_handle": 0.3}
+    rep = run_workload(requests=60, seed=0, faults=rates, check=True, workers=1, partitions=3,
+                       range_blocks=2)
+    assert rep["backend"] == "inprocess" and rep["range_blocks"] == 2
+    _assert_campaign(rep, 60, partitions=3)
 
 
 @pytest.fixture
@@ -54,7 +69,8 @@ def system_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None
 
 @pytest.mark.slow  # ~2.5 min on 2 cores; the default run has test_up_partitions.py on the system
 def test_every_fault_over_two_partitions_on_the_system(system_env: None) -> None:
-    rep = run_workload(requests=48, seed=1, faults=RATES, check=True, workers=1, partitions=2)
+    rep = run_workload(requests=48, seed=1, faults=RATES, check=True, workers=1, partitions=2,
+                       range_blocks=4)
     assert rep["backend"] == "system", rep
     _assert_campaign(rep, 48)
     assert not (Path.cwd() / "hkv-data").exists()

@@ -60,6 +60,7 @@ SERVE_FLAGS = (
     "--tls-cert", "--tls-key", "--tls-ca", "--tls-allowed-cn", "--insecure",
     "--heartbeat-timeout-s", "--grace-s", "--max-inflight-objects", "--max-inflight-bytes",
     "--max-owners", "--lookup-memo-mib", "--walk-segment-blocks", "--partition",
+    "--range-blocks",
 )
 
 

@@ -138,9 +138,10 @@ class PartitionedState:
     ``PartitionedMetadata``; the rest to the partition that holds what they name. It also
     plays the owners' side: their incarnations, and the partitions that forgot them."""
 
-    def __init__(self, count: int, config: StateConfig) -> None:
-        self.count = count
-        self._config = config
+    def __init__(self, count: int, config: StateConfig, range_blocks: int = 0,
+                 spec: Any = SPEC) -> None:
+        self.count, self.spec = count, spec
+        self._config = replace(config, range_blocks=range_blocks)
         self.parts = [LocalMetadata(self.fresh(i)) for i in range(count)]
         self.meta = PartitionedMetadata(self.parts)
         self.layout = self.parts[0].state.layout
@@ -150,11 +151,13 @@ class PartitionedState:
         self.incarnations: dict[ShardId, int] = {}
         self.pools: dict[ShardId, Any] = {}
         self.lost: dict[ShardId, set[int]] = {}  # partitions restarted since it registered
-        self._captures: dict[int, tuple[int, int]] = {}  # our id -> (partition, its id)
+        # our id -> (partition, its id) per partition the captured handles are on
+        self._captures: dict[int, list[tuple[int, int]]] = {}
         self._capture_ids = itertools.count(1)
 
     def fresh(self, index: int) -> CacheState:
-        return CacheState(SPEC, replace(self._config, partition=Partition(index, self.count)))
+        return CacheState(self.spec, replace(self._config,
+                                             partition=Partition(index, self.count)))
 
     def close(self) -> None:
         self.meta.close()
@@ -211,7 +214,19 @@ class PartitionedState:
         return self.meta.begin_load(object_id, owner)
 
     def lookup(self, req: LookupRequest) -> Any:
-        return self.meta.lookup(req)
+        m = self.meta.lookup(req)
+        if self._config.range_blocks and req.handles:
+            self._check_columns(m)
+        return m
+
+    def _check_columns(self, m: Any) -> None:
+        """A split chain's joined columns hold, in token order, one handle per depth a reader
+        resuming at ``usable_tokens`` needs (layout.needed_depths), as one process's do."""
+        for column in self.layout.columns:
+            got = m.columns.get(column.name)
+            depths = [self.objects.get(oid).entry.depth for oid in got.object_ids] if got else []
+            assert depths == list(self.layout.needed_depths(column.index, m.usable_tokens)), (
+                column.name, m.usable_tokens, depths)
 
     def release_lease(self, lease_id: LeaseId) -> None:
         self.meta.release_lease(lease_id)
@@ -233,24 +248,40 @@ class PartitionedState:
         return any([p.state.reap(budget) for p in self.parts])
 
     def capture_partition(self, capture_id: int) -> int:
-        return self._captures[capture_id][0]
+        (k,) = {k for k, _ in self._captures[capture_id]}
+        return k
 
     def register_capture(self, handles: Sequence[Handle]) -> tuple[int, int]:
-        where = {partition_of_id(h.object_id, self.count) for h in handles}
-        assert len(where) == 1, "a capture over one lookup's handles is on one partition"
-        (k,) = where
-        their_id, epoch = self.parts[k].state.register_capture(handles)
+        """One capture per partition the handles are on (a chain split at depth ranges
+        hands out handles of several; one rooted whole, of one)."""
+        where: dict[int, list[Handle]] = {}
+        for h in handles:
+            where.setdefault(partition_of_id(h.object_id, self.count), []).append(h)
+        assert self._config.range_blocks or len(where) == 1, \
+            "a capture over one whole chain's handles is on one partition"
+        held: list[tuple[int, Any]] = []
+        epoch = 0
+        try:
+            for k, hs in sorted(where.items()):
+                their_id, e = self.parts[k].state.register_capture(hs)
+                held.append((k, their_id))
+                epoch = max(epoch, e)
+        except BaseException:
+            for k, theirs in held:
+                self.parts[k].state.release_capture(theirs)
+            raise
         ours = next(self._capture_ids)
-        self._captures[ours] = (k, their_id)
+        self._captures[ours] = held
         return ours, epoch
 
     def release_capture(self, capture_id: int) -> None:
-        k, theirs = self._captures.pop(capture_id)
-        self.parts[k].state.release_capture(theirs)  # type: ignore[arg-type]
+        for k, theirs in self._captures.pop(capture_id):
+            self.parts[k].state.release_capture(theirs)  # type: ignore[arg-type]
 
     def capture_status(self, capture_id: int) -> tuple[bool, int]:
-        k, theirs = self._captures[capture_id]
-        return self.parts[k].state.capture_status(theirs)  # type: ignore[arg-type]
+        each = [self.parts[k].state.capture_status(theirs)  # type: ignore[arg-type]
+                for k, theirs in self._captures[capture_id]]
+        return all(v for v, _ in each), max(e for _, e in each)
 
 
 def machine(count: int, chains: Sequence[list[BlockHash]], spread: bool) -> Any:
@@ -370,3 +401,89 @@ TestTwoPartitions = machine(2, [A, C], spread=True).TestCase
 TestThreePartitions = machine(3, [A, C], spread=True).TestCase
 # the original's prompts (a shared prefix, so one root) over 3 partitions: two hold nothing
 TestSharedPrefixThreePartitions = machine(3, [A, B], spread=False).TestCase
+
+
+def _shared_pair(seed: int) -> tuple[list[BlockHash], list[BlockHash]]:
+    """Two prompts sharing their first 4 blocks (one root), as the original's do."""
+    rng = np.random.default_rng(seed)
+    a = rng.integers(5000, 9000, DEPTHS * H)
+    b = np.concatenate([a[: 4 * H], rng.integers(5000, 9000, (DEPTHS - 4) * H)])
+    return (hash_blocks(a, H, ExtraKeys(SPEC.model_id)),
+            hash_blocks(b, H, ExtraKeys(SPEC.model_id)))
+
+
+def _spread(chain: Sequence[BlockHash], n: int) -> bool:
+    """Its 2-block ranges are on every one of n partitions."""
+    return len({partition_of_root(chain[d], n) for d in range(0, DEPTHS, 2)}) == n
+
+
+# A shared-prefix pair (one root: whole chains would sit on one partition) whose 2-block
+# ranges are on every partition, for each count tested
+SA, SB = next(pair for pair in map(_shared_pair, itertools.count(7))
+              if all(_spread(c, n) for c in pair for n in COUNTS))
+
+
+def _with_window(window: int) -> Any:
+    """The reference spec with its SWA window widened to ``window`` tokens."""
+    groups = tuple(replace(g, window=window) if g.window else g for g in SPEC.groups)
+    return replace(SPEC, groups=groups)
+
+
+def split_machine(count: int, range_blocks: int, window: int | None = None) -> Any:
+    """FunnelMachine over ``count`` partitions with chains split every ``range_blocks``
+    blocks (prompts sharing a prefix, so one root: without the split, one partition). Every
+    answer is the oracle's, exactly: the client's fixed point over the ranges' partitions
+    gives what one process holding the whole chain gives. ``window``: the SWA window (the
+    spec's and the oracle's), wider than a range so windows reach into the range before."""
+    o = _oracle_module([SA, SB])
+    if window is not None:
+        o.SPEC, o.W = _with_window(window), window
+    funnel_machine: Any = o.FunnelMachine
+
+    class SplitFunnelMachine(funnel_machine):  # type: ignore[misc]
+        state: PartitionedState
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.state = PartitionedState(count, self.state.config, range_blocks, o.SPEC)
+            assert self.state.meta.range_blocks == range_blocks
+            for s in SHARDS:
+                self.state.register_owner(s, pools_for(self.state.layout, POOL_BLOCKS))
+
+        def teardown(self) -> None:
+            self.state.close()
+
+        @invariant()
+        def each_range_in_its_anchors_partition(self) -> None:
+            """Every entry lives in the partition of its range's first hash, and a range's
+            first entry has no parent there."""
+            for k, part in enumerate(self.state.parts):
+                for e in part.state.index.values():
+                    chain = next(c for c in o.CHAINS if c[e.depth] == e.block_hash)
+                    anchor = chain[e.depth - e.depth % range_blocks]
+                    assert partition_of_root(anchor, count) == k, (e.depth, k)
+                    assert (e.parent is None) == (e.depth % range_blocks == 0)
+
+    SplitFunnelMachine.TestCase.settings = settings(
+        max_examples=40, stateful_step_count=50, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow])
+    return SplitFunnelMachine
+
+
+def test_split_prompts_spread_over_partitions() -> None:
+    """The prompts' ranges (2 blocks each) land on more than one partition for each count
+    tested (else the split would prove nothing)."""
+    for n in COUNTS:
+        for chain in (SA, SB):
+            assert _spread(chain, n)
+            assert partition_of_root(SA[0], n) == partition_of_root(SB[0], n)
+
+
+# ranges of 2 blocks (the layout's period, L = 128 tokens): resume points fall on range
+# boundaries, so a range's tail and monotone blocks decide with the others'; with the
+# reference window (128) an SWA window stays in one range, with 320 (5 blocks) it reaches
+# back into the two ranges before, on other partitions
+TestSplitTwoPartitions = split_machine(2, 2).TestCase
+TestSplitThreePartitions = split_machine(3, 2).TestCase
+TestSplitWideWindowTwoPartitions = split_machine(2, 2, window=320).TestCase
+TestSplitWideWindowThreePartitions = split_machine(3, 2, window=320).TestCase

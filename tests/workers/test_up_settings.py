@@ -95,6 +95,8 @@ CHECKS = {
     "walk_segment_blocks": "hkv_settings_info shows the state's segment size",
     # hkv up sets each replica's own (--service-replicas; test_up_partitions.py runs two)
     "partition": "Stats and hkv_settings_info say the state's partition, 0/1 here",
+    # 64: the probe's 40-block prompt fits one range, so a plain client's lookup is served
+    "range_blocks": "Stats and hkv_settings_info say where the state splits chains, 64",
 }
 
 
@@ -305,7 +307,7 @@ def probe_files(d: Path) -> tuple[Probe, list[str], list[str]]:
              "--heartbeat-timeout-s", str(HEARTBEAT_S), "--grace-s", str(GRACE_S),
              "--max-inflight-objects", "3", "--max-inflight-bytes", str(c4.nbytes * 3 // 2),
              "--max-owners", str(MAX_OWNERS),
-             "--lookup-memo-mib", "0", "--walk-segment-blocks", "4"]
+             "--lookup-memo-mib", "0", "--walk-segment-blocks", "4", "--range-blocks", "64"]
     up = ["--tls-client-cert", str(shard[0]), "--tls-client-key", str(shard[1]),
           "--tls-server-name", "localhost", "--data-dir", str(d / "data"),
           "--blocks-per-group", "64", "--disk-budget-bytes", str(16 << 20)]
@@ -386,6 +388,8 @@ def _check_state(run: Running, probe: Probe, flags: list[str], p: Problems) -> f
         p.expect("spec", spec.model_id == SPEC_MODEL, f"model id {spec.model_id!r}")
         p.expect("partition", c.stats()["partition"] == "0/1",
                  f"Stats says partition {c.stats()['partition']!r}")
+        p.expect("range_blocks", c.stats()["range_blocks"] == 64,
+                 f"Stats says range_blocks {c.stats()['range_blocks']!r}")
         layout = Layout(spec)
         owners = {"probe": c.register_owner("probe", pools_for(layout, 256))}
         stop = threading.Event()
@@ -469,6 +473,8 @@ def _check_metrics(run: Running, flags: list[str], p: Problems) -> None:
     p.expect("host", _bound(metrics_port) == {"0.0.0.0"},
              f"/metrics bound on {_bound(metrics_port)}, not 0.0.0.0")
     p.expect("partition", 'partition="0/1"' in info, f"the state's partition is not 0/1: {info}")
+    p.expect("range_blocks", 'range_blocks="64"' in info,
+             f"the state does not split chains every 64 blocks: {info}")
 
 
 def _stop_timing_grace(run: Running, probe: Probe, p: Problems) -> None:
@@ -570,6 +576,7 @@ REFUSED = [
     (["--max-inflight-bytes", "0"], "--max-inflight-bytes must be a positive integer"),
     (["--grace-s", "-1"], "--grace-s must not be negative"),
     (["--walk-segment-blocks", "3"], "--walk-segment-blocks: segment_blocks must be 0"),
+    (["--range-blocks", "3"], "--range-blocks: range_blocks must be 0"),
 ]
 
 

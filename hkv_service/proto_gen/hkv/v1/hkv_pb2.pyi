@@ -309,14 +309,16 @@ class AllocSlot(_message.Message):
     def __init__(self, depth: _Optional[int] = ..., column: _Optional[str] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
-    __slots__ = ("block_hashes", "slots", "owner")
+    __slots__ = ("block_hashes", "slots", "owner", "first_block")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     slots: _containers.RepeatedCompositeFieldContainer[AllocSlot]
     owner: str
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., slots: _Optional[_Iterable[_Union[AllocSlot, _Mapping]]] = ..., owner: _Optional[str] = ...) -> None: ...
+    first_block: int
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., slots: _Optional[_Iterable[_Union[AllocSlot, _Mapping]]] = ..., owner: _Optional[str] = ..., first_block: _Optional[int] = ...) -> None: ...
 
 class AllocateResponse(_message.Message):
     __slots__ = ("handles", "existing", "states", "versions")
@@ -479,7 +481,7 @@ class BeginLoadResponse(_message.Message):
     def __init__(self, handle: _Optional[_Union[Handle, _Mapping]] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("block_hashes", "packed_hashes", "resume_tokens", "reader_abi", "alignment", "lease_ttl_s", "match_only")
+    __slots__ = ("block_hashes", "packed_hashes", "resume_tokens", "reader_abi", "alignment", "lease_ttl_s", "match_only", "first_block", "open_end")
     class ReaderAbiEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -494,6 +496,8 @@ class LookupRequest(_message.Message):
     ALIGNMENT_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     MATCH_ONLY_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    OPEN_END_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     packed_hashes: bytes
     resume_tokens: int
@@ -501,7 +505,9 @@ class LookupRequest(_message.Message):
     alignment: int
     lease_ttl_s: float
     match_only: bool
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., packed_hashes: _Optional[bytes] = ..., resume_tokens: _Optional[int] = ..., reader_abi: _Optional[_Mapping[str, int]] = ..., alignment: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., match_only: _Optional[bool] = ...) -> None: ...
+    first_block: int
+    open_end: bool
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., packed_hashes: _Optional[bytes] = ..., resume_tokens: _Optional[int] = ..., reader_abi: _Optional[_Mapping[str, int]] = ..., alignment: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., match_only: _Optional[bool] = ..., first_block: _Optional[int] = ..., open_end: _Optional[bool] = ...) -> None: ...
 
 class Downgrade(_message.Message):
     __slots__ = ("reason", "group", "position")
@@ -658,7 +664,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("transitions", "downgrades", "lookups", "evictions", "events", "gauges", "partition")
+    __slots__ = ("transitions", "downgrades", "lookups", "evictions", "events", "gauges", "partition", "range_blocks")
     class TransitionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -708,6 +714,7 @@ class StatsResponse(_message.Message):
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     GAUGES_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
+    RANGE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     transitions: _containers.ScalarMap[str, int]
     downgrades: _containers.ScalarMap[str, int]
     lookups: _containers.ScalarMap[str, int]
@@ -715,4 +722,5 @@ class StatsResponse(_message.Message):
     events: _containers.ScalarMap[str, int]
     gauges: _containers.ScalarMap[str, int]
     partition: str
-    def __init__(self, transitions: _Optional[_Mapping[str, int]] = ..., downgrades: _Optional[_Mapping[str, int]] = ..., lookups: _Optional[_Mapping[str, int]] = ..., evictions: _Optional[_Mapping[str, int]] = ..., events: _Optional[_Mapping[str, int]] = ..., gauges: _Optional[_Mapping[str, int]] = ..., partition: _Optional[str] = ...) -> None: ...
+    range_blocks: int
+    def __init__(self, transitions: _Optional[_Mapping[str, int]] = ..., downgrades: _Optional[_Mapping[str, int]] = ..., lookups: _Optional[_Mapping[str, int]] = ..., evictions: _Optional[_Mapping[str, int]] = ..., events: _Optional[_Mapping[str, int]] = ..., gauges: _Optional[_Mapping[str, int]] = ..., partition: _Optional[str] = ..., range_blocks: _Optional[int] = ...) -> None: ...
