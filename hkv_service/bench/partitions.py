@@ -111,9 +111,10 @@ class _Writer:
     object, then the commits in ``transition_many``: KV, SWA and tails, then the indexers
     synced to the KV versions the first call issued. Returns the objects committed."""
 
-    def __init__(self, layout: Layout) -> None:
-        self.layout = layout
-        self.slots = [(d, layout.columns[c].name, c) for d in range(REQUEST_BLOCKS)
+    def __init__(self, layout: Layout, blocks: int = REQUEST_BLOCKS, owner: ShardId = OWNER
+                 ) -> None:
+        self.layout, self.owner = layout, owner
+        self.slots = [(d, layout.columns[c].name, c) for d in range(blocks)
                       for c in layout.attached[d % layout.period]]
         self.requests = [AllocRequest(d, name) for d, name, _ in self.slots]
         self.kinds = [layout.columns[c].kind for _, _, c in self.slots]
@@ -123,7 +124,7 @@ class _Writer:
                       for k, (d, _, c) in enumerate(self.slots) if self.kinds[k] is Kind.INDEXER}
 
     def __call__(self, meta: Any, hashes: Sequence[BlockHash]) -> int:
-        allocs = meta.allocate(hashes, self.requests, OWNER)
+        allocs = meta.allocate(hashes, self.requests, self.owner)
         first: list[ObjectTransitions] = []
         where: list[int] = []
         for k, a in enumerate(allocs):

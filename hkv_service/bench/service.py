@@ -29,6 +29,10 @@ workers run apart from the service in production. Measured in the same run:
   each pair is the best of three alternating runs; ``lookup1_extra_per_call_us`` is what a
   1-block lookup costs beyond an echo call, from those two rates.
 
+The ``hot_root`` section (:mod:`.hot_root`) measures one system prompt under every request
+with chains kept whole against chains split at fixed depth ranges (``range_blocks``): the
+hottest partition's share of objects and of lookup time, and the split's own lookup cost.
+
 The ``partitions`` section (:mod:`.partitions`) measures lookups/s and written objects/s over
 1, 2 and 4 metadata partitions, each its own process, through ``PartitionedMetadata`` (and,
 outside ``--quick``, over partitions that are Ray actors on a two-node cluster); its headline
@@ -67,6 +71,7 @@ from ..server.codec import encode_lookup
 from ..server.servicer import MetadataServicer
 from ..specs import default_spec
 from ..testing import commit_prefix, pools_for, prompt_hashes, question
+from . import hot_root as hot_root_bench
 from . import partitions as partitions_bench
 from .lockstats import LockStats, TimedLock
 from .timing import percentile, samples
@@ -410,8 +415,10 @@ def run(quick: bool = False) -> dict[str, Any]:
     }
     parts = partitions_bench.run(quick)  # after the servers above are gone
     _headline_partitions(parts, figures, baseline, ratios)
+    hot = hot_root_bench.run(quick)
+    ratios.update({f"hot_root_{k}": v for k, v in hot["ratios"].items()})
     return {"name": "service", "quick": quick, "figures": figures, "baseline": baseline,
-            "ratios": ratios, "partitions": parts}
+            "ratios": ratios, "partitions": parts, "hot_root": hot}
 
 
 def _headline_partitions(parts: dict[str, Any], figures: dict[str, float],

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
@@ -69,6 +69,7 @@ HANDLE_DTYPE = np.dtype(
 )
 """One handle as a packed little-endian record (22 bytes): what a lookup hands out per object,
 in memory and on the wire. ``shard`` indexes the column's ``shard_names``."""
+_SHARD_AT: int = HANDLE_DTYPE.fields["shard"][1]  # type: ignore[index]  # its byte offset
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,12 +120,15 @@ class HandleColumn:
         of a chain split across partitions, each with its own shard-name table, become one
         column over the union of their tables (a shard's stride: the first piece's)."""
         first = pieces[0]
+        if any(p.column != first.column for p in pieces):
+            raise ValueError(f"columns {sorted({p.column for p in pieces})} do not join")
+        if all(p.shard_names == first.shard_names and p.strides == first.strides
+               for p in pieces):  # one table (the partitions met the shards in one order)
+            return replace(first, records=b"".join(p.records for p in pieces))
         names: dict[ShardId, int] = {}
         strides: list[int] = []
-        parts = []
+        out = bytearray()
         for piece in pieces:
-            if piece.column != first.column:
-                raise ValueError(f"columns {first.column} and {piece.column} do not join")
             remap = np.empty(len(piece.shard_names), np.uint16)
             for i, (name, stride) in enumerate(zip(piece.shard_names, piece.strides,
                                                    strict=True)):
@@ -133,13 +137,13 @@ class HandleColumn:
                     j = names[name] = len(strides)
                     strides.append(stride)
                 remap[i] = j
-            arr = piece.array.copy()
-            if len(arr):
-                arr["shard"] = remap[arr["shard"]]
-            parts.append(arr)
-        joined = np.concatenate(parts) if parts else np.zeros(0, HANDLE_DTYPE)
+            rows = np.frombuffer(piece.records, np.uint8).reshape(-1, HANDLE_DTYPE.itemsize)
+            shard = rows[:, _SHARD_AT:_SHARD_AT + 2].copy().view("<u2")  # each record's ordinal
+            rows = rows.copy()
+            rows[:, _SHARD_AT:_SHARD_AT + 2] = remap[shard].astype("<u2").view(np.uint8)
+            out += rows.tobytes()
         return cls(first.column, first.name, first.kind, first.nbytes, first.abi_fingerprint,
-                   joined.tobytes(), tuple(names), tuple(strides))
+                   bytes(out), tuple(names), tuple(strides))
 
     @property
     def array(self) -> npt.NDArray[np.void]:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from hkv_service.core.errors import IllegalTransition
 from hkv_service.core.funnel import LookupRequest
-from hkv_service.core.ids import BlockHash, ObjectId, ShardId
-from hkv_service.core.records import PrefixEntry, new_record, record_type
+from hkv_service.core.ids import BlockHash, GroupName, ObjectId, ShardId
+from hkv_service.core.records import HandleColumn, PrefixEntry, new_record, record_type
 from hkv_service.core.state_view import CacheState
 from hkv_service.core.states import Event, Kind, State
 from hkv_service.core.transitions import Params
@@ -73,3 +75,28 @@ def test_a_malformed_handle_column_from_the_wire_is_refused() -> None:
         col(good.records, ("a",), (128,)).check()
     with pytest.raises(ValueError, match="one stride per shard"):
         col(good.records, ("a", "b"), (128,)).check()
+
+
+def _column(names: tuple[str, ...], rows: list[tuple[int, int, int, int]]) -> HandleColumn:
+    ids, gens, shards, blocks = (list(x) for x in zip(*rows, strict=True)) if rows else \
+        ([], [], [], [])
+    return HandleColumn.pack(3, GroupName("c4"), Kind.COMPRESSED, 64, 7, ids, gens, shards,
+                             blocks, tuple(ShardId(n) for n in names),
+                             tuple(16 * (int(n[1:]) + 1) for n in names))  # a shard's own
+
+
+@pytest.mark.parametrize("second_names", [("s0", "s1"), ("s1", "s2", "s0")])
+def test_columns_of_split_ranges_join_in_order_over_one_shard_table(
+        second_names: tuple[str, ...]) -> None:
+    """HandleColumn.concat: the pieces' handles in order, each still naming its own shard
+    and stride, whether the partitions' shard tables agree (bytes joined) or not (remapped)."""
+    a = _column(("s0", "s1"), [(10, 1, 0, 5), (11, 2, 1, 6)])
+    b = _column(second_names, [(20, 3, 0, 7), (21, 4, 2 if len(second_names) > 2 else 1, 8)])
+    empty = _column(second_names, [])
+    joined = HandleColumn.concat([a, empty, b])
+    assert joined.handles() == a.handles() + b.handles()
+    assert [joined.strides[joined.shard_names.index(h.shard)] for h in joined.handles()] == [
+        c.strides[c.shard_names.index(h.shard)] for c in (a, b) for h in c.handles()]
+    joined.check()
+    with pytest.raises(ValueError, match="do not join"):
+        HandleColumn.concat([a, replace(b, column=4)])
