@@ -120,13 +120,19 @@ def _any_copy(entry: PrefixEntry, column: int) -> ObjRecord | None:
     return entry.mem[column] or (entry.disk[column] if entry.disk else None)
 
 
-def served(entry: PrefixEntry, column: int, layout: Layout) -> Served:
+Pairs = dict[int, tuple[Served, dict[int, Served]]]  # KV column -> its copies chosen together
+
+
+def served(entry: PrefixEntry, column: int, layout: Layout, pairs: Pairs | None = None
+           ) -> Served:
     """The copy that serves ``column`` at ``entry`` (memory or disk) and its verdict. Layer 3
     holds on the copies served: a COMPRESSED KV and the indexers of it are chosen together, a
     pair of copies whose versions agree (never 0), so an indexer is never served beside a KV
     of another version, and a disk KV and disk indexer synced to each other serve together
     when the memory KV was rewritten. SWA blocks are chosen per resume point
-    (:func:`swa_cover`); this gives the best copy regardless of range."""
+    (:func:`swa_cover`); this gives the best copy regardless of range. ``pairs``: the KV
+    copies chosen with their indexers at this entry, kept across calls for its columns (a
+    summary asks for the KV and each indexer: the choice is made once)."""
     if UNSAFE_LAYER3_OFF:
         rec = _any_copy(entry, column)
         if rec is not None:
@@ -134,14 +140,14 @@ def served(entry: PrefixEntry, column: int, layout: Layout) -> Served:
     col = layout.columns[column]
     if col.kind is Kind.INDEXER:
         assert col.indexes is not None, "INDEXER column without the column it indexes"
-        got = _kv_and_indexers(entry, col.indexes, layout)[1].get(column)
+        got = _pair(entry, col.indexes, layout, pairs)[1].get(column)
         if got is not None:
             return got
         # copies synced to another version than every KV copy here, or none at all
         return None, Reason.INDEXER_STALE if _candidates(entry, column) else \
             _unusable(entry, column)
     if col.kind is Kind.COMPRESSED and layout.indexers_of[column]:
-        return _kv_and_indexers(entry, column, layout)[0]
+        return _pair(entry, column, layout, pairs)[0]
     cands = _candidates(entry, column)
     return cands[0] if cands else (None, _unusable(entry, column))
 
@@ -175,6 +181,16 @@ def _unusable(entry: PrefixEntry, column: int) -> Reason:
     disk = entry.disk[column] if entry.disk else None
     verdict = _DISK_VERDICT.get(disk.state) if disk is not None else None
     return verdict if isinstance(verdict, Reason) else Reason.MISSING_COMPONENT
+
+
+def _pair(entry: PrefixEntry, kv: int, layout: Layout, pairs: Pairs | None
+          ) -> tuple[Served, dict[int, Served]]:
+    if pairs is None:
+        return _kv_and_indexers(entry, kv, layout)
+    got = pairs.get(kv)
+    if got is None:
+        got = pairs[kv] = _kv_and_indexers(entry, kv, layout)
+    return got
 
 
 def _kv_and_indexers(entry: PrefixEntry, kv: int, layout: Layout
@@ -241,10 +257,11 @@ def summarise(entry: PrefixEntry, layout: Layout, align_of: Callable[[ObjRecord]
         drop_memos(entry)
     flags = F_MONO | F_TAIL | F_SWA
     align = 1 << 30
+    pairs: Pairs = {}
     for col in layout.attached[entry.depth % layout.period]:
         kind = layout.columns[col].kind
         ok_bit, load_bit = _BITS[kind]
-        rec, verdict = served(entry, col, layout)
+        rec, verdict = served(entry, col, layout, pairs)
         if verdict == LOAD:
             flags |= load_bit  # at rest on disk: its block (and alignment) is not chosen yet
         elif verdict != READY:

@@ -28,7 +28,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +80,7 @@ class MergedEvents:
                     for ev in pull(self._cursors[i], timeout_s / len(self.pulls)):
                         self._cursors[i] = ev.seq
                         self._numbered += 1
-                        self._pending.append(replace(ev, seq=self._numbered))
+                        self._pending.append(ev._replace(seq=self._numbered))
             return list(self._pending)[:EVENTS_BATCH]
 
 
