@@ -96,10 +96,14 @@ def test_hma_stays_on_with_two_groups(make: Callable[..., Harness]) -> None:
     assert h.geo.spec.groups[0].window == 128
 
 
-@pytest.mark.parametrize("partitions", [1, 2])  # 2: hkv's view split in metadata partitions
+# 2: hkv's view split in metadata partitions; split: each chain too, at fixed depth ranges
+@pytest.mark.parametrize(("partitions", "split"), [(1, False), (2, False), (2, True)])
 def test_blocks_round_trip_and_b_computes_only_the_suffix(make: Callable[..., Harness],
-                                                          partitions: int) -> None:
-    h = make(partitions=partitions)
+                                                          partitions: int, split: bool) -> None:
+    h = make(partitions=partitions, split=split)
+    if split:
+        assert h.system.meta.range_blocks and 384 // h.geo.spec.hash_block_size > \
+            h.system.meta.range_blocks  # the prompt's chain spans ranges
     tokens = prompt(N, seed=1)
     run_a(h, tokens)
     # A's blocks are in hkv, byte for byte what its forward wrote

@@ -15,6 +15,7 @@ import json
 import random
 import re
 import shlex
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,7 @@ from vllm.v1.worker.utils import allocate_kv_cache
 
 from hkv_service.connectors import systems
 from hkv_service.connectors.vllm import HkvConnector, HkvConnectorMetadata, engine_geometry
+from hkv_service.core.layout import Layout
 from workers.inprocess import InProcessConfig, InProcessSystem
 
 TINY = {
@@ -154,15 +156,17 @@ def block_content(view: torch.Tensor, tokens: list[int], group: int, layer: int
 class Harness:
     def __init__(self, model: Path, data_dir: Path, specs: dict[str, KVCacheSpec],
                  name: str, block_size: int = 16, pool_blocks: int = 1024,
-                 partitions: int = 1) -> None:
+                 partitions: int = 1, split: bool = False) -> None:
         self.name = name
         self.cfg = engine_config(model, name, block_size)
         self.kvc = get_kv_cache_configs(self.cfg, [specs], [48 << 20])[0]
         self.cfg.cache_config.num_gpu_blocks = self.kvc.num_blocks
         self.geo = engine_geometry(self.cfg, self.kvc)
-        self.system = InProcessSystem(self.geo.spec, data_dir,
-                                      InProcessConfig(shards=2, blocks_per_group=pool_blocks,
-                                                      partitions=partitions))
+        base = InProcessConfig(shards=2, blocks_per_group=pool_blocks, partitions=partitions)
+        if split:  # every chain split across the partitions every 2 periods (--range-blocks)
+            base = replace(base, state=replace(
+                base.state, range_blocks=2 * Layout(self.geo.spec).period))
+        self.system = InProcessSystem(self.geo.spec, data_dir, base)
         systems.publish(name, self.system)
         sb, hb = resolve_kv_cache_block_sizes(self.kvc, self.cfg)
         self.sched = Scheduler(self.cfg, generate_scheduler_kv_cache_config([self.kvc]),
