@@ -30,7 +30,7 @@ import itertools
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -92,7 +92,10 @@ def range_blocks_of(meta: object) -> int:
 
 
 class PartitionedMetadata:
-    def __init__(self, parts: Sequence[MetadataPort]) -> None:
+    def __init__(self, parts: Sequence[MetadataPort], inline: bool = False) -> None:
+        """``inline``: call the partitions one after another in the caller's thread instead
+        of at once from a pool (partitions in this process: their calls hold one GIL, so
+        threads would only add handoffs)."""
         if not 1 <= len(parts) <= MAX_PARTITIONS:
             raise InvalidInput(f"between 1 and {MAX_PARTITIONS} metadata partitions are "
                                f"supported, got {len(parts)}")
@@ -102,7 +105,8 @@ class PartitionedMetadata:
         self._numbers = itertools.count(1)
         # owner -> (the incarnation handed out, per-partition incarnations, whole pools)
         self._owners: dict[ShardId, tuple[int, list[int], dict[str, PoolConfig]]] = {}
-        self._fan = ThreadPoolExecutor(max_workers=self.count, thread_name_prefix="hkv-part")
+        self._fan: Executor = (_Inline() if inline else ThreadPoolExecutor(
+            max_workers=self.count, thread_name_prefix="hkv-part"))
         self._spec: CacheSpec | None = None
         # a split chain's match holds a lease per range: the match names the first, which
         # names the rest here, until released or past their time
@@ -414,6 +418,18 @@ class PartitionedMetadata:
             if isinstance(r, BaseException):
                 raise r
         return answers  # type: ignore[return-value]
+
+
+class _Inline(Executor):
+    """An executor that runs each call at once, in the caller's thread."""
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        done: Future[T] = Future()
+        try:
+            done.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # handed to whoever asks the future
+            done.set_exception(exc)
+        return done
 
 
 def pool_ranges(pools: Mapping[str, PoolConfig], index: int, count: int

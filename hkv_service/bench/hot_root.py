@@ -89,7 +89,7 @@ def _measure(prompts: Sequence[list[BlockHash]], count: int, range_blocks: int,
     locals_ = [LocalMetadata(CacheState(spec, replace(base, partition=Partition(i, count))))
                for i in range(count)]
     parts = [_Timed(p) for p in locals_]
-    meta = PartitionedMetadata(parts)
+    meta = PartitionedMetadata(parts, inline=True)  # each partition's time its own work
     try:
         meta.register_owner(OWNER, pools_for(layout, 1 << 16))
         write = _Writer(layout, len(prompts[0]), OWNER)
