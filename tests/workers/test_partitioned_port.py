@@ -148,3 +148,37 @@ def test_stats_are_summed_and_kept_per_partition(w: Any) -> None:
     each = stats["partitions"]
     assert [p["partition"] for p in each] == ["0/2", "1/2"]  # type: ignore[index]
     assert stats["gauges"]["owners_alive"] == 2  # type: ignore[index]  # one per partition
+
+
+def test_a_split_allocate_is_all_or_nothing_across_ranges(w: Any) -> None:
+    """An allocate over two ranges of a split chain whose second range's partition refuses
+    (its pools exhausted) leaves nothing of the first range allocated either, as one
+    partition's allocate does."""
+    from hkv_service.core.errors import PoolExhausted
+
+    period = LAYOUT.period
+    parts = [LocalMetadata(CacheState(SPEC, StateConfig(partition=Partition(i, 2),
+                                                        range_blocks=period)))
+             for i in range(2)]
+    hs = next(h for h in (w.prompt(2 * period, seed=s) for s in range(500))
+              if partition_of_root(h[0], 2) != partition_of_root(h[period], 2))
+    down = Down(parts[partition_of_root(hs[period], 2)])
+    wrapped = [down if p is down.inner else p for p in parts]
+    meta = PartitionedMetadata(wrapped)
+    meta.register_owner(OWNER, pools_for(LAYOUT, 30))
+    assert meta.range_blocks == period
+    slots = [AllocRequest(d, LAYOUT.columns[c].name) for d in range(2 * period)
+             for c in LAYOUT.attached[d % period]]
+    real = down.inner.allocate
+
+    def exhausted(*a: Any, **k: Any) -> Any:
+        raise PoolExhausted("no free block")
+
+    down.inner.allocate = exhausted  # type: ignore[method-assign]
+    with pytest.raises(PoolExhausted):
+        meta.allocate(hs, slots)
+    assert [p.state.object_count() for p in parts] == [0, 0]
+    down.inner.allocate = real  # type: ignore[method-assign]
+    got = meta.allocate(hs, slots)
+    assert len(got) == len(slots) and not any(a.existing for a in got)
+    assert all(p.state.object_count() > 0 for p in parts)
