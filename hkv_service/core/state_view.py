@@ -783,7 +783,8 @@ class CacheState:
         with self._lock:
             limit = validate_request(req, self.layout, hash_lengths=False)
             self._check_root(req.block_hashes)
-            self._check_range(req.first_block, len(req.block_hashes), "lookup")
+            if self.range_blocks or req.first_block:  # (a whole chain's lookup: no call)
+                self._check_range(req.first_block, len(req.block_hashes), "lookup")
             if req.lease_ttl_s > self.config.max_lease_ttl_s:
                 raise InvalidInput(
                     f"lease_ttl_s {req.lease_ttl_s} exceeds the maximum "

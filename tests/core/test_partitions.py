@@ -154,3 +154,24 @@ def test_a_restarted_view_never_issues_a_capture_id_of_the_one_before() -> None:
         handles = [h for hs in m.handles.values() for h in hs]
         firsts.add(state.register_capture(handles)[0])
     assert len(firsts) == 8
+
+
+def test_a_range_request_must_match_where_the_view_splits_chains() -> None:
+    """A view keeping chains whole refuses a request from another depth; a splitting view
+    refuses one that crosses a range's end or starts inside a range (a client with another
+    range_blocks fails loudly, never splits a chain elsewhere), and an allocate likewise."""
+    period = Layout(SPEC).period
+    whole = CacheState(SPEC)
+    with pytest.raises(InvalidInput, match="keeps a chain whole"):
+        whole.lookup(LookupRequest(_chain(1, period), first_block=period))
+    split = CacheState(SPEC, StateConfig(range_blocks=period))
+    with pytest.raises(InvalidInput, match="splits chains"):
+        split.lookup(LookupRequest(_chain(2, period + 1)))
+    with pytest.raises(InvalidInput, match="splits chains"):
+        split.lookup(LookupRequest(_chain(3, 1), first_block=1))
+    with pytest.raises(InvalidInput, match="splits chains"):
+        split.allocate(_chain(4, 2 * period), [AllocRequest(0, "c4")])
+    assert split.lookup(LookupRequest(_chain(5, period), first_block=period)).usable_tokens \
+        == period * Layout(SPEC).hash_block  # nothing of its own needed: the range's start
+    with pytest.raises(InvalidInput, match="range_blocks must be 0"):
+        CacheState(SPEC, StateConfig(range_blocks=period + 1))
