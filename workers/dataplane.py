@@ -12,8 +12,14 @@ Read path::
 
 Write path (``write_prefix``)::
 
-    allocate --> per shard: write_blocks(+commits) for COMPRESSED/SWA/TAIL      (phase A)
-             --> per shard: write_blocks(+WRITE_DONE, INDEXER_SYNC at A's KV version)  (B)
+    allocate --> per shard, in parallel: write_blocks(report=False)   bytes in, readable
+             --> transition_many(every readable block's commit)  one call, KVs before the
+                 indexers synced to them (a fresh KV's version is its content version)
+             --> per shard, in parallel: settle_blocks(how its commits went)  tags recorded
+                 for the commits that landed, the rest forgotten
+
+Two metadata calls a request (one more per :data:`~workers.commits.COMMIT_CHUNK` objects past
+the first), whichever shards hold its blocks.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from hkv_service.core.state_view import Allocation, AllocRequest, Match
 from hkv_service.core.states import Event, Kind, Reason, State
 from hkv_service.core.transitions import Params
 
+from .commits import commit_many
 from .link import Pending, ShardLink, ShardUnavailable
 from .partitioned import range_blocks_of
 from .pool import HandleBatch
@@ -223,34 +230,49 @@ class DataPlane:
                 report.failed[slot] = ItemResult(Outcome.FAILED, str(exc))
             return report
         fresh = self._note_allocations(slots, allocs, report)
-        kinds = {s: self.layout.columns[self.layout.by_name[s[1]]].kind for s in slots}
-        first = [s for s in fresh if kinds[s] is not Kind.INDEXER]
-        self._write(block_hashes, first, data, report)
-        # Indexers are synced to the KV written in this call: the fresh ones, and existing
-        # ones left unsynced or synced to a version that moved on (their KV was evicted and
-        # rewritten with other bytes), which would otherwise stay INDEXER_STALE until evicted.
         existing = {s: a for s, a in zip(slots, allocs, strict=True) if a.existing}
+        self._write(block_hashes, self._plan(slots, fresh, existing, data, report), data,
+                    report)
+        return report
+
+    def _plan(self, slots: list[Slot], fresh: list[Slot], existing: Mapping[Slot, Allocation],
+              data: dict[Slot, tuple[Any, Commit]], report: WriteReport) -> list[Slot]:
+        """The slots to write, in the order their commits are reported: the fresh KV, SWA and
+        tail blocks, then the indexers, each synced to its KV's version as this call leaves it
+        (a fresh KV's is its content version, known before it lands). Indexers are synced to
+        the KV written in this call: the fresh ones, and existing ones left unsynced or synced
+        to a version that moved on (their KV was evicted and rewritten with other bytes),
+        which would otherwise stay INDEXER_STALE until evicted."""
+        first = [s for s in fresh if self._kind(s) is not Kind.INDEXER]
+        versions = {s: data[s][1].merged().version for s in first
+                    if self._kind(s) is Kind.COMPRESSED}
         second = []
         for s in slots:
-            if kinds[s] is Kind.INDEXER:
-                kv = self.layout.columns[self.layout.by_name[s[1]]].indexes
-                assert kv is not None
-                kv_slot = (s[0], self.layout.columns[kv].name)
-                version = report.versions.get(kv_slot, self._same_kv(kv_slot, existing, data))
-                old = existing.get(s)
-                if old is not None and (version is None or (
-                        old.state is State.INDEXER_SYNCED and old.version == version)):
-                    continue  # in sync, or nothing to sync it to: leave it alone
-                if version is None:
-                    report.failed[s] = ItemResult(
-                        Outcome.FAILED, "its compressed KV was not written in this call")
-                    continue
-                arr, _ = data[s]
-                data[s] = (arr, Commit((Event.WRITE_DONE, Event.INDEXER_SYNC),
-                                       (None, Params(version=version))))
-                second.append(s)
-        self._write(block_hashes, second, data, report)
-        return report
+            if self._kind(s) is not Kind.INDEXER:
+                continue
+            kv_slot = self._kv_slot(s)
+            version = versions.get(kv_slot, self._same_kv(kv_slot, existing, data))
+            old = existing.get(s)
+            if old is not None and (version is None or (
+                    old.state is State.INDEXER_SYNCED and old.version == version)):
+                continue  # in sync, or nothing to sync it to: leave it alone
+            if version is None:
+                report.failed[s] = ItemResult(
+                    Outcome.FAILED, "its compressed KV was not written in this call")
+                continue
+            arr, _ = data[s]
+            data[s] = (arr, Commit((Event.WRITE_DONE, Event.INDEXER_SYNC),
+                                   (None, Params(version=version))))
+            second.append(s)
+        return first + second
+
+    def _kind(self, slot: Slot) -> Kind:
+        return self.layout.columns[self.layout.by_name[slot[1]]].kind
+
+    def _kv_slot(self, indexer: Slot) -> Slot:
+        kv = self.layout.columns[self.layout.by_name[indexer[1]]].indexes
+        assert kv is not None
+        return (indexer[0], self.layout.columns[kv].name)
 
     @staticmethod
     def _same_kv(kv_slot: Slot, existing: Mapping[Slot, Allocation],
@@ -301,6 +323,10 @@ class DataPlane:
 
     def _write(self, hashes: Sequence[BlockHash], slots: list[Slot],
                data: Mapping[Slot, tuple[Any, Commit]], report: WriteReport) -> None:
+        """Write ``slots`` on their shards (in parallel, bytes only), report every commit of
+        the blocks that became readable in one ``transition_many`` (in ``slots``' order: a
+        KV lands before its indexer's sync), then tell each shard how its commits went (it
+        records the tags of those that landed and forgets the rest)."""
         if not slots:
             return
         handles = [report.handles[s] for s in slots]
@@ -309,17 +335,48 @@ class DataPlane:
         cut = range_blocks_of(self.meta)
         tags = [BlockTag(hashes[d], hashes[d - 1] if d else None, d,
                          route=route_key(hashes[range_anchor(d, cut)])) for d, _ in slots]
-        extra = {"arrays": [data[s][0] for s in slots], "tags": tags,
-                 "commits": [data[s][1] for s in slots]}
-        results = self._by_shard(handles, "write_blocks", extra)
-        for slot, res in zip(slots, results, strict=True):
-            if isinstance(res, ItemResult) and res.ok:
+        commits = [data[s][1] for s in slots]
+        extra = {"arrays": [data[s][0] for s in slots], "tags": tags, "commits": commits}
+        results = self._by_shard(handles, "write_blocks", extra, report=False)
+        written = self._readable(slots, results, report)
+        landed = commit_many(self.meta, [(handles[i], commits[i]) for i in written])
+        outcome: dict[int, ItemResult] = dict(zip(written, landed, strict=True))
+        for i in written:
+            res = outcome[i]
+            if res.ok:
                 report.written += 1
-                if self.layout.columns[self.layout.by_name[slot[1]]].kind is Kind.COMPRESSED:
-                    report.versions[slot] = res.version
+                if self._kind(slots[i]) is Kind.COMPRESSED:
+                    report.versions[slots[i]] = res.version
             else:
+                report.failed[slots[i]] = res
+        settle = [i for i, r in enumerate(results) if isinstance(r, ItemResult) and r.ok]
+        for i in settle:
+            if i not in outcome:  # written but not reported (its KV's write failed): forgotten
+                outcome[i] = report.failed[slots[i]]
+        self._by_shard([handles[i] for i in settle], "settle_blocks", {
+            "tags": [tags[i] for i in settle], "commits": [commits[i] for i in settle],
+            "results": [outcome[i] for i in settle]})
+
+    def _readable(self, slots: list[Slot], results: Sequence[Any],
+                  report: WriteReport) -> list[int]:
+        """The indices of the blocks to commit: written, and an indexer's KV in this call
+        written too (its sync would be refused)."""
+        failed = set()
+        for slot, res in zip(slots, results, strict=True):
+            if not (isinstance(res, ItemResult) and res.ok):
                 report.failed[slot] = res if isinstance(res, ItemResult) else ItemResult(
                     Outcome.FAILED, "unexpected reply")
+                failed.add(slot)
+        out = []
+        for i, slot in enumerate(slots):
+            if slot in failed:
+                continue
+            if self._kind(slot) is Kind.INDEXER and self._kv_slot(slot) in failed:
+                report.failed[slot] = ItemResult(
+                    Outcome.FAILED, "its compressed KV was not written in this call")
+                continue
+            out.append(i)
+        return out
 
     # -- offload ----------------------------------------------------------------------------
 

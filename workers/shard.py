@@ -19,7 +19,10 @@ Lifecycle::
 Data plane (all batched, per-item :class:`~workers.ports.ItemResult`, never raises per item):
 
 * ``write_blocks``: copy all in -> wait readable -> report every item's :class:`Commit`
-  in one ``transition_many`` call (each object's events all or none).
+  in one ``transition_many`` call (each object's events all or none). With
+  ``report=False`` the caller reports them (the data plane: a whole request's, across
+  shards, in one call) and then says how they went (``settle_blocks``: tags recorded for
+  the commits that landed, the other blocks forgotten).
 * ``read_blocks``: generation and occupant re-checked right before the copy; stale -> STALE.
 * ``offload``: begin_offload -> read -> disk put (tag + payload, checksummed, committed) ->
   OFFLOAD_COMMITTED; failures -> OFFLOAD_FAILED with the reason (admission, disk full ...).
@@ -48,13 +51,7 @@ import numpy as np
 from hkv_service.core.admission import AdmissionCap
 from hkv_service.core.allocator import PoolConfig
 from hkv_service.core.errors import (
-    AdmissionRefused,
-    FailedPrecondition,
     HkvError,
-    IllegalTransition,
-    NotFound,
-    ResourceExhausted,
-    StaleHandle,
     UnknownOwner,
     WrongSize,
 )
@@ -64,15 +61,14 @@ from hkv_service.core.partitions import partition_of_id, partition_of_route
 from hkv_service.core.records import Handle
 from hkv_service.core.state_view import (
     ObjectReport,
-    ObjectTransitions,
-    TransitionResult,
     check_report,
 )
 from hkv_service.core.states import Event, Kind, State
 from hkv_service.core.transitions import Params
 from hkv_service.settings import TlsConfig
-from storage import CorruptEntry, DiskFull, DiskKey, DiskTier, NotOnDisk
+from storage import CorruptEntry, DiskKey, DiskTier, NotOnDisk
 
+from .commits import commit_many, commit_one, failure
 from .local import connect
 from .partitioned import (
     PartitionedMetadata,
@@ -102,9 +98,6 @@ __all__ = ["PACK_BELOW", "ShardActor", "ShardConfig"]
 PACK_BELOW = 32 * 1024  # read spans smaller than this are packed into one buffer per call
 LOAD_CHUNK = 8  # disk loads begun, read and finished together (see ShardActor.load)
 CONFIRM_BATCH = 256  # reports per confirm call when the shard registers again
-# Commits reported in one transition_many call: the service holds its lock for a whole call,
-# so a write of thousands of objects goes in calls this size (a 16-block prefix in one).
-COMMIT_CHUNK = 512
 _WRITTEN = ItemResult(Outcome.OK)  # one shared object: a batch of them pickles as memo refs
 _UNREAD = ItemResult(Outcome.FAILED, "not read")  # placeholder while a read is assembled
 
@@ -114,14 +107,6 @@ _HELD = {  # the state a block whose commit landed is vouched for in
     Kind.SWA: State.SWA_VALID,
     Kind.TAIL: State.TAIL_COMPLETE,
     Kind.INDEXER: State.INDEXER_SYNCED,
-}
-_TARGET = {
-    Event.WRITE_DONE: {State.COMPRESSED_READY, State.SWA_VALID, State.INDEXER_WRITTEN,
-                       State.INDEXER_SYNCED},
-    Event.TAIL_DONE: {State.TAIL_COMPLETE},
-    Event.INDEXER_SYNC: {State.INDEXER_SYNCED},
-    Event.OFFLOAD_COMMITTED: {State.ON_DISK, State.ON_DISK_INFLIGHT, State.ON_DISK_READY},
-    Event.LOAD_VERIFIED: {State.ON_DISK_READY},
 }
 
 
@@ -329,11 +314,18 @@ class ShardActor:
         arrays: Sequence[Any],
         tags: Sequence[BlockTag | None] | None = None,
         commits: Sequence[Commit | None] | None = None,
+        report: bool = True,
     ) -> list[ItemResult]:
         """Copy ``arrays[i]`` into ``handles[i]``'s block; once every copy is readable, report
         all the ``commits`` in one ``transition_many`` call (each object's events all or none).
         ``handles`` may be a :class:`~workers.pool.HandleBatch` (what the data plane sends).
-        Results carry the KV version a commit issued, never the handle."""
+        Results carry the KV version a commit issued, never the handle.
+
+        ``report=False``: the caller reports the commits itself (the data plane, a whole
+        request's across shards in one call) once this returns (every OK block is readable
+        then); the commits here only size the blocks, and no tag is recorded until the caller
+        says how its commits went (:meth:`settle_blocks`): a tag vouches only for bytes whose
+        commit landed."""
         batch = HandleBatch.of(handles)
         if len(arrays) != len(batch):
             raise ValueError(f"{len(batch)} handles but {len(arrays)} arrays")
@@ -353,6 +345,9 @@ class ShardActor:
                 out.append(res)
             for group, block in written:  # commits are reported only once bytes are readable
                 self.pools[group].wait(block)
+            if not report:
+                self._bump("writes", len(out))
+                return out
             done = {i: batch[i] for i, res in enumerate(out)
                     if res.ok and (tag_of[i] is not None or commit_of[i] is not None)}
             committed = iter(self._commit_all(
@@ -361,6 +356,35 @@ class ShardActor:
                 c = commit_of[i]
                 out[i] = self._after_write(h, tag_of[i], c, None if c is None else next(committed))
             self._bump("writes", len(out))
+            return out
+
+    def settle_blocks(
+        self,
+        handles: Sequence[Handle],
+        tags: Sequence[BlockTag | None],
+        commits: Sequence[Commit | None],
+        results: Sequence[ItemResult],
+    ) -> list[ItemResult]:
+        """How the caller's reports of the commits of a ``write_blocks(report=False)`` went:
+        ``results[i]`` is what reporting ``commits[i]`` gave. A block whose commit landed
+        gets its tag recorded (as ``write_blocks`` records it), one whose commit was refused
+        is forgotten. A block another object holds by now is left alone (its result says
+        LOST)."""
+        batch = HandleBatch.of(handles)
+        if not len(batch) == len(tags) == len(commits) == len(results):
+            raise ValueError(f"{len(batch)} handles, {len(tags)} tags, {len(commits)} commits "
+                             f"and {len(results)} results")
+        with self._lock:
+            out = []
+            for i in range(len(batch)):
+                h = batch[i]
+                pool = self.pools.get(h.group)
+                if pool is None or not 0 <= h.block < pool.num_blocks or \
+                        int(pool.object_id[h.block]) != h.object_id or \
+                        int(pool.generation[h.block]) != h.generation:
+                    out.append(ItemResult(Outcome.LOST, "the block holds another object now"))
+                    continue
+                out.append(self._after_write(h, tags[i], commits[i], results[i]))
             return out
 
     def _sized(self, column: int, group: str, tag: BlockTag | None, commit: Commit | None,
@@ -422,57 +446,11 @@ class ShardActor:
                         tag.route)
 
     def _commit_all(self, items: Sequence[tuple[Handle, Commit]]) -> list[ItemResult]:
-        """Report every item's commit, :data:`COMMIT_CHUNK` items a ``transition_many`` call."""
-        return [r for first in range(0, len(items), COMMIT_CHUNK)
-                for r in self._commit_chunk(items[first : first + COMMIT_CHUNK])]
-
-    def _commit_chunk(self, items: Sequence[tuple[Handle, Commit]]) -> list[ItemResult]:
-        """Report these items' commits in one ``transition_many`` call; an item's result
-        carries the version its object ends with. An event refused because its object is
-        already in the event's target state (a call re-run) counts as done, as in
-        :meth:`_commit`: that item is reported again without it, with every other such item
-        in one more call (its other events were not applied: all or none)."""
-        out: list[ItemResult | None] = [None] * len(items)
-        todo = {i: ObjectTransitions(h.object_id, c.events,
-                                     [c.params_at(k) for k in range(len(c.events))],
-                                     h.generation) for i, (h, c) in enumerate(items)}
-        while todo:
-            try:
-                replies = self.meta.transition_many(list(todo.values()))
-            except Exception as exc:  # the call itself failed: every item with it
-                return [r or _failure(exc) for r in out]
-            again = {}
-            for (i, item), reply in zip(todo.items(), replies, strict=True):
-                if isinstance(reply, TransitionResult):
-                    out[i] = ItemResult(Outcome.OK, version=reply.version)
-                elif isinstance(reply, IllegalTransition) and reply.index is not None and \
-                        _already_done(reply, item.events[reply.index]):
-                    rest = _without(item, reply.index)
-                    if rest.events:
-                        again[i] = rest
-                    else:
-                        out[i] = ItemResult(Outcome.OK, "already in the target state")
-                else:
-                    out[i] = _refused(reply)
-            todo = again
-        return [r or ItemResult(Outcome.FAILED, "not reported") for r in out]
+        return commit_many(self.meta, items)
 
     def _commit(self, oid: ObjectId, event: Event, params: Params | None = None,
                 generation: int | None = None) -> ItemResult:
-        """Report one transition. A repeat of one already applied (a call re-run after a
-        restart) is recognised by its refusal (:func:`_already_done`), and is OK.
-        Nothing is remembered across calls: the same event legitimately repeats on one object
-        (a disk copy loaded again after its memory copy was dropped, a load failing twice, an
-        indexer re-synced), and a memo that swallowed such a repeat left objects in flight."""
-        try:
-            res = self.meta.transition(oid, event, params, generation)
-        except IllegalTransition as exc:
-            if _already_done(exc, event):
-                return ItemResult(Outcome.OK, "already in the target state")
-            return _refused(exc)
-        except Exception as exc:
-            return _failure(exc)
-        return ItemResult(Outcome.OK, version=res.version)
+        return commit_one(self.meta, oid, event, params, generation)
 
     # -- reads ------------------------------------------------------------------------------
 
@@ -625,7 +603,7 @@ class ShardActor:
         try:
             dh = self.meta.begin_offload(h.object_id, self.shard_id)
         except Exception as exc:
-            return _failure(exc)
+            return failure(exc)
         key = DiskKey(bytes(tag.block_hash), h.group, h.kind.value, h.abi_fingerprint)
         return dh, key, encode_tagged(tag, data)
 
@@ -647,7 +625,7 @@ class ShardActor:
         for (i, dh, key, _), err in zip(staged, errors, strict=True):
             if err is not None:
                 self._commit(dh.object_id, Event.OFFLOAD_FAILED)
-                out[i] = _failure(err)
+                out[i] = failure(err)
                 continue
             out[i] = self._commit(dh.object_id, Event.OFFLOAD_COMMITTED)
             if out[i].ok:
@@ -733,7 +711,7 @@ class ShardActor:
         try:
             return key, self.meta.begin_load(dh.object_id, self.shard_id)
         except Exception as exc:
-            return _failure(exc)
+            return failure(exc)
 
     def _fetch(self, keys: list[DiskKey], sizes: list[int]) -> list[memoryview | Exception]:
         """Each key's verified record, or what went wrong with it. One batch read into one
@@ -786,7 +764,7 @@ class ShardActor:
             self._commit(mh.object_id, Event.LOAD_FAILED)
             if isinstance(exc, NotOnDisk):  # evicted since contains(): gone, like above
                 self._record_gone(mh.object_id)
-            return _failure(exc)
+            return failure(exc)
         return self._finish_load(mh, key, tag, payload)
 
     def _finish_load(self, mh: Handle, key: DiskKey, tag: BlockTag,
@@ -865,45 +843,3 @@ class _Mine:
 
     def object(self, oid: int) -> bool:
         return self.partitions is None or partition_of_id(oid, self.count) in self.partitions
-
-
-def _already_done(exc: IllegalTransition, event: Event) -> bool:
-    """``event`` was refused because its object already is in a state it leads to: the table
-    has no such move from there (no precondition refused it)."""
-    return exc.precondition is None and exc.state in _TARGET.get(event, ())
-
-
-def _refused(err: HkvError) -> ItemResult:
-    """A refused report: an illegal move reads NOT_READABLE with its sentence."""
-    if isinstance(err, IllegalTransition):
-        return ItemResult(Outcome.NOT_READABLE, str(err))
-    return _failure(err)
-
-
-def _without(item: ObjectTransitions, k: int) -> ObjectTransitions:
-    """``item`` less its event ``k`` (and that event's params)."""
-    params = list(item.params) + [None] * (len(item.events) - len(item.params))
-    return item._replace(events=[*item.events[:k], *item.events[k + 1:]],
-                         params=params[:k] + params[k + 1:])
-
-
-def _failure(exc: BaseException) -> ItemResult:
-    """One place mapping what a metadata or disk call raised to an item outcome."""
-    if isinstance(exc, AdmissionRefused):
-        outcome = Outcome.ADMISSION
-    elif isinstance(exc, DiskFull):
-        outcome = Outcome.DISK_FULL
-    elif isinstance(exc, NotOnDisk):
-        outcome = Outcome.MISSING
-    elif isinstance(exc, StaleHandle):
-        outcome = Outcome.STALE
-    elif isinstance(exc, NotFound):
-        outcome = Outcome.LOST
-    elif isinstance(exc, FailedPrecondition):
-        outcome = Outcome.NOT_READABLE
-    elif isinstance(exc, ResourceExhausted):
-        outcome = Outcome.ADMISSION
-    else:
-        outcome = Outcome.FAILED
-    return ItemResult(outcome, f"{type(exc).__name__}: {exc}")
-

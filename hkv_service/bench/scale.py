@@ -6,9 +6,9 @@ Each size runs in a fresh child process (spawned), so its RSS and heap are its o
 registered and heartbeating from a thread every 0.2 s, and a reaper thread doing what
 ``hkv serve``'s expire loop does (``expire_owners`` every 0.5 s, plus ``reap`` slices where the
 view has it). The fill is what writers report, through the view's own methods (in process, no
-RPC): per request one ``allocate`` of its new blocks, then its commit transitions in the data
-plane's two phases (WRITE_DONE / TAIL_DONE, then the indexers' WRITE_DONE + INDEXER_SYNC at
-their KV's version; ``transition_many`` per phase where the view has it). The workload:
+RPC): per request one ``allocate`` of its new blocks, then its commit transitions as the data
+plane reports them (one ``transition_many`` where the view has it: WRITE_DONE / TAIL_DONE, a
+KV's at its content version, then the indexers' WRITE_DONE + INDEXER_SYNC at it). The workload:
 
 * system-prompt roots (2 at 10k, one per 20k objects above, at most 200; 8-128 blocks each,
   Zipf-popular) under which prompts add 4-48 blocks, and follow-up turns (30%) that extend a
@@ -91,6 +91,7 @@ import xxhash
 from ..core.allocator import PoolConfig
 from ..core.errors import HkvError
 from ..core.funnel import LookupRequest
+from ..core.hashing import content_version
 from ..core.ids import BlockHash, ObjectId, PackedHashes, ShardId
 from ..core.layout import Layout
 from ..core.records import Handle
@@ -243,9 +244,9 @@ _Item = tuple[ObjectId, tuple[Event, ...], tuple["Params | None", ...]]
 
 
 class _Writer:
-    """A request's write as a writer reports it: one allocate, then the commit transitions in
-    the data plane's two phases (one ``transition_many`` call per phase where the view has it,
-    else one ``transition`` call per event)."""
+    """A request's write as the data plane reports it: one allocate, then every commit in one
+    ``transition_many`` call where the view has it (KVs at their content version first, then
+    the indexers synced to it), else one ``transition`` call per event."""
 
     def __init__(self, state: CacheState) -> None:
         self.state = state
@@ -265,23 +266,21 @@ class _Writer:
         slots = [(d, c) for d in range(start, len(hashes)) for c in lay.attached[d % lay.period]]
         allocs = self.state.allocate(hashes, [AllocRequest(d, self.names[c]) for d, c in slots])
         self.calls += 1
-        first: list[int] = []
+        order: list[int] = []
         items: list[_Item] = []
+        kv_version: dict[tuple[int, int], int] = {}
         for i, ((d, c), a) in enumerate(zip(slots, allocs, strict=True)):
             if a.existing or kinds[c] is Kind.INDEXER:
                 continue
-            first.append(i)
+            order.append(i)
             if kinds[c] is Kind.TAIL:
                 items.append((a.handle.object_id, (Event.TAIL_DONE,),
                               (Params(tail_len=lay.tail_tokens(c, d)),)))
+            elif kinds[c] is Kind.COMPRESSED:  # what the data plane derives from the bytes
+                v = kv_version[(d, c)] = content_version(hashes[d] + c.to_bytes(2, "little"))
+                items.append((a.handle.object_id, (Event.WRITE_DONE,), (Params(version=v),)))
             else:
                 items.append((a.handle.object_id, (Event.WRITE_DONE,), ()))
-        versions = [a.version for a in allocs]
-        for i, ver in zip(first, self._commit(items), strict=True):
-            versions[i] = ver
-        kv_version = {(d, c): versions[i] for i, (d, c) in enumerate(slots)
-                      if kinds[c] is Kind.COMPRESSED}
-        items = []
         for i, ((d, c), a) in enumerate(zip(slots, allocs, strict=True)):
             if a.existing or kinds[c] is not Kind.INDEXER:
                 continue
@@ -289,10 +288,12 @@ class _Writer:
             version = kv_version.get((d, kv)) if kv is not None else None
             if not version:
                 continue  # its KV was there already, unsynced: left as the data plane leaves it
+            order.append(i)
             items.append((a.handle.object_id, (Event.WRITE_DONE, Event.INDEXER_SYNC),
                           (None, Params(version=version))))
-            versions[i] = version
-        self._commit(items)
+        versions = [a.version for a in allocs]
+        for i, ver in zip(order, self._commit(items), strict=True):
+            versions[i] = ver
         return [(slots[i][0], slots[i][1], allocs[i].handle, versions[i])
                 for i in range(len(slots)) if not allocs[i].existing]
 

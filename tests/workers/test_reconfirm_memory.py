@@ -17,11 +17,15 @@ import numpy as np
 import pytest
 
 from hkv_service.core.funnel import LookupRequest
+from hkv_service.core.layout import Layout
 from hkv_service.core.state_view import AllocRequest
+from hkv_service.core.states import Event, Kind
+from hkv_service.core.transitions import Params
 from hkv_service.specs import default_spec
+from workers.commits import commit_many
 from workers.dataplane import DataPlane, Recompute
 from workers.inprocess import InProcessConfig, InProcessSystem
-from workers.ports import BlockTag, Outcome
+from workers.ports import BlockTag, Commit, Outcome
 
 BLOCKS = 8
 
@@ -131,5 +135,59 @@ def test_a_block_overwritten_after_its_eviction_is_not_vouched_for(tmp_path: Pat
             d, col = slot
             i = list(plane.layout.needed_depths(plane.layout.by_name[col], usable)).index(d)
             assert got[col][i].tobytes() == b2[slot].tobytes(), slot
+    finally:
+        s.close()
+
+
+def test_a_late_settle_of_an_evicted_object_leaves_the_new_occupants_tag(tmp_path: Path,
+                                                                       w: Any) -> None:
+    """The data plane reports a write's commits itself and then settles them at the shard
+    (``settle_blocks``). A settle that arrives after the object was evicted and its blocks
+    written, committed and settled by a second prompt must not overwrite the second's tags:
+    the restarted service would lose the second prompt (and a first-prompt tag must never be
+    vouched for over the second's bytes)."""
+    s = InProcessSystem(default_spec(), tmp_path, InProcessConfig(shards=1,
+                                                                  blocks_per_group=2))
+    try:
+        link = next(iter(s.links.values()))
+        lay = Layout(s.meta.get_spec())
+
+        def stage(hashes: list[bytes], seed: int) -> tuple[list, list, list, list]:
+            blocks, tails = w.prefix_payload(lay, 2, seed=seed)
+            slots = sorted([*blocks, *tails])
+            allocs = s.meta.allocate(hashes, [AllocRequest(d, c) for d, c in slots])
+            handles = [a.handle for a in allocs]
+            tags = [BlockTag(hashes[d], hashes[d - 1] if d else None, d) for d, _ in slots]
+            commits = [Commit((Event.TAIL_DONE,), (Params(tail_len=tails[sl][1]),))
+                       if sl in tails else Commit((Event.WRITE_DONE,)) for sl in slots]
+            data = [blocks[sl] if sl in blocks else tails[sl][0] for sl in slots]
+            out = link.submit("write_blocks", handles, data, tags, commits,
+                              report=False).result(10.0)
+            assert all(r.ok for r in out), out
+            return handles, tags, commits, slots
+
+        first, second = w.prompt(2, seed=30), w.prompt(2, seed=31)
+        h1, t1, c1, slots = stage(first, 30)
+        kv_first = [i for i, sl in enumerate(slots)
+                    if lay.columns[lay.by_name[sl[1]]].kind is not Kind.INDEXER]
+        landed1 = commit_many(s.meta, [(h1[i], c1[i]) for i in kv_first])
+        assert all(r.ok for r in landed1), landed1
+        for h in h1:
+            if h.object_id in s.meta.state.objects:
+                s.meta.state.evict(h.object_id)
+        h2, t2, c2, _ = stage(second, 31)
+        assert {h.block for h in h2} == {h.block for h in h1}
+        keep = kv_first  # (the indexers stay uncommitted: not what this is about)
+        landed2 = commit_many(s.meta, [(h2[i], c2[i]) for i in keep])
+        assert all(r.ok for r in landed2)
+        settled2 = link.submit("settle_blocks", [h2[i] for i in keep], [t2[i] for i in keep],
+                               [c2[i] for i in keep], landed2).result(10.0)
+        assert all(r.ok for r in settled2), settled2
+        late = link.submit("settle_blocks", [h1[i] for i in keep], [t1[i] for i in keep],
+                           [c1[i] for i in keep], landed1).result(10.0)
+        assert [r.outcome for r in late] == [Outcome.LOST] * len(keep)
+        s.restart_service()
+        assert s.meta.state.object_count() == len(keep)  # the second's committed blocks
+        assert s.meta.lookup(LookupRequest(first)).usable_tokens == 0
     finally:
         s.close()

@@ -99,10 +99,10 @@ def write_batch(shard: ShardActor, meta: LocalMetadata, w: Any, n: int,
 def test_a_batch_is_committed_in_one_call_per_chunk(meta: LocalMetadata, data_dir: Path, w: Any,
                                                     monkeypatch: Any, n: int, chunk: int | None,
                                                     calls: int) -> None:
-    import workers.shard
+    import workers.commits
 
     if chunk is not None:
-        monkeypatch.setattr(workers.shard, "COMMIT_CHUNK", chunk)
+        monkeypatch.setattr(workers.commits, "COMMIT_CHUNK", chunk)
     shard = make_shard(meta, data_dir)
     shard.meta = counting = w.CountingPort(shard.meta)
     handles, out = write_batch(shard, meta, w, n, [Commit((Event.WRITE_DONE,))] * n)
