@@ -12,10 +12,10 @@ their own (``clients``), several threads each, every thread with its own
 
 * ``write_objects_per_s``: new 16-block prompts written as the data plane and the shard write
   them (``DataPlane.write_prefix`` -> ``ShardActor.write_blocks``): one ``allocate`` of every
-  object of the prompt (64: 4 per block), then the commits in ``transition_many`` calls: the
-  KV, SWA and tail objects, then the indexers synced to the KV versions the first call issued
-  (3 RPCs a prompt, all to the partition of the prompt's root; ``write_prompts_per_s`` counts
-  the prompts);
+  object of the prompt (64: 4 per block), then every commit in one ``transition_many``: the
+  KV (at its content version), SWA and tail objects, then the indexers synced to those
+  versions (2 RPCs a prompt, both to the partition of the prompt's root;
+  ``write_prompts_per_s`` counts the prompts);
 * ``lookups_per_s``: 1-block lookups (handles packed, no lease) of the roots written, each
   distinct, so they spread over the partitions as roots do (``lookups_by_partition``, from
   each partition's own stats, says how they spread).
@@ -108,8 +108,8 @@ def _chain(i: int) -> list[BlockHash]:
 
 class _Writer:
     """One prompt's write as the data plane and the shard do it: one allocate of every
-    object, then the commits in ``transition_many``: KV, SWA and tails, then the indexers
-    synced to the KV versions the first call issued. Returns the objects committed."""
+    object, then every commit in one ``transition_many``: KV (at its content version), SWA
+    and tails, then the indexers synced to those versions. Returns the objects committed."""
 
     def __init__(self, layout: Layout, blocks: int = REQUEST_BLOCKS, owner: ShardId = OWNER
                  ) -> None:
@@ -125,8 +125,8 @@ class _Writer:
 
     def __call__(self, meta: Any, hashes: Sequence[BlockHash]) -> int:
         allocs = meta.allocate(hashes, self.requests, self.owner)
-        first: list[ObjectTransitions] = []
-        where: list[int] = []
+        items: list[ObjectTransitions] = []
+        versions: dict[int, int] = {}  # a fresh KV's slot -> its version (known up front)
         for k, a in enumerate(allocs):
             if a.existing or self.kinds[k] is Kind.INDEXER:
                 continue
@@ -134,25 +134,20 @@ class _Writer:
             if kind is Kind.TAIL:
                 params = Params(tail_len=self.layout.tail_tokens(c, d))
             elif kind is Kind.COMPRESSED:  # the data plane's content version of the bytes
-                params = Params(version=1 + (int.from_bytes(hashes[d][:6], "little") ^ c))
+                versions[k] = 1 + (int.from_bytes(hashes[d][:6], "little") ^ c)
+                params = Params(version=versions[k])
             else:
                 params = None
             event = Event.TAIL_DONE if kind is Kind.TAIL else Event.WRITE_DONE
-            first.append(ObjectTransitions(a.handle.object_id, (event,), (params,),
+            items.append(ObjectTransitions(a.handle.object_id, (event,), (params,),
                                            a.handle.generation))
-            where.append(k)
-        versions = {k: r.version for k, r in zip(where, _all_done(meta.transition_many(first)),
-                                                 strict=True)}
-        second = [ObjectTransitions(a.handle.object_id, (Event.WRITE_DONE, Event.INDEXER_SYNC),
+        items += [ObjectTransitions(a.handle.object_id, (Event.WRITE_DONE, Event.INDEXER_SYNC),
                                     (None, Params(version=versions[self.kv_of[k]])),
                                     a.handle.generation)
                   for k, a in enumerate(allocs)
                   if self.kinds[k] is Kind.INDEXER and not a.existing
                   and self.kv_of[k] in versions]
-        done = len(first)
-        if second:
-            done += len(_all_done(meta.transition_many(second)))
-        return done
+        return len(_all_done(meta.transition_many(items))) if items else 0
 
 
 def _all_done(results: Sequence[Any]) -> list[Any]:
