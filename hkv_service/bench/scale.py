@@ -24,7 +24,7 @@ Per size, in order:
 * ``bytes_per_object``: RSS growth over the fill (after a full collection) less the bench's
   own books, per object; ``rss_mib`` the child's whole RSS;
 * the child runs the service's GC policy (``server/gcpolicy.py``: automatic collection off, a
-  collection of what is new every second, its survivors frozen), as ``hkv serve`` does:
+  collection of what is new every 0.25 s, its survivors frozen), as ``hkv serve`` does:
   ``service_gc_longest_ms`` its longest collection. The baseline beside it, ``full_gc_ms``:
   one full ``gc.collect()`` over the whole filled heap, frozen part included (what CPython's
   automatic gen-2 collection costs at this size); ``fill_gc_max_pause_ms``: the longest
