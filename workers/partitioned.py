@@ -302,9 +302,13 @@ class PartitionedMetadata:
         if len(groups) == 1:
             return self.parts[next(iter(groups))].transition_many(items)
         out: list[TransitionResult | HkvError] = [HkvError("not answered")] * len(items)
-        answers = self._raising(self._each(
-            lambda i, p: p.transition_many([items[k] for k in groups[i]]), sorted(groups)))
+        answers = self._each(
+            lambda i, p: p.transition_many([items[k] for k in groups[i]]), sorted(groups))
         for i, results in answers:
+            if isinstance(results, HkvError):  # that partition's items only: the others
+                results = [results] * len(groups[i])  # were applied, and must say so
+            elif isinstance(results, BaseException):
+                raise results
             for k, res in zip(groups[i], results, strict=True):
                 out[k] = res
         return out

@@ -18,7 +18,7 @@ from hkv_service.core.state_view import (
     ObjectTransitions,
     StateConfig,
 )
-from hkv_service.core.states import Event
+from hkv_service.core.states import Event, State
 from hkv_service.core.transitions import Params
 from hkv_service.specs import default_spec
 from hkv_service.testing import pools_for
@@ -98,6 +98,25 @@ def test_transition_many_is_split_by_partition_and_answered_in_order(w: Any) -> 
     assert [type(r).__name__ for r in got][1] == "IllegalTransition"
     ok = [r for k, r in enumerate(got) if k != 1]
     assert [r.object_id for r in ok] == oids  # type: ignore[union-attr]
+
+
+def test_a_partition_down_fails_only_its_own_items(w: Any) -> None:
+    """transition_many is per item: the items of a partition that answered were applied and
+    say so. (Raising for all made the data plane forget the bytes of commits that had
+    landed: objects READY over blocks their shard no longer vouched for.)"""
+    parts = _parts(2)
+    down = Down(parts[1])
+    meta = PartitionedMetadata([parts[0], down])  # type: ignore[list-item]
+    meta.register_owner(OWNER, pools_for(LAYOUT, 16))
+    oids = [meta.allocate(_rooted(w, 2, i), [AllocRequest(d, "c4")], OWNER)[0].handle.object_id
+            for i, d in ((0, 0), (1, 0), (0, 1))]
+    down.down = True
+    got = meta.transition_many([ObjectTransitions(o, (Event.WRITE_DONE,), (Params(version=9),))
+                                for o in oids])
+    assert isinstance(got[1], Unavailable)
+    assert [r.object_id for r in (got[0], got[2])] == [oids[0], oids[2]]  # type: ignore[union-attr]
+    assert {parts[0].state.objects[o].state for o in (oids[0], oids[2])} == {
+        State.COMPRESSED_READY}
 
 
 def test_heartbeat_names_the_partitions_that_forgot_the_owner() -> None:
