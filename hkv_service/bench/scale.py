@@ -576,14 +576,15 @@ class _Scale:
         fill_s = time.perf_counter() - t0
         self.rows_at_fill = len(self.books.rows[0])  # what re-confirm reports
         fill_pauses = self.gc.since(t0)
-        frozen = gc.get_freeze_count()
-        gc.unfreeze()  # the service's policy froze the heap: walk all of it, this once
-        gc.collect()  # the fill's garbage
-        t = time.perf_counter()
-        gc.collect()  # the filled heap: what an automatic full collection walks
-        full_gc = time.perf_counter() - t
-        if frozen:
-            gc.freeze()
+        with gcpolicy.paused():  # (else the policy may freeze it all again in between)
+            frozen = gc.get_freeze_count()
+            gc.unfreeze()  # the service's policy froze the heap: walk all of it, this once
+            gc.collect()  # the fill's garbage
+            t = time.perf_counter()
+            gc.collect()  # the filled heap: what an automatic full collection walks
+            full_gc = time.perf_counter() - t
+            if frozen:
+                gc.freeze()
         rss = _rss_bytes()
         objects = self.state.object_count()
         gauges = self.state.stats()["gauges"]

@@ -29,12 +29,15 @@ import gc
 import logging
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
-__all__ = ["COLLECT_EVERY_S", "GcStats", "install"]
+__all__ = ["COLLECT_EVERY_S", "GcStats", "install", "paused"]
 
 COLLECT_EVERY_S = 0.25
 log = logging.getLogger(__name__)
+_ONE_AT_A_TIME = threading.Lock()  # the policy's collection, or a caller's walk (paused)
 
 
 @dataclass(slots=True)
@@ -60,13 +63,23 @@ def _collect_loop(stop: threading.Event, every_s: float, stats: GcStats) -> None
         collect_young(stats)
 
 
+@contextmanager
+def paused() -> Iterator[None]:
+    """No collection (nor freeze) by the policy while the caller walks the heap itself: a
+    baseline full collection (``hkv bench scale``'s ``full_gc_ms``) that unfreezes the heap
+    would otherwise find that the policy froze it again in the meantime, and time nothing."""
+    with _ONE_AT_A_TIME:
+        yield
+
+
 def collect_young(stats: GcStats) -> None:
     """One bounded collection: everything older is frozen, so this walks only what was
     allocated since the last one; its survivors are frozen in turn."""
-    t0 = time.perf_counter()
-    found = gc.collect()
-    gc.freeze()
-    pause = time.perf_counter() - t0
+    with _ONE_AT_A_TIME:
+        t0 = time.perf_counter()
+        found = gc.collect()
+        gc.freeze()
+        pause = time.perf_counter() - t0
     stats.collections += 1
     stats.collected += found
     stats.longest_pause_s = max(stats.longest_pause_s, pause)
