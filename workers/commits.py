@@ -120,20 +120,16 @@ def _without(item: ObjectTransitions, k: int) -> ObjectTransitions:
 
 def failure(exc: BaseException) -> ItemResult:
     """One place mapping what a metadata or disk call raised to an item outcome."""
-    if isinstance(exc, AdmissionRefused):
-        outcome = Outcome.ADMISSION
-    elif isinstance(exc, DiskFull):
-        outcome = Outcome.DISK_FULL
-    elif isinstance(exc, NotOnDisk):
-        outcome = Outcome.MISSING
-    elif isinstance(exc, StaleHandle):
-        outcome = Outcome.STALE
-    elif isinstance(exc, NotFound):
-        outcome = Outcome.LOST
-    elif isinstance(exc, FailedPrecondition):
-        outcome = Outcome.NOT_READABLE
-    elif isinstance(exc, ResourceExhausted):
-        outcome = Outcome.ADMISSION
-    else:
-        outcome = Outcome.FAILED
+    outcome = next((o for kind, o in _OUTCOME_OF if isinstance(exc, kind)), Outcome.FAILED)
     return ItemResult(outcome, f"{type(exc).__name__}: {exc}")
+
+
+_OUTCOME_OF: tuple[tuple[type[BaseException], Outcome], ...] = (  # first match wins
+    (AdmissionRefused, Outcome.ADMISSION),
+    (DiskFull, Outcome.DISK_FULL),
+    (NotOnDisk, Outcome.MISSING),
+    (StaleHandle, Outcome.STALE),
+    (NotFound, Outcome.LOST),
+    (FailedPrecondition, Outcome.NOT_READABLE),
+    (ResourceExhausted, Outcome.ADMISSION),
+)

@@ -350,8 +350,8 @@ class ShardActor:
                 return out
             done = {i: batch[i] for i, res in enumerate(out)
                     if res.ok and (tag_of[i] is not None or commit_of[i] is not None)}
-            committed = iter(self._commit_all(
-                [(h, c) for i, h in done.items() if (c := commit_of[i]) is not None]))
+            committed = iter(commit_many(
+                self.meta, [(h, c) for i, h in done.items() if (c := commit_of[i]) is not None]))
             for i, h in done.items():
                 c = commit_of[i]
                 out[i] = self._after_write(h, tag_of[i], c, None if c is None else next(committed))
@@ -379,9 +379,13 @@ class ShardActor:
             for i in range(len(batch)):
                 h = batch[i]
                 pool = self.pools.get(h.group)
-                if pool is None or not 0 <= h.block < pool.num_blocks or \
-                        int(pool.object_id[h.block]) != h.object_id or \
-                        int(pool.generation[h.block]) != h.generation:
+                if pool is None or not 0 <= h.block < pool.num_blocks:
+                    out.append(ItemResult(Outcome.FAILED, f"bad handle: {h.group!r} block "
+                                                          f"{h.block}"))
+                    continue
+                try:  # the read check: is (generation, object) still the block's?
+                    pool.check(h.block, h.generation, h.object_id)
+                except StaleRead:
                     out.append(ItemResult(Outcome.LOST, "the block holds another object now"))
                     continue
                 out.append(self._after_write(h, tags[i], commits[i], results[i]))
@@ -444,9 +448,6 @@ class ShardActor:
         version = m.version if m.version is not None else version
         return BlockTag(tag.block_hash, tag.parent_hash, tag.depth, version or tag.version, lo, hi,
                         tag.route)
-
-    def _commit_all(self, items: Sequence[tuple[Handle, Commit]]) -> list[ItemResult]:
-        return commit_many(self.meta, items)
 
     def _commit(self, oid: ObjectId, event: Event, params: Params | None = None,
                 generation: int | None = None) -> ItemResult:

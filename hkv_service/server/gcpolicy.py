@@ -11,10 +11,10 @@ So the service process:
   objects are never scanned again);
 * every :data:`COLLECT_EVERY_S` (0.25 s) collects once and freezes the survivors. A
   collection scans only what was allocated since the last one, so its pause is bounded by
-  the allocation rate over that period, not by the state's size. (At 1 s, a re-confirm
-  rebuilding a view of 1M objects left 114-130 ms of new objects for one collection; at
-  0.25 s the longest was 38 ms, `hkv bench scale`, 2026-12-02. Scanning each new object
-  once costs the same either way.) Cycles made by other libraries (gRPC, logging) that are
+  the allocation rate over that period, not by the state's size. (`hkv bench scale` at
+  1M objects, 2026-12-02: at 1 s the longest collection was 114 ms, during the re-confirm
+  that rebuilds the view; at 0.25 s, 38 ms. Scanning each new object once costs the same
+  either way.) Cycles made by other libraries (gRPC, logging) that are
   garbage by then are collected; one that becomes garbage only after it was frozen stays
   (the price of never walking the heap; the core makes none).
 

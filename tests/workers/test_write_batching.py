@@ -99,31 +99,23 @@ def test_every_shard_records_the_tags_of_what_landed(restartable: InProcessSyste
     _same_bytes(plane, hashes, blocks, usable)
 
 
-class _EvictBeforeCommit:
-    """A metadata port that evicts ``victims`` (object ids) right before forwarding a
-    ``transition_many``: their bytes are in, their commits are refused."""
+class _BeforeCommit:
+    """A metadata port that runs ``hook`` right before forwarding a ``transition_many``
+    (while the bytes are in and no commit has landed)."""
 
-    def __init__(self, inner: Any, victims: set[int]) -> None:
-        self.inner, self.victims = inner, victims
+    def __init__(self, inner: Any, hook: Callable[[], None]) -> None:
+        self.inner, self.hook = inner, hook
 
     def transition_many(self, items: Any) -> Any:
-        for oid in list(self.victims):
-            self.inner.evict(oid)
+        self.hook()
         return self.inner.transition_many(items)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
 
-class _CommitCallFails:
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-
-    def transition_many(self, items: Any) -> Any:
-        raise ConnectionError("the service went away mid-call")
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
+def _went_away() -> None:
+    raise ConnectionError("the service went away mid-call")
 
 
 def _same_bytes(plane: DataPlane, hashes: list[bytes], blocks: dict, usable: int) -> None:
@@ -167,7 +159,11 @@ def test_a_refused_commit_is_no_hit_and_its_bytes_are_forgotten(restartable: InP
         victims.add(allocs[slots.index(victim_slot)].handle.object_id)
         return allocs
 
-    port = _EvictBeforeCommit(system.meta, victims)
+    def evict_victims() -> None:
+        for oid in victims:
+            system.meta.evict(oid)
+
+    port = _BeforeCommit(system.meta, evict_victims)
     port.allocate = allocate  # type: ignore[attr-defined]
     plane = DataPlane(port, system.links)
     report = plane.write_prefix(hashes, blocks, tails)
@@ -194,7 +190,7 @@ def test_a_refused_commit_is_no_hit_and_its_bytes_are_forgotten(restartable: InP
 def test_a_failed_commit_call_leaves_nothing_behind(restartable: InProcessSystem,
                                                     w: Any) -> None:
     system = restartable
-    plane = DataPlane(_CommitCallFails(system.meta), system.links)
+    plane = DataPlane(_BeforeCommit(system.meta, _went_away), system.links)
     hashes = w.prompt(BLOCKS, seed=22)
     blocks, tails = w.prefix_payload(plane.layout, BLOCKS, seed=22)
     report = plane.write_prefix(hashes, blocks, tails)  # it raises nothing
@@ -244,3 +240,23 @@ def test_a_failed_shard_write_commits_neither_the_block_nor_its_indexers(
     assert 0 < usable <= kv[0] * lay.hash_block
     _same_bytes(plane, hashes, blocks, usable)
 
+
+
+def test_a_write_past_one_commit_chunk_lands_whole(system: InProcessSystem, w: Any,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request of more objects than one call takes goes in several, in order: the KVs'
+    chunks before the indexers' (an indexer's sync in an earlier call than its KV's commit
+    would be refused), each object's events all or none."""
+    import workers.commits
+
+    monkeypatch.setattr(workers.commits, "COMMIT_CHUNK", 10)
+    plane, calls = counted(system, w)
+    hashes = w.prompt(BLOCKS, seed=25)
+    blocks, tails = w.prefix_payload(plane.layout, BLOCKS, seed=25)
+    report = plane.write_prefix(hashes, blocks, tails)
+    assert report.ok, report.failed
+    objects = len(blocks) + len(tails)
+    assert calls == {"allocate": 1, "transition_many": -(-objects // 10)}, calls
+    usable = system.meta.lookup(LookupRequest(hashes)).usable_tokens
+    assert usable == BLOCKS * plane.layout.hash_block
+    _same_bytes(plane, hashes, blocks, usable)
