@@ -54,7 +54,11 @@ Per size, in order:
 * re-confirm: a fresh view, owner ``shard-0`` registered with its pools, then what it held at
   the end of the fill (memory objects and its disk records) in random order, ``confirm`` in
   batches of 256 as ``workers/shard.py`` sends them, for at most a time budget:
-  ``reconfirm_reports_per_s`` (and whether it finished).
+  ``reconfirm_reports_per_s`` (and whether it finished). A confirm leaves each entry's summary
+  to the first walk that reaches it (``contracts.defer``); the bench then pays them all at
+  once (``CacheState.settle_pending``: ``reconfirm_pending_entries``, ``reconfirm_settle_ms``),
+  and ``reconfirm_with_summaries_reports_per_s`` counts that time too: the target is judged
+  on it.
 
 Once per run (a child too): the data plane itself (``DataPlane.write_prefix`` on an
 ``InProcessSystem``: 2 real shards, their pools and LMDB tiers), a 16-block request at a time:
@@ -831,8 +835,17 @@ class _Scale:
                 last = now
                 _say(f"[{name}] re-confirm {done:,} / {len(reports):,} "
                      f"({done / busy:,.0f}/s, {now - t0:.0f} s)")
+        # what the re-confirm left to the walks (each entry summarised once, when first read),
+        # paid here at once: the rate with it counts every summary a rebuild needs
+        t = time.perf_counter()
+        pending = state.settle_pending()
+        settle = time.perf_counter() - t
+        total = busy + settle
         return {
             "reconfirm_reports_per_s": done / busy if busy else 0.0,
+            "reconfirm_with_summaries_reports_per_s": done / total if total else 0.0,
+            "reconfirm_pending_entries": float(pending),
+            "reconfirm_settle_ms": settle * 1e3,
             "reconfirm_reports": float(done),
             "reconfirm_reports_total": float(len(reports)),
             "reconfirm_confirmed": float(confirmed),
@@ -982,6 +995,7 @@ _PER_SIZE_RATIOS = (
     "lookup2048_p50_ms", "lookup2048_p99_ms", "lookup2048_max_ms",
     "longest_pause_ms", "heartbeat_max_ms", "write_objects_per_s", "service_gc_longest_ms",
     "owner_loss_hold_ms", "owner_loss_max_hold_ms", "reconfirm_reports_per_s",
+    "reconfirm_with_summaries_reports_per_s",
 )
 TARGETS = {
     "target_lookup_p99_ratio_max": 2.0,  # p99 lookup at 1M <= 2x its 10k value
@@ -1006,8 +1020,9 @@ def _targets(per_size: dict[int, dict[str, Any]], plane: dict[str, Any]
     out["owner_loss_hold_met"] = all(
         f["owner_loss_hold_ms"] <= TARGETS["target_owner_loss_hold_ms_max"]
         for f in per_size.values())
-    out["reconfirm_rate_met"] = all(
-        f["reconfirm_reports_per_s"] >= TARGETS["target_reconfirm_reports_per_s_min"]
+    out["reconfirm_rate_met"] = all(  # with the summaries it left to the walks, paid
+        f["reconfirm_with_summaries_reports_per_s"]
+        >= TARGETS["target_reconfirm_reports_per_s_min"]
         for f in per_size.values())
     out["write_rpcs_met"] = (plane["write_rpcs_per_request_max"]
                              <= TARGETS["target_write_rpcs_per_request_max"])

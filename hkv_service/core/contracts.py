@@ -21,6 +21,7 @@ __all__ = [
     "F_LOAD_SWA",
     "F_LOAD_TAIL",
     "F_MONO",
+    "F_PENDING",
     "F_SWA",
     "F_TAIL",
     "LOAD",
@@ -28,7 +29,9 @@ __all__ = [
     "RecoveryContract",
     "Verdict",
     "column_verdict",
+    "defer",
     "served",
+    "settled",
     "summarise",
     "swa_cover",
 ]
@@ -43,6 +46,9 @@ F_SWA = 4  # every SWA column at this entry is READY or LOAD (range checked by t
 F_LOAD_MONO = 8
 F_LOAD_TAIL = 16
 F_LOAD_SWA = 32
+# Records changed since the last summary, which is left to the first walk that reaches the
+# entry (:func:`defer`): set alone, with gate 0, so the entry passes no gate until then.
+F_PENDING = 64
 
 _NOT_YET = {State.ALLOCATED: Reason.NOT_WRITTEN, State.WRITING: Reason.NOT_WRITTEN}
 _DISK_VERDICT: dict[State, Verdict] = {
@@ -251,7 +257,8 @@ def summarise(entry: PrefixEntry, layout: Layout, align_of: Callable[[ObjRecord]
     monotone columns' served copies (needed by every reader past this block); a TAIL or SWA
     block is needed only at some resume points, so the funnel checks its served copy there,
     and a misaligned one never stops the walk. Drops the entry's packed handle row and
-    lookup memos: every change to an entry's records passes through here."""
+    lookup memos: every change to an entry's records passes through here (or through
+    :func:`defer`, which drops them too and leaves the summary to the walk)."""
     entry.row = None
     if entry.memos:
         drop_memos(entry)
@@ -271,3 +278,30 @@ def summarise(entry: PrefixEntry, layout: Layout, align_of: Callable[[ObjRecord]
             align = min(align, align_of(rec))
     entry.flags = flags
     entry.gate = align if flags & F_MONO else 0
+
+
+def defer(entry: PrefixEntry) -> None:
+    """``entry``'s records changed; summarise it when a walk reaches it (:func:`settled`),
+    not now. A re-confirm in random order touches an entry once per column, each time in
+    another batch: deferred, the entry is summarised once, and only if something reads it.
+    Until then it passes no gate (a walk that cannot summarise stops there: fail closed), and
+    what was computed through it (packed row, memos, walk segments) goes now, as
+    :func:`summarise` drops it. A pending entry has none of them: only a walk that passed
+    it builds them."""
+    if entry.flags & F_PENDING:
+        return
+    entry.row = None
+    if entry.memos:
+        drop_memos(entry)
+    entry.flags, entry.gate = F_PENDING, 0
+
+
+def settled(entry: PrefixEntry, need: int, layout: Layout | None,
+            align_of: Callable[[ObjRecord], int] | None) -> bool:
+    """Whether a walk stopped at ``entry`` passes it once it is summarised: only a pending
+    entry (:func:`defer`) is summarised here, and only by a walk given the layout and a
+    way to tell alignments (else it stops there)."""
+    if not entry.flags & F_PENDING or layout is None or align_of is None:
+        return False
+    summarise(entry, layout, align_of)
+    return entry.gate >= need

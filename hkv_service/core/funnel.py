@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from . import contracts, segments
-from .contracts import F_MONO, F_TAIL, LOAD, READY, column_verdict, served, swa_cover
+from .contracts import F_MONO, F_TAIL, LOAD, READY, column_verdict, served, settled, swa_cover
 from .errors import BadHash, InvalidInput, PositionBeyondHashes, UnknownGroup
 from .ids import BlockHash, GroupName, PackedHashes, check_hash_lengths
 from .layout import Layout
@@ -124,7 +124,8 @@ def run_funnel(
     index: Mapping[BlockHash, PrefixEntry], layout: Layout, req: LookupRequest, limit: int,
     segment_blocks: int = 0, align_of: AlignOf | None = None,
 ) -> FunnelResult:
-    """The funnel over ``index``. It changes no state; with ``segment_blocks`` > 0 the walk
+    """The funnel over ``index``. It changes no state (it summarises a pending entry it
+    reaches, ``contracts.defer``: derived, not state); with ``segment_blocks`` > 0 the walk
     goes by certified runs of that many blocks where it can (core/segments.py) and certifies
     the runs it walked whole twice. ``align_of`` is needed for alignments above 1."""
     abi = _abi_downgrades(req, layout)
@@ -140,12 +141,15 @@ def run_funnel(
             and not first else None)
     runs: list[Segment | None] = []
     if data is not None:
-        entries, runs = segments.walk(index, data, max_entries, need, segment_blocks)
+        entries, runs = segments.walk(index, data, max_entries, need, segment_blocks,
+                                      layout, align_of)
     else:
         entries = []
         append = entries.append
         for e in map(index.get, itertools.islice(hashes, max_entries)):  # lookups at C speed
-            if e is None or e.gate < need:  # gate: F_MONO and byte alignment folded in one int
+            # gate: F_MONO and byte alignment folded in one int (a pending entry: 0 until
+            # summarised here, contracts.defer)
+            if e is None or (e.gate < need and not settled(e, need, layout, align_of)):
                 break
             append(e)
     n = len(entries)

@@ -7,15 +7,15 @@ funnel's walk plus packing costs ~0.15 us per block in Python (``hkv bench core`
 memo keeps the funnel's result and the packed handle columns of a lookup whose walk matched
 every hash it was given, and registers itself on every entry of that path.
 ``contracts.summarise`` (every change to an entry's records passes through it, as it does for
-the entry's cached handle row) drops the entry's memos, so a memo never outlives the state it
-was computed from::
+the entry's cached handle row, or through ``contracts.defer``, which leaves the summary to the
+next walk) drops the entry's memos, so a memo never outlives the state it was computed from::
 
     lookup(key, hashes) --hit (live, same bytes)--> result, columns          (O(1) + memcmp)
                         --miss--> bisect for the first missing hash k: the memo of
                                   hashes[:k] live and byte-equal? --> its answer (not replayed)
                         --else--> walk --complete walk, key seen before--> new memo
                                        --stopped at a miss at k, seen before--> memo of [:k]
-    any change to entry e --> summarise(e) --> every memo registered on e is dropped
+    any change to entry e --> summarise(e) or defer(e) --> every memo registered on e is dropped
 
 A walk that stops at a hash the index lacks answers what a lookup of the hashes before it
 would (a plain miss adds no downgrade), so new questions over one cached document share the

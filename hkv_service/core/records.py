@@ -13,9 +13,9 @@ Column layout of a prefix entry (one entry per hash block)::
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, fields, replace
-from typing import Any, ClassVar, Protocol
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import ClassVar, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -250,9 +250,6 @@ _KIND_BASE: dict[Kind, type[ObjRecord]] = {
     Kind.TAIL: TailRecord,
     Kind.DISK: DiskRecord,
 }
-_FIELDS: dict[type[ObjRecord], frozenset[str]] = {
-    cls: frozenset(f.name for f in fields(cls)) for cls in set(_KIND_BASE.values())
-}
 
 
 @functools.cache
@@ -263,16 +260,33 @@ def record_type(kind: Kind, column: int) -> type[ObjRecord]:
     return type(name, (base,), {"__slots__": (), "kind": kind, "column": column})
 
 
+# (kind, column) -> record class, filled by new_record: a plain dict read is ~2x cheaper than
+# record_type's cache, and a re-confirm makes a record per report
+_TYPES: dict[tuple[Kind, int], tuple[Callable[..., ObjRecord], type[ObjRecord]]] = {}
+
+
 def new_record(
     kind: Kind, column: int, object_id: ObjectId, entry: PrefixEntry, state: State,
-    shard: ShardId, block: int, generation: int, **kind_fields: Any,
+    shard: ShardId, block: int, generation: int, *, version: int = 0, lo: int = 0,
+    hi: int = 0, inner: Kind | None = None, disk_owner: ShardId | None = None,
 ) -> ObjRecord:
-    """A record of ``kind`` in ``column``; ``kind_fields`` the kind does not store (``lo`` of
-    a COMPRESSED object, say) are dropped: they mean nothing for it."""
-    cls = record_type(kind, column)
-    known = _FIELDS[_KIND_BASE[kind]]
-    extra = {k: v for k, v in kind_fields.items() if k in known}
-    return cls(object_id, entry, state, shard, block, generation, **extra)
+    """A record of ``kind`` in ``column``; the fields the kind does not store (``lo`` of a
+    COMPRESSED object, say) are dropped: they mean nothing for it. (Positional arguments, in
+    each class's field order: ~4x cheaper than keywords filtered by name.)"""
+    got = _TYPES.get((kind, column))
+    if got is None:
+        cls = record_type(kind, column)
+        got = _TYPES[(kind, column)] = (cls, _KIND_BASE[kind])
+    make, base = got
+    if base is VersionedRecord:
+        return make(object_id, entry, state, shard, block, generation, 0, version)
+    if base is SwaRecord:
+        return make(object_id, entry, state, shard, block, generation, 0, lo, hi)
+    if base is TailRecord:
+        return make(object_id, entry, state, shard, block, generation, 0, hi)
+    assert base is DiskRecord
+    return make(object_id, entry, state, shard, block, generation, 0, version, lo, hi, inner,
+                disk_owner)
 
 
 @dataclass(slots=True, eq=False)
@@ -281,7 +295,8 @@ class PrefixEntry:
 
     ``flags`` and ``gate`` summarise readiness of all columns so the funnel's walk is one
     dict lookup plus one integer test per block; they are recomputed by the state view after
-    every transition that touches this entry (see ``contracts.summarise``).
+    every transition that touches this entry (see ``contracts.summarise``), or, after a
+    confirm, by the first walk that reaches it (``contracts.defer``: pending until then).
     """
 
     block_hash: BlockHash

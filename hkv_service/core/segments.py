@@ -7,7 +7,8 @@ prefix (a document many questions ask about, a long chat history). A segment cer
 aligned run of ``S`` blocks ``[j*S, (j+1)*S)``: those ``S`` hashes, byte for byte, are in the
 index as these entries, each with ``gate >= Segment.gate``. It hangs on the run's last entry and
 registers itself on all ``S`` entries; ``contracts.summarise`` (every change to an entry passes
-through it) drops it with the entry's memos, so a segment never outlives what it certifies::
+through it, or through ``contracts.defer``) drops it with the entry's memos, so a segment never
+outlives what it certifies::
 
     walk, run j:  end = index[h[(j+1)*S - 1]]
                   end.segment live, gate >= need, hashes == h[j*S:(j+1)*S] (one memcmp)?
@@ -27,15 +28,18 @@ from __future__ import annotations
 import functools
 import operator
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
+from .contracts import settled
 from .ids import BLOCK_HASH_BYTES, BlockHash, PackedHashes
-from .records import PrefixEntry, Segment, register
+from .layout import Layout
+from .records import ObjRecord, PrefixEntry, Segment, register
 
 __all__ = ["DEFAULT_SEGMENT_BLOCKS", "Segment", "first_missing", "walk"]
 
 DEFAULT_SEGMENT_BLOCKS = 64
 _GATE = operator.attrgetter("gate")
+AlignOf = Callable[[ObjRecord], int]
 
 
 # Hangs on a run's last entry after its first whole walk: the second builds the segment.
@@ -48,7 +52,8 @@ def _splitter(n: int) -> struct.Struct:
 
 
 def walk(index: Mapping[BlockHash, PrefixEntry], data: bytes, count: int, need: int,
-         size: int) -> tuple[list[PrefixEntry], list[Segment | None]]:
+         size: int, layout: Layout | None = None, align_of: AlignOf | None = None
+         ) -> tuple[list[PrefixEntry], list[Segment | None]]:
     """The entries of the first ``count`` hashes of ``data`` (packed, 16 bytes each) while
     each is present with ``gate >= need``, as the per-block walk finds them; and, for each
     whole run of ``size`` blocks among them, the segment that certified it (None: walked
@@ -67,22 +72,24 @@ def walk(index: Mapping[BlockHash, PrefixEntry], data: bytes, count: int, need: 
             entries += seg.entries
             used.append(seg)
             continue
-        if not _blocks(index, split(data, lo), need, entries):
+        if not _blocks(index, split(data, lo), need, entries, layout, align_of):
             return entries, used
         assert end is not None and entries[-1] is end  # the run was walked whole
         used.append(_certify(end, data[lo : lo + run_bytes], entries[-size:]))
     tail = count % size
     if tail:
-        _blocks(index, _splitter(tail).unpack_from(data, (count - tail) * hb), need, entries)
+        _blocks(index, _splitter(tail).unpack_from(data, (count - tail) * hb), need, entries,
+                layout, align_of)
     return entries, used
 
 
 def _blocks(index: Mapping[BlockHash, PrefixEntry], hashes: Sequence[BlockHash], need: int,
-            out: list[PrefixEntry]) -> bool:
-    """The per-block walk over ``hashes``, appending to ``out``; False where it stopped."""
+            out: list[PrefixEntry], layout: Layout | None, align_of: AlignOf | None) -> bool:
+    """The per-block walk over ``hashes``, appending to ``out``; False where it stopped (a
+    pending entry is summarised first: ``contracts.defer``)."""
     append = out.append
     for e in map(index.get, hashes):
-        if e is None or e.gate < need:
+        if e is None or (e.gate < need and not settled(e, need, layout, align_of)):
             return False
         append(e)
     return True

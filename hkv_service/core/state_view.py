@@ -811,7 +811,7 @@ class CacheState:
                 self.counters.events["lookup_memo_hit"] += 1
             else:
                 result = run_funnel(self.index, self.layout, req, limit, self.segment_blocks,
-                                    self._align_of)  # changes no state
+                                    self._align_of)  # changes no state (summaries)
                 # The walk found the first matched/H hashes in the index, whose keys are all 16
                 # bytes (allocate and confirm check them): only the rest can be malformed.
                 check_hash_lengths(req.block_hashes, max(
@@ -1233,14 +1233,7 @@ class CacheState:
         has since dropped, so it is refused like a heartbeat of an old incarnation."""
         with self._lock:
             o = self._current_owner(owner, incarnation)
-            cols = []
-            for r in reports:  # validate all before applying any: all or nothing
-                cols.append(self._column(r.column))
-                self._check_hashes([r.block_hash] + ([r.parent_hash] if r.parent_hash else []))
-                if r.depth < 0 or self._starts_range(r.depth) != (r.parent_hash is None):
-                    raise InvalidInput(f"report at depth {r.depth}: depth and parent disagree "
-                                       "(a chain's root, or a range's first block when chains "
-                                       "are split, has none)")
+            cols = self._check_shapes(reports)  # all checked before any applied: all or nothing
             # a slot a lost incarnation (ours, say) still seems to hold is free to re-confirm
             self._clean(h for r in reports for h in (r.block_hash, r.parent_hash) if h)
             # Half-written objects (ALLOCATED, WRITING, TAIL_PARTIAL, ...) are not re-created:
@@ -1249,19 +1242,49 @@ class CacheState:
                            key=lambda i: reports[i].depth)
             self._check_vouched([reports[i] for i in order])
             ids: list[ObjectId | None] = [None] * len(reports)
-            touched: dict[int, PrefixEntry] = {}  # each entry summarised once, at the end
-            get = self.index.get
+            get, defer = self.index.get, contracts.defer
             for i in order:  # (every report was checked above: hashes, depths, parents)
                 r = reports[i]
-                entry = self._entry_under(r.block_hash, get(r.parent_hash) if r.parent_hash
-                                          else None, r.depth)  # an unknown parent: an orphan
+                p = r.parent_hash
+                entry = self._entry_under(r.block_hash, get(p) if p else None,
+                                          r.depth)  # an unknown parent: an orphan
                 rec = self._confirm_one(o, owner, entry, cols[i], r)
                 if rec is not None:
                     ids[i] = rec.object_id
-                    touched[id(entry)] = entry
-            for entry in touched.values():
-                contracts.summarise(entry, self.layout, self._align_of)
+                    # summarised when a walk reaches it: once, not once per report (an
+                    # entry's columns arrive in other batches when the order is random)
+                    defer(entry)
             return ids
+
+    def settle_pending(self) -> int:
+        """Summarise every entry a confirm left for the walk (``contracts.defer``) now, as the
+        walks reaching them would; how many. O(index) under the lock: for a bench or test that
+        counts what deferring costs, not for the service's own paths."""
+        with self._lock:
+            pending = [e for e in self.index.values() if e.flags & contracts.F_PENDING]
+            for e in pending:
+                contracts.summarise(e, self.layout, self._align_of)
+            return len(pending)
+
+    def _check_shapes(self, reports: Sequence[ObjectReport]) -> list[int]:
+        """Per report, its column; raise for an unknown group, a malformed hash, or a depth
+        its parent contradicts (a chain's root, or a range's first block when chains are
+        split, has none). Per report on a re-confirm's path: checked inline, the error
+        raised by the general check."""
+        by_name, r_blocks, hb = self.layout.by_name, self.range_blocks, BLOCK_HASH_BYTES
+        cols = []
+        for r in reports:
+            col = by_name.get(r.column)
+            cols.append(self._column(r.column) if col is None else col)  # (it raises)
+            h, p, depth = r.block_hash, r.parent_hash, r.depth
+            if not (type(h) is bytes and len(h) == hb) or \
+                    (p and not (type(p) is bytes and len(p) == hb)):
+                self._check_hashes([h, p] if p else [h])
+            if depth < 0 or (depth % r_blocks == 0 if r_blocks else depth == 0) != (p is None):
+                raise InvalidInput(f"report at depth {depth}: depth and parent disagree "
+                                   "(a chain's root, or a range's first block when chains "
+                                   "are split, has none)")
+        return cols
 
     def _check_vouched(self, vouched: Sequence[ObjectReport]) -> None:
         """Raise for what applying ``vouched`` (in this order) would refuse half way, or store
@@ -1269,52 +1292,54 @@ class CacheState:
         depth_of: dict[BlockHash, int] = {}  # hashes named here that the index lacks
         parent_of: dict[BlockHash, BlockHash] = {}  # links this call makes
         made: set[BlockHash] = set()  # entries this call creates, in order
+        get, layout = self.index.get, self.layout
         for r in vouched:  # (their columns are known: confirm_objects checked them)
-            check_report(self.layout, r)
-            for h, d in ((r.block_hash, r.depth), (r.parent_hash, r.depth - 1)):
-                if h is None:
-                    continue
-                e = self.index.get(h)
-                known = e.depth if e is not None else depth_of.setdefault(h, d)
-                if known != d:
-                    raise BadHash(f"block hash at depth {d} is already known at depth {known}; "
-                                  "hashes must be chained")
-            made.add(r.block_hash)
-            p = r.parent_hash
-            if p is None or (p not in self.index and p not in made):
+            check_report(layout, r)
+            h, p, d = r.block_hash, r.parent_hash, r.depth
+            e = get(h)
+            known = e.depth if e is not None else depth_of.setdefault(h, d)
+            if known != d:
+                raise _unchained_report(d, known)
+            pe = None
+            if p is not None:
+                pe = get(p)
+                known = pe.depth if pe is not None else depth_of.setdefault(p, d - 1)
+                if known != d - 1:
+                    raise _unchained_report(d - 1, known)
+            made.add(h)
+            if p is None or (pe is None and p not in made):
                 continue  # a root, or an orphan: linked when its parent arrives
-            e = self.index.get(r.block_hash)
             linked = (e.parent.block_hash if e is not None and e.parent is not None
-                      else parent_of.setdefault(r.block_hash, p))
+                      else parent_of.setdefault(h, p))
             if linked != p:
-                raise BadHash(f"block hash at depth {r.depth} is already known with another "
+                raise BadHash(f"block hash at depth {d} is already known with another "
                               "parent; hashes must be chained")
 
     def _confirm_one(
         self, o: Owner, owner: ShardId, entry: PrefixEntry, col: int, r: ObjectReport
     ) -> ObjRecord | None:
-        column = self.layout.columns[col]
-        if r.state is State.ON_DISK:
+        if r.state is _ON_DISK:
             if entry.disk is not None and entry.disk[col] is not None:
                 return None
-            disk = self._add_disk_record(entry, col, State.ON_DISK, owner, r)
+            disk = self._add_disk_record(entry, col, _ON_DISK, owner, r)
             self._after_change(disk, summarise=False)
             return disk
-        pool = o.pools.get(col)
-        if pool is None or entry.mem[col] is not None or not pool.claim(r.block):
+        pool, block = o.pools.get(col), r.block
+        if pool is None or entry.mem[col] is not None or not pool.claim(block):
             return None
-        pool.generation[r.block] = max(pool.generation[r.block], r.generation)
-        rec = new_record(
-            column.kind, col, self.objects.new_id(), entry, r.state, owner, r.block,
-            pool.generation[r.block], version=r.version, lo=r.lo, hi=r.hi,
-        )
+        generation = pool.generation[block]
+        if r.generation > generation:  # generations the owner issued stay issued
+            generation = pool.generation[block] = r.generation
+        kind = self.layout.columns[col].kind
+        rec = new_record(kind, col, self.objects.new_id(), entry, r.state, owner, block,
+                         generation, version=r.version, lo=r.lo, hi=r.hi)
         self._saw_version(r.version)
-        pool.owner[r.block] = rec
+        pool.owner[block] = rec
         entry.mem[col] = rec
-        if column.kind is Kind.TAIL:
-            self._track_resume_point(rec, State.ALLOCATED)
+        if kind is _TAIL:
+            self._track_resume_point(rec, _ALLOCATED)
         self.objects.put(rec)
-        self._after_change(rec, summarise=False)  # confirm_objects summarises the entry
+        self._after_change(rec, summarise=False)  # confirm_objects defers the entry's summary
         return rec
 
     # ---- helpers ------------------------------------------------------------------------
@@ -1589,6 +1614,12 @@ _CONFIRMABLE = frozenset(
     {State.ON_DISK} | {st for c in contracts.CONTRACTS.values() for st in c.ready_states}
 ) - {State.ON_DISK_READY}
 _MAX_POOL_BLOCKS = 1 << 24
+# Enum members on a re-confirm's per-report path, read once: through their class each read
+# costs ~0.1 us in Python 3.11 (EnumType.__getattr__ puts every class attribute read on the
+# slow path), ~10x a module global.
+_ON_DISK, _ALLOCATED = State.ON_DISK, State.ALLOCATED
+_TAIL, _SWA = Kind.TAIL, Kind.SWA
+_VERSIONED = frozenset({Kind.COMPRESSED, Kind.INDEXER})
 _AGE_SLACK = 64  # lookups: LRU order is kept to this precision (see CacheState._age)
 
 
@@ -1603,20 +1634,21 @@ def check_report(layout: Layout, r: ObjectReport) -> None:
     if col is None:
         raise UnknownGroup(f"unknown group {r.column!r}; the spec has {sorted(layout.by_name)}")
     column = layout.columns[col]
-    if r.state is not State.ON_DISK and r.state not in _READABLE[column.kind]:
+    kind = column.kind
+    if r.state is not _ON_DISK and r.state not in _READABLE[kind]:
         raise InvalidInput(f"report for {column.name!r} at depth {r.depth}: "
                            f"{r.state.value} is not a state of a {column.kind.value} object")
-    if column.kind in (Kind.COMPRESSED, Kind.INDEXER) and r.version < 1:
+    if kind in _VERSIONED and r.version < 1:
         # an unset proto field reads 0: a KV or indexer vouched for at "version 0" could
         # pair with any other unset one
         raise UnsetVersion(f"report for {column.name!r} at depth {r.depth}: version "
                            f"{r.version}; a KV version is at least 1")
-    if column.kind is Kind.SWA:
+    if kind is _SWA:
         start, end = layout.block_range(col, r.depth)
         if not start <= r.lo <= r.hi <= end:
             raise InvalidInput(f"SWA report at depth {r.depth}: range [{r.lo}, {r.hi}) "
                                f"must lie inside its block [{start}, {end})")
-    if column.kind is Kind.TAIL:
+    elif kind is _TAIL:
         need = layout.tail_tokens(col, r.depth)
         if r.hi != need:
             raise InvalidInput(f"tail report for {column.name!r} at depth {r.depth}: "
@@ -1683,6 +1715,11 @@ _DISK_EVENTS: dict[Event, Callable[[CacheState, ObjRecord, Params], None]] = {
         Event.LOSE,
     )
 }
+
+
+def _unchained_report(depth: int, known: int) -> BadHash:
+    return BadHash(f"block hash at depth {depth} is already known at depth {known}; "
+                   "hashes must be chained")
 
 
 def _unchained(depth: int, known: int) -> BadHash:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import replace
 
 import pytest
@@ -36,6 +37,23 @@ def test_a_field_the_kind_lacks_is_dropped_and_cannot_be_written() -> None:
     swa = new_record(Kind.SWA, 2, ObjectId(2), _entry(), State.ALLOCATED, ShardId("s"), 0, 0,
                      version=4, lo=9, hi=12)
     assert (swa.version, swa.lo, swa.hi) == (0, 9, 12)
+
+
+@pytest.mark.parametrize("kind", list(Kind))
+def test_every_field_a_kind_stores_reads_back_what_was_given(kind: Kind) -> None:
+    """new_record builds positionally, in each class's field order: a field out of place
+    would give a KV the version of its range, or a disk copy the owner of another."""
+    given = {"version": 7, "lo": 3, "hi": 11, "inner": Kind.SWA,
+             "disk_owner": ShardId("tier")}
+    rec = new_record(kind, 2, ObjectId(9), _entry(), State.ALLOCATED, ShardId("s"), 5, 6,
+                     **given)  # type: ignore[arg-type]
+    stored = set(given) & {f.name for f in dataclasses.fields(rec)}
+    assert {f: getattr(rec, f) for f in stored} == {f: given[f] for f in stored}
+    assert all(getattr(rec, f) in (0, None) for f in set(given) - stored)
+    assert (rec.object_id, rec.state, rec.shard, rec.block, rec.generation, rec.seq) == (
+        9, State.ALLOCATED, "s", 5, 6, 0)
+    assert stored == {Kind.COMPRESSED: {"version"}, Kind.INDEXER: {"version"},
+                      Kind.SWA: {"lo", "hi"}, Kind.TAIL: {"hi"}, Kind.DISK: set(given)}[kind]
 
 
 def test_holds_empty_again_after_leases_and_captures_end(state: CacheState, spec) -> None:
