@@ -110,6 +110,10 @@ CONTRACTS: dict[Kind, RecoveryContract] = {
 
 
 Served = tuple[ObjRecord | None, Verdict]  # the copy that serves a column, and its verdict
+# Read per column of every summary: module globals, not class attributes (an enum member
+# read through its class costs ~0.1 us in Python 3.11, EnumType.__getattr__)
+_READY_STATES = {k: c.ready_states for k, c in CONTRACTS.items()}
+_INDEXER, _COMPRESSED = Kind.INDEXER, Kind.COMPRESSED
 
 
 def column_verdict(entry: PrefixEntry, column: int, layout: Layout) -> Verdict:
@@ -144,7 +148,8 @@ def served(entry: PrefixEntry, column: int, layout: Layout, pairs: Pairs | None 
         if rec is not None:
             return rec, READY if rec.block >= 0 else LOAD
     col = layout.columns[column]
-    if col.kind is Kind.INDEXER:
+    kind = col.kind
+    if kind is _INDEXER:
         assert col.indexes is not None, "INDEXER column without the column it indexes"
         got = _pair(entry, col.indexes, layout, pairs)[1].get(column)
         if got is not None:
@@ -152,7 +157,7 @@ def served(entry: PrefixEntry, column: int, layout: Layout, pairs: Pairs | None 
         # copies synced to another version than every KV copy here, or none at all
         return None, Reason.INDEXER_STALE if _candidates(entry, column) else \
             _unusable(entry, column)
-    if col.kind is Kind.COMPRESSED and layout.indexers_of[column]:
+    if kind is _COMPRESSED and layout.indexers_of[column]:
         return _pair(entry, column, layout, pairs)[0]
     cands = _candidates(entry, column)
     return cands[0] if cands else (None, _unusable(entry, column))
@@ -162,7 +167,7 @@ def _candidates(entry: PrefixEntry, column: int) -> list[tuple[ObjRecord, Verdic
     """Usable copies at ``entry``/``column``, best first: memory, loaded disk, disk at rest."""
     out: list[tuple[ObjRecord, Verdict]] = []
     mem = entry.mem[column]
-    if mem is not None and mem.state in CONTRACTS[mem.kind].ready_states:
+    if mem is not None and mem.state in _READY_STATES[mem.kind]:
         out.append((mem, READY))
     disk = entry.disk[column] if entry.disk else None
     if disk is not None:
@@ -204,6 +209,13 @@ def _kv_and_indexers(entry: PrefixEntry, kv: int, layout: Layout
     """A KV copy and one copy of each indexer of it, all at one version (never 0): of such
     choices, the one with fewest loads, memory copies first. With none, the best KV copy
     alone (its indexers are stale)."""
+    both = _both_in_memory(entry, kv, layout)
+    return both if both is not None else _best_pair(entry, kv, layout)
+
+
+def _best_pair(entry: PrefixEntry, kv: int, layout: Layout
+               ) -> tuple[Served, dict[int, Served]]:
+    """:func:`_kv_and_indexers` by the rule itself: every KV candidate, ranked."""
     kv_cands = _candidates(entry, kv)
     if not kv_cands:
         return (None, _unusable(entry, kv)), {}
@@ -224,6 +236,24 @@ def _kv_and_indexers(entry: PrefixEntry, kv: int, layout: Layout
     if best is None:
         return kv_cands[0], {}
     return best[2], best[3]
+
+
+def _both_in_memory(entry: PrefixEntry, kv: int, layout: Layout
+                    ) -> tuple[Served, dict[int, Served]] | None:
+    """The choice :func:`_kv_and_indexers` makes when the memory KV and a memory copy of each
+    of its indexers are READY at its version (the usual case, found without building the
+    candidate lists): no loads, the first KV candidate, its indexers' first candidates, so
+    nothing can rank before it. None otherwise (the general rule decides)."""
+    rec = entry.mem[kv]
+    if rec is None or not rec.version or rec.state not in _READY_STATES[rec.kind]:
+        return None
+    chosen: dict[int, Served] = {}
+    for ix in layout.indexers_of[kv]:
+        m = entry.mem[ix]
+        if m is None or m.version != rec.version or m.state not in _READY_STATES[m.kind]:
+            return None
+        chosen[ix] = (m, READY)
+    return (rec, READY), chosen
 
 
 def swa_cover(entry: PrefixEntry, column: int, need_lo: int, need_hi: int, layout: Layout,
@@ -265,8 +295,7 @@ def summarise(entry: PrefixEntry, layout: Layout, align_of: Callable[[ObjRecord]
     flags = F_MONO | F_TAIL | F_SWA
     align = 1 << 30
     pairs: Pairs = {}
-    for col in layout.attached[entry.depth % layout.period]:
-        kind = layout.columns[col].kind
+    for col, kind in layout.kinds_attached[entry.depth % layout.period]:
         ok_bit, load_bit = _BITS[kind]
         rec, verdict = served(entry, col, layout, pairs)
         if verdict == LOAD:

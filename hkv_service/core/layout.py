@@ -95,6 +95,10 @@ class Layout:
         self.attached: tuple[tuple[int, ...], ...] = tuple(
             tuple(c.index for c in self.columns if self._lives_at(c, d)) for d in range(self.period)
         )
+        # the same, each with its kind: what a summary asks per column (contracts.summarise)
+        self.kinds_attached: tuple[tuple[tuple[int, Kind], ...], ...] = tuple(
+            tuple((c, self.columns[c].kind) for c in cols) for cols in self.attached
+        )
 
     def _lives_at(self, col: Column, depth: int) -> bool:
         end = (depth + 1) * self.hash_block

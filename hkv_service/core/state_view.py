@@ -233,6 +233,8 @@ class CacheState:
         self._ordinals: dict[ShardId, int] = {}  # shard name -> index in _shard_names
         self._shard_names: tuple[ShardId, ...] = ()
         self._mono_slot = {c: j for j, c in enumerate(self.layout.mono_columns)}
+        self._column_names = tuple(c.name for c in self.layout.columns)
+        self._column_nbytes = tuple(c.nbytes for c in self.layout.columns)
         self.segment_blocks = segment_blocks_for(self.layout, self.config.segment_blocks)
         self._row_struct = struct.Struct("<" + "QQiH" * len(self.layout.mono_columns))
         self._placeholder_row = bytes(self._row_struct.size)
@@ -640,25 +642,24 @@ class CacheState:
             self._release_copy(rec)
         self._after_change(rec)
 
-    def _after_change(self, rec: ObjRecord, summarise: bool = True) -> None:
-        """``summarise=False``: the caller summarises the entry itself, once for a batch."""
-        if summarise:
-            contracts.summarise(rec.entry, self.layout, self._align_of)
-        self.counters.transitions[(rec.kind, rec.state)] += 1
-        self._log_seq += 1
-        self.log.append(
-            TransitionEvent(
-                self._log_seq,
-                rec.object_id,
-                rec.kind,
-                rec.state,
-                self.layout.columns[rec.column].name,
-                rec.entry.block_hash,
-                self.clock(),
-            )
-        )
+    def _after_change(self, rec: ObjRecord) -> None:
+        contracts.summarise(rec.entry, self.layout, self._align_of)
+        self._log_events((rec,))
         if rec.state in TERMINAL_STATES:
             self._gc_entry(rec.entry)
+
+    def _log_events(self, recs: Iterable[ObjRecord]) -> None:
+        """Count and log the state each of ``recs`` reached (the Watch stream's events), in
+        order; one clock read for them all (a re-confirm logs a batch at once)."""
+        now, names, counts, log = self.clock(), self._column_names, self.counters.transitions, \
+            self.log
+        seq = self._log_seq
+        for rec in recs:
+            seq += 1
+            counts[(rec.kind, rec.state)] += 1
+            log.append(TransitionEvent(seq, rec.object_id, rec.kind, rec.state,
+                                       names[rec.column], rec.entry.block_hash, now))
+        self._log_seq = seq
 
     def _detach(self, rec: ObjRecord) -> None:
         entry, col = rec.entry, rec.column
@@ -1242,6 +1243,7 @@ class CacheState:
                            key=lambda i: reports[i].depth)
             self._check_vouched([reports[i] for i in order])
             ids: list[ObjectId | None] = [None] * len(reports)
+            made: list[ObjRecord] = []
             get, defer = self.index.get, contracts.defer
             for i in order:  # (every report was checked above: hashes, depths, parents)
                 r = reports[i]
@@ -1251,9 +1253,11 @@ class CacheState:
                 rec = self._confirm_one(o, owner, entry, cols[i], r)
                 if rec is not None:
                     ids[i] = rec.object_id
+                    made.append(rec)
                     # summarised when a walk reaches it: once, not once per report (an
                     # entry's columns arrive in other batches when the order is random)
                     defer(entry)
+            self._log_events(made)
             return ids
 
     def settle_pending(self) -> int:
@@ -1321,9 +1325,7 @@ class CacheState:
         if r.state is _ON_DISK:
             if entry.disk is not None and entry.disk[col] is not None:
                 return None
-            disk = self._add_disk_record(entry, col, _ON_DISK, owner, r)
-            self._after_change(disk, summarise=False)
-            return disk
+            return self._add_disk_record(entry, col, _ON_DISK, owner, r)
         pool, block = o.pools.get(col), r.block
         if pool is None or entry.mem[col] is not None or not pool.claim(block):
             return None
@@ -1339,8 +1341,7 @@ class CacheState:
         if kind is _TAIL:
             self._track_resume_point(rec, _ALLOCATED)
         self.objects.put(rec)
-        self._after_change(rec, summarise=False)  # confirm_objects defers the entry's summary
-        return rec
+        return rec  # (confirm_objects logs it and defers the entry's summary)
 
     # ---- helpers ------------------------------------------------------------------------
 
@@ -1533,7 +1534,7 @@ class CacheState:
         pool = owner.pools.get(rec.column) if owner is not None else None
         if pool is None:
             return 1  # no pool to place it: the least alignment, never a false "aligned"
-        return pool.alignment_of(rec.block, self.layout.columns[rec.column].nbytes)
+        return pool.alignment_of(rec.block, self._column_nbytes[rec.column])
 
     def holds_of(self, record: ObjRecord) -> tuple[int, int]:
         return self.holds.pins.get(record, 0), self.holds.captures.get(record, 0)

@@ -191,6 +191,33 @@ def test_disk_copies_come_back_at_rest_and_need_a_load(spec: CacheSpec) -> None:
     assert _view(new) == before
 
 
+def test_every_recreated_object_is_logged_and_counted_in_order(spec: CacheSpec) -> None:
+    """A Watch subscriber sees each re-created object once, in the order they were applied
+    (parents before children), with the state it came back in; skipped reports are not seen.
+    Memory objects and disk copies alike."""
+    hs = prompt_hashes(spec, 4)
+    reports = _reports(_old(spec, [hs]))
+    new = _fresh(spec)
+    seq = new.events_since(0)[-1].seq if new.events_since(0) else 0
+    disk = [replace(r, state=State.ON_DISK, block=-1, generation=0) for r in reports[:3]]
+    skipped = [replace(reports[3], state=State.WRITING)]
+    ids = new.confirm_objects(S0, [*reversed(reports), *skipped, *disk], _inc(new))
+    events = new.events_since(seq)
+    made = {i for i in ids if i is not None}
+    assert [e.object_id for e in events if e.object_id in made] == [e.object_id for e in events]
+    assert sorted(e.object_id for e in events) == sorted(made)
+    assert [e.seq for e in events] == list(range(seq + 1, seq + 1 + len(events)))
+    by_id = {r.object_id: r for r in new.objects.values()}
+    assert all((e.kind, e.state, e.column) == (by_id[e.object_id].kind, by_id[e.object_id].state,
+                                              new.layout.columns[by_id[e.object_id].column].name)
+               for e in events)
+    depths = [by_id[e.object_id].entry.depth for e in events]
+    assert depths == sorted(depths)  # applied (and so logged) parents first
+    counted = sum(n for (_, st_), n in new.counters.transitions.items()
+                  if st_ in (*READY_OF.values(), State.ON_DISK))
+    assert counted == len(made) == len(reports) + len(disk)  # (the WRITING one skipped)
+
+
 # ---- 2. SWA ranges never widen ---------------------------------------------------------------
 
 
