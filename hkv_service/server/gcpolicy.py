@@ -9,12 +9,16 @@ So the service process:
 
 * turns automatic collection off, and freezes what exists at start (``gc.freeze``: frozen
   objects are never scanned again);
-* every :data:`COLLECT_EVERY_S` (0.25 s) collects once and freezes the survivors. A
-  collection scans only what was allocated since the last one, so its pause is bounded by
-  the allocation rate over that period, not by the state's size. (`hkv bench scale` at
-  1M objects, 2026-12-02: at 1 s the longest collection was 114 ms, during the re-confirm
-  that rebuilds the view; at 0.25 s, 38 ms. Scanning each new object once costs the same
-  either way.) Cycles made by other libraries (gRPC, logging) that are
+* every :data:`COLLECT_EVERY_S` (0.25 s) at most collects once and freezes the survivors. A
+  collection scans only what was allocated since the last one, so its pause is the
+  allocation rate times the interval, not the state's size; the interval halves while
+  pauses run over :data:`PAUSE_TARGET_S` (down to :data:`MIN_EVERY_S`) and grows back while
+  they are well under it (:func:`next_wait`), and a burst of :data:`YOUNG_OBJECTS` new
+  objects is collected at once (:func:`due`). (`hkv bench scale` at 1M objects, 2026-12-02:
+  at a fixed 1 s the longest collection was 114 ms, during the re-confirm that rebuilds the
+  view; at a fixed 0.25 s, 38 ms, and 66-90 ms once the re-confirm ran twice as fast.
+  Scanning each new object once costs the same at any interval.) Cycles made by other
+  libraries (gRPC, logging) that are
   garbage by then are collected; one that becomes garbage only after it was frozen stays
   (the price of never walking the heap; the core makes none).
 
@@ -29,13 +33,18 @@ import gc
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-__all__ = ["COLLECT_EVERY_S", "GcStats", "install", "paused"]
+__all__ = ["COLLECT_EVERY_S", "MIN_EVERY_S", "PAUSE_TARGET_S", "YOUNG_OBJECTS", "GcStats",
+           "due", "install", "next_wait", "paused"]
 
-COLLECT_EVERY_S = 0.25
+COLLECT_EVERY_S = 0.25  # the longest interval: an idle service collects this often
+MIN_EVERY_S = 0.01  # the shortest: a collection's fixed cost is ~0.1 ms with the heap frozen
+PAUSE_TARGET_S = 0.02  # what the interval is steered to keep a collection under
+POLL_S = 0.01  # how often the policy's thread looks at the count of new objects
+YOUNG_OBJECTS = 10_000  # new objects that are collected at once (~10-20 ms of scanning)
 log = logging.getLogger(__name__)
 _ONE_AT_A_TIME = threading.Lock()  # the policy's collection, or a caller's walk (paused)
 
@@ -58,9 +67,35 @@ def install(stop: threading.Event, every_s: float = COLLECT_EVERY_S) -> GcStats:
     return stats
 
 
-def _collect_loop(stop: threading.Event, every_s: float, stats: GcStats) -> None:
-    while not stop.wait(every_s):
-        collect_young(stats)
+def _collect_loop(stop: threading.Event, every_s: float, stats: GcStats,
+                  clock: Callable[[], float] = time.monotonic) -> None:
+    wait, last = every_s, clock()
+    while not stop.wait(min(POLL_S, every_s)):
+        if not due(clock() - last, wait, gc.get_count()[0]):
+            continue
+        wait = next_wait(wait, collect_young(stats), every_s)
+        last = clock()
+
+
+def due(elapsed: float, wait: float, young: int) -> bool:
+    """Whether to collect now: the interval is over, or :data:`YOUNG_OBJECTS` new objects
+    wait (a burst after an idle stretch, when the interval has grown: a re-confirm starting
+    made 0.25 s of its objects one 94 ms pause before the interval could shrink). ``young``
+    is ``gc.get_count()[0]``, new tracked objects less those freed, frozen or not: it can
+    read low while old objects die, so the interval still bounds the wait."""
+    return elapsed >= wait or young >= YOUNG_OBJECTS
+
+
+def next_wait(wait: float, pause: float, longest: float = COLLECT_EVERY_S) -> float:
+    """The interval before the next collection, after one of ``pause`` seconds that came
+    ``wait`` after the one before: half while over the target (the pause is the allocation
+    rate times the interval), double while under a quarter of it, else the same; within
+    [MIN_EVERY_S, longest]."""
+    if pause > PAUSE_TARGET_S:
+        return max(MIN_EVERY_S, wait / 2)
+    if pause < PAUSE_TARGET_S / 4:
+        return min(longest, wait * 2)
+    return wait
 
 
 @contextmanager
@@ -72,9 +107,9 @@ def paused() -> Iterator[None]:
         yield
 
 
-def collect_young(stats: GcStats) -> None:
+def collect_young(stats: GcStats) -> float:
     """One bounded collection: everything older is frozen, so this walks only what was
-    allocated since the last one; its survivors are frozen in turn."""
+    allocated since the last one; its survivors are frozen in turn. Returns its pause."""
     with _ONE_AT_A_TIME:
         t0 = time.perf_counter()
         found = gc.collect()
@@ -85,3 +120,4 @@ def collect_young(stats: GcStats) -> None:
     stats.longest_pause_s = max(stats.longest_pause_s, pause)
     if pause > 0.05:
         log.warning("gc: a collection took %.0f ms (%d objects collected)", pause * 1e3, found)
+    return pause
