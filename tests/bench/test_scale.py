@@ -34,6 +34,10 @@ def test_quick_path_at_a_tiny_size_reports_every_figure() -> None:
         assert figures[f"healthy_owners_expired_{tag}"] == 0
         assert figures[f"owners_alive_after_{tag}"] == 6  # 8, less the two lost for good
         assert figures[f"reconfirm_complete_{tag}"] == 1.0
+        assert figures[f"reconfirm_in_place_complete_{tag}"] == 1.0  # the same reports, twice
+        for scene in ("", "in_place_"):
+            rate = figures[f"reconfirm_{scene}with_summaries_reports_per_s_{tag}"]
+            assert 0 < rate <= figures[f"reconfirm_{scene}reports_per_s_{tag}"]
         assert figures[f"reconfirm_confirmed_{tag}"] == figures[f"reconfirm_reports_total_{tag}"]
         assert figures[f"lookup_errors_{tag}"] == 0
     assert figures["write_rpcs_per_request"] >= 1  # one allocate at least
