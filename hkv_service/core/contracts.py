@@ -325,6 +325,13 @@ def defer(entry: PrefixEntry) -> None:
     entry.flags, entry.gate = F_PENDING, 0
 
 
+def stops_walk(entry: PrefixEntry, need: int) -> bool:
+    """Whether the funnel's walk, needing alignment ``need``, stops at ``entry`` whatever it
+    is given: its gate is below ``need`` and it is not pending (:func:`settled` summarises
+    only a pending entry). The walk itself tests the gate first and summarises after."""
+    return entry.gate < need and not entry.flags & F_PENDING
+
+
 def settled(entry: PrefixEntry, need: int, layout: Layout | None,
             align_of: Callable[[ObjRecord], int] | None) -> bool:
     """Whether a walk stopped at ``entry`` passes it once it is summarised: only a pending

@@ -378,22 +378,34 @@ class CacheState:
             return
         self._apply(rec, Event.LOSE, Params())
 
-    def _clean(self, hashes: Iterable[BlockHash]) -> None:
+    def _clean(self, hashes: Iterable[BlockHash], walk_need: int = 0) -> None:
         """Bury the dead records of the entries of ``hashes`` (every one the index has, an
         orphan past a gap too), each entry once per owner loss: what a lookup, an allocation
         or a confirm then reads of them is alive. Burying may drop an emptied entry from the
-        index, so callers clean before they take entries."""
+        index, so callers clean before they take entries.
+
+        ``walk_need`` (a lookup's alignment, >= 1): clean only what the funnel's walk can
+        read, up to the first gap or the first entry that stops it once cleaned
+        (:func:`contracts.stops_walk`), that one included; past it nothing is read. A
+        2,048-block question otherwise buried a lost owner's records along the whole
+        question under the lock (~1,000 at 1M objects, 24 ms) with its walk stopped at the
+        first block."""
         if not self._reaping:
             return
         epoch, get = self._loss_epoch, self.index.get
         for h in hashes:
             e = get(h)
-            if e is None or e.clean == epoch:
+            if e is None:
+                if walk_need:
+                    return
                 continue
-            for rec in [*e.mem, *(e.disk or ())]:
-                if rec is not None and rec.state not in TERMINAL_STATES and self._dead(rec):
-                    self._bury(rec)
-            e.clean = epoch
+            if e.clean != epoch:
+                for rec in [*e.mem, *(e.disk or ())]:
+                    if rec is not None and rec.state not in TERMINAL_STATES and self._dead(rec):
+                        self._bury(rec)
+                e.clean = epoch
+            if walk_need and contracts.stops_walk(e, walk_need):
+                return
 
     def _invalidate_captures_of_dead(self) -> None:
         """A capture over a record of a lost owner replays over memory that is gone."""
@@ -798,7 +810,8 @@ class CacheState:
             # what the walk reads is alive (a lost owner's objects are buried lazily)
             first = req.first_block
             if self._reaping:  # (no copy of the hashes on the hot path otherwise)
-                self._clean(req.block_hashes[: -(-limit // self.layout.hash_block) - first])
+                self._clean(req.block_hashes[: -(-limit // self.layout.hash_block) - first],
+                            walk_need=req.alignment)
             now = self.clock()
             self.leases.reap(now)
             # (a range of a split chain is not memoised: memos answer whole chains)
