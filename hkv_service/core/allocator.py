@@ -140,6 +140,16 @@ class BlockPool:
     def alignment_of(self, block: int, nbytes: int) -> int:
         return _alignment(block * self.config.stride, nbytes, self.config.base_align)
 
+    def forget(self, block: int) -> None:
+        """A retired pool (its owner incarnation lost) lets go of ``block``'s books as the
+        reaper passes it, and of as many queued free blocks: dropped whole when the reap
+        ends, one incarnation's books (125k blocks at 1M objects) held the GIL 51 ms."""
+        self.owner.pop(block, None)
+        self.generation.pop(block, None)
+        self._free.discard(block)
+        for _ in range(min(2, len(self.free))):
+            self.free.popleft()
+
     def release(self, block: int) -> None:
         """Free a block; its generation moves on so every outstanding handle goes stale."""
         self.owner[block] = None

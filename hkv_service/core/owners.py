@@ -92,9 +92,11 @@ def sweep(reap: Reap, budget: int, bury: Callable[[ObjRecord], None]) -> int:
             held = pool.owner.get(block)
             if held is not None and held.state not in TERMINAL_STATES:
                 bury(held)
+            pool.forget(block)  # (its books freed a slice at a time, not all at the end)
         budget -= end - reap.block
         reap.block = end
         if end >= pool.span:
+            pool.free.clear()  # what is left: stale entries, at most as many as blocks
             reap.columns.pop(0)
             reap.block = 0
     return budget

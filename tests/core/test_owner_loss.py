@@ -190,3 +190,22 @@ def test_a_lookup_after_a_loss_cleans_as_far_as_its_walk_reaches() -> None:
     assert {h.shard for hs in m.handles.values() for h in hs} == {S0}
     st.reap_all()
     assert st.lookup(LookupRequest(hashes)).usable_tokens == whole
+
+
+@pytest.mark.parametrize("how", ["lost", "re-registered"])
+def test_a_reaped_incarnations_pools_hold_nothing_per_block(how: str) -> None:
+    """The reaper lets go of a lost incarnation's per-block books as it passes each block: a
+    reap that ended by dropping them all at once (one incarnation's pools: 125k blocks at 1M
+    objects) held the GIL 51 ms, ~200 ms at 4M, and every lookup waited."""
+    st, hashes, _ = _state()
+    old = st.owners[S1]
+    if how == "lost":
+        st.mark_owner_lost(S1)
+    else:
+        st.register_owner(S1, pools_for(st.layout, 256))
+    before = {c: len(p.generation) for c, p in old.pools.items()}
+    assert sum(before.values()) > 0
+    st.reap_all()
+    for pool in old.pools.values():
+        assert not pool.generation and not pool.owner and not pool._free and not pool.free
+    assert st.lookup(LookupRequest(hashes)).usable_tokens == 0
