@@ -108,6 +108,7 @@ from ..core.state_view import AllocRequest, CacheState, ObjectReport, StateConfi
 from ..core.states import Event, Kind, State
 from ..core.transitions import Params
 from ..server import gcpolicy
+from ..server.serve import REAP_YIELD_S
 from ..specs import default_spec
 from ..testing import pools_for, question
 from .lockstats import TimedLock
@@ -472,7 +473,7 @@ class _Scale:
                 if not reap():
                     self.reap_idle = (call, time.perf_counter())
                     break
-                time.sleep(0)  # the lock and the GIL go to others between slices
+                time.sleep(REAP_YIELD_S)  # as hkv serve's reaper: others take the lock
 
     # -- the workload ---------------------------------------------------------------------
 

@@ -96,7 +96,7 @@ def sweep(reap: Reap, budget: int, bury: Callable[[ObjRecord], None]) -> int:
         budget -= end - reap.block
         reap.block = end
         if end >= pool.span:
-            pool.free.clear()  # what is left: stale entries, at most as many as blocks
+            pool.free.clear()  # what forget left (normally none: it drops two per block)
             reap.columns.pop(0)
             reap.block = 0
     return budget
