@@ -64,10 +64,17 @@ class PoolConfig:
 _POWERS = {1 << i: 1 << i for i in range(31)}  # one shared int object per power of two
 
 
-def _alignment(address: int, nbytes: int, base_align: int) -> int:
-    value = address | nbytes
-    low = value & -value if value else 1 << 30
-    return _POWERS[min(low, base_align, 1 << 30)]
+_MAX_ALIGN = 1 << 30  # what "aligned to everything" reads as (an address and length of 0)
+
+
+def _lowbit(value: int) -> int:
+    return value & -value if value else _MAX_ALIGN
+
+
+def alignment(address: int, nbytes: int, base_align: int) -> int:
+    """The largest power of two dividing ``address`` and ``nbytes``, at most ``base_align``
+    (the pool's base address is aligned to that much only): layer 4's rule, its one home."""
+    return _POWERS[min(_lowbit(address | nbytes), base_align, _MAX_ALIGN)]
 
 
 class BlockPool:
@@ -80,8 +87,13 @@ class BlockPool:
     re-confirm leaves the set at once and is skipped when the deque reaches it, so every
     operation is O(1) amortized."""
 
-    def __init__(self, config: PoolConfig, seed: int = 0) -> None:
+    def __init__(self, config: PoolConfig, seed: int = 0, nbytes: int = 0) -> None:
         self.config = config
+        # alignment(block * stride, nbytes, base_align), split so a lookup's summaries pay
+        # one multiply per block: lowbit(b * s) = lowbit(b) * lowbit(s), and the low bit of
+        # an OR is the lesser one; ``nbytes`` is the size of its column's objects
+        self._align_cap = min(_lowbit(nbytes), config.base_align, _MAX_ALIGN)
+        self._align_step = _lowbit(config.stride)
         self.free: deque[int] = deque()
         self._free: set[int] = set()
         self.generation: dict[int, int] = {}  # every block ever handed out
@@ -137,8 +149,10 @@ class BlockPool:
         self._hand_out(block)
         return True
 
-    def alignment_of(self, block: int, nbytes: int) -> int:
-        return _alignment(block * self.config.stride, nbytes, self.config.base_align)
+    def alignment_of(self, block: int) -> int:
+        """:func:`alignment` of ``block``'s address and the column's object size."""
+        cap = self._align_cap
+        return _POWERS[min((block & -block) * self._align_step, cap) if block else cap]
 
     def forget(self, block: int) -> None:
         """A retired pool (its owner incarnation lost) lets go of ``block``'s books as the

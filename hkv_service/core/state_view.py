@@ -271,10 +271,10 @@ class CacheState:
         incarnation is declared lost first (its objects are buried lazily, see :meth:`reap`).
         Returns the new incarnation."""
         with self._lock:
-            built = {
-                self._column(name): BlockPool(_checked_pool(name, cfg))
-                for name, cfg in pools.items()
-            }  # validate before touching anything
+            built: dict[int, BlockPool] = {}  # validate before touching anything
+            for name, cfg in pools.items():
+                col = self._column(name)
+                built[col] = BlockPool(_checked_pool(name, cfg), nbytes=self._column_nbytes[col])
             old = self.owners.get(owner)
             if old is not None:
                 if old.alive:
@@ -1551,7 +1551,7 @@ class CacheState:
         pool = owner.pools.get(rec.column) if owner is not None else None
         if pool is None:
             return 1  # no pool to place it: the least alignment, never a false "aligned"
-        return pool.alignment_of(rec.block, self._column_nbytes[rec.column])
+        return pool.alignment_of(rec.block)
 
     def holds_of(self, record: ObjRecord) -> tuple[int, int]:
         return self.holds.pins.get(record, 0), self.holds.captures.get(record, 0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies
 
 from hkv_service.core.allocator import PoolConfig
 from hkv_service.core.errors import PoolExhausted
@@ -83,9 +84,27 @@ def test_leased_blocks_are_not_evicted(spec, clock) -> None:
 def test_alignment_from_pool_layout() -> None:
     from hkv_service.core.allocator import BlockPool
 
-    pool = BlockPool(PoolConfig(4, 2048 + 8, 4096))
-    assert pool.alignment_of(0, 2048) == 2048
-    assert pool.alignment_of(1, 2048) == 8
+    pool = BlockPool(PoolConfig(4, 2048 + 8, 4096), nbytes=2048)
+    assert pool.alignment_of(0) == 2048
+    assert pool.alignment_of(1) == 8
+    assert BlockPool(PoolConfig(4, 0, 4096), nbytes=0).alignment_of(3) == 4096  # all at 0
+
+
+_POW = strategies.integers(0, 34).map(lambda i: 1 << i)
+
+
+@settings(max_examples=3000, deadline=None)
+@given(block=strategies.one_of(strategies.integers(0, 1 << 40), _POW, _POW.map(lambda p: 3 * p)),
+       stride=strategies.one_of(strategies.integers(0, 1 << 24), _POW, _POW.map(lambda p: 5 * p)),
+       nbytes=strategies.one_of(strategies.integers(0, 1 << 24), _POW), base_align=_POW)
+def test_a_pools_alignment_is_the_rule(block: int, stride: int, nbytes: int,
+                                       base_align: int) -> None:
+    """The pool's precomputed split (one multiply per block, for the summaries) answers
+    what the rule gives for the block's address, for every block, stride and size."""
+    from hkv_service.core.allocator import BlockPool, alignment
+
+    pool = BlockPool(PoolConfig(1, stride, base_align), nbytes=nbytes)
+    assert pool.alignment_of(block) == alignment(block * stride, nbytes, base_align)
 
 
 def test_allocate_is_all_or_nothing(spec, clock) -> None:

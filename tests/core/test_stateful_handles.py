@@ -45,7 +45,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from hkv_service.core.allocator import PoolConfig
+from hkv_service.core.allocator import PoolConfig, alignment
 from hkv_service.core.errors import HkvError, StaleHandle
 from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.hashing import ExtraKeys, hash_blocks
@@ -182,7 +182,8 @@ def copy_problem(state: CacheState, entry: PrefixEntry, c: int, rec: ObjRecord, 
             return f"block {rec.block} is not this record's"
         if pool.generation[rec.block] != rec.generation:
             return "generation moved on"
-        if pool.alignment_of(rec.block, col.nbytes) < align:
+        cfg = pool.config
+        if alignment(rec.block * cfg.stride, col.nbytes, cfg.base_align) < align:
             return "misaligned"
     if col.kind is Kind.SWA:
         start, end = layout.block_range(c, entry.depth)
@@ -287,7 +288,7 @@ def check_match(state: CacheState, hashes: Sequence[BlockHash], limit: int, alig
                 pool = state.owners[rec.shard].pools[c]
                 assert h.address == rec.block * pool.config.stride, f"[2 address] {where}"
                 assert h.address % align == 0 and h.nbytes % align == 0 and (
-                    pool.alignment_of(rec.block, col.nbytes) >= align), (
+                    alignment(h.address, col.nbytes, pool.config.base_align) >= align), (
                     f"[2 align] {where}: address {h.address} nbytes {h.nbytes} "
                     f"not {align}-aligned")
             if col.kind is Kind.SWA:
@@ -353,7 +354,8 @@ def _miss_kind(state: CacheState, hashes: Sequence[BlockHash], align: int, m: Ma
                     if copy_problem(state, e, c, rec, disk, safe, 1) == f"memory {rec.state.value}":
                         continue  # not readable at all: no gate is computed from it
                     pool = state.owners[rec.shard].pools[c]
-                    if pool.alignment_of(rec.block, layout.columns[c].nbytes) < align:
+                    if alignment(rec.block * pool.config.stride, layout.columns[c].nbytes,
+                                 pool.config.base_align) < align:
                         usable = copy_problem(state, e, c, rec, disk, safe, 1) is None
                         bad.append((layout.columns[c].name, "disk" if disk else "mem",
                                     stop in needed(layout, c, safe), usable))
