@@ -39,6 +39,7 @@ def test_quick_path_at_a_tiny_size_reports_every_figure() -> None:
             rate = figures[f"reconfirm_{scene}with_summaries_reports_per_s_{tag}"]
             assert 0 < rate <= figures[f"reconfirm_{scene}reports_per_s_{tag}"]
         assert figures[f"reconfirm_confirmed_{tag}"] == figures[f"reconfirm_reports_total_{tag}"]
+        assert figures[f"reconfirm_restarts_{tag}"] == 1  # --quick: one restart
         assert figures[f"lookup_errors_{tag}"] == 0
     assert figures["write_rpcs_per_request"] >= 1  # one allocate at least
     assert figures["write_rpcs_allocate_per_request"] == 1
@@ -53,3 +54,13 @@ def test_quick_path_at_a_tiny_size_reports_every_figure() -> None:
     assert math.isclose(ratios[f"rss_mib_{big}_vs_{small}"],
                         figures[f"rss_mib_{big}"] / figures[f"rss_mib_{small}"])
     assert all(math.isfinite(v) and v > 0 for v in ratios.values())
+
+
+def test_the_median_restart_is_given_with_the_slowest_and_fastest() -> None:
+    rate = scale.RESTART_RATE
+    runs = [{rate: 90.0, "reconfirm_settle_ms": 3.0}, {rate: 130.0, "reconfirm_settle_ms": 1.0},
+            {rate: 110.0, "reconfirm_settle_ms": 2.0}]
+    out = scale.median_restart(runs)
+    assert out[rate] == 110.0 and out["reconfirm_settle_ms"] == 2.0  # one run's figures, whole
+    assert (out[f"{rate}_min"], out[f"{rate}_max"], out["reconfirm_restarts"]) == (90, 130, 3)
+    assert scale.median_restart(runs[:1])[rate] == 90.0
