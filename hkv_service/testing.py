@@ -38,16 +38,18 @@ def commit_prefix(
     hashes: Sequence[BlockHash],
     owner: ShardId | None = None,
     skip: frozenset[tuple[int, str]] = frozenset(),
+    first_block: int = 0,
 ) -> dict[tuple[int, str], ObjectId]:
-    """Allocate and commit every object of every column along ``hashes`` (except ``skip``)."""
+    """Allocate and commit every object of every column along ``hashes`` (except ``skip``),
+    the hashes of blocks ``first_block`` on (a range of a split chain)."""
     lay = state.layout
     reqs = [
         AllocRequest(d, lay.columns[c].name)
-        for d in range(len(hashes))
+        for d in range(first_block, first_block + len(hashes))
         for c in lay.attached[d % lay.period]
         if (d, lay.columns[c].name) not in skip
     ]
-    allocs = state.allocate(hashes, reqs, owner)
+    allocs = state.allocate(hashes, reqs, owner, first_block)
     ids = {(r.depth, r.column): a.handle.object_id for r, a in zip(reqs, allocs, strict=True)}
     versions: dict[tuple[int, str], int] = {}
     for r, a in zip(reqs, allocs, strict=True):

@@ -16,7 +16,9 @@ from .records import Handle, HandleColumn, ObjRecord
 
 __all__ = ["Match", "Memo", "MemoKey"]
 
-MemoKey = tuple[BlockHash, int, int, int, bool, tuple[tuple[str, int], ...], int]
+# last hash, count, limit, alignment, handles, reader ABI, first block, open end, owners'
+# epoch (CacheState.replay reads the limit at [2] and the epoch at [-1])
+MemoKey = tuple[BlockHash, int, int, int, bool, tuple[tuple[str, int], ...], int, bool, int]
 
 
 @dataclass(slots=True, eq=False)

@@ -24,8 +24,10 @@ document's memo (``CacheState._prefix_memo`` says why finding the stop by bisect
 A memo is made on the second lookup of the same key (a prefix looked up once never pays for
 the registration), and the table is bounded by count and bytes (least recently used first).
 The key holds everything else a result depends on: the hashes' count and last hash, the
-token limit, alignment, handles or not, the reader's ABI, and the owners' epoch (an owner
-registering changes the stride table every handle column carries).
+token limit, alignment, handles or not, the reader's ABI, where the hashes start and whether
+the chain goes on past them (a range of a chain split across partitions is memoised as its
+own question; the bisection for a prefix's memo is for whole chains only), and the owners'
+epoch (an owner registering changes the stride table every handle column carries).
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ class LookupMemo:
             return None
         abi = tuple(sorted(req.reader_abi.items())) if req.reader_abi else ()
         return (req.block_hashes[count - 1], count, limit, req.alignment, req.handles, abi,
-                owners_epoch)
+                req.first_block, req.open_end, owners_epoch)
 
     def get(self, key: MemoKey, hashes: Sequence[BlockHash], count: int | None = None
             ) -> Memo | None:

@@ -814,12 +814,13 @@ class CacheState:
                             walk_need=req.alignment)
             now = self.clock()
             self.leases.reap(now)
-            # (a range of a split chain is not memoised: memos answer whole chains)
-            key = (None if first or req.open_end else
-                   self.memo.key(req, limit, self._owners_epoch))
+            key = self.memo.key(req, limit, self._owners_epoch)
             memo = self.memo.get(key, req.block_hashes) if key is not None else None
             stop_key = None
-            if memo is None and key is not None:
+            # A range of a split chain has its own memo, not a prefix's: its answer past a
+            # miss is its partition's part of a longer question, which the client assembles
+            whole = not first and not req.open_end
+            if memo is None and key is not None and whole:
                 memo = self._prefix_memo(req, limit)
                 repeatable = memo is None
             else:
@@ -834,7 +835,8 @@ class CacheState:
                 # bytes (allocate and confirm check them): only the rest can be malformed.
                 check_hash_lengths(req.block_hashes, max(
                     0, result.matched_tokens // self.layout.hash_block - first))
-                stop_key = self._stop_key(req, result, limit) if key is not None else None
+                stop_key = (self._stop_key(req, result, limit) if key is not None and whole
+                            else None)
             self._count_lookup(result.usable_tokens, limit, result.downgrades)
             usable, entries = result.usable_tokens, result.entries
             if usable:

@@ -375,3 +375,30 @@ def test_a_malformed_hash_at_the_stop_is_refused(prefix) -> None:
     with pytest.raises(BadHash, match="16 bytes"):
         st.lookup(LookupRequest([*hs, BlockHash(b"x" * 15)]))
     assert st.stats() == stats
+
+
+@pytest.mark.parametrize("open_end", [False, True])
+def test_a_range_of_a_split_chain_is_memoised_and_dropped_like_a_chain(open_end: bool) -> None:
+    """A range lookup (a chain split across partitions: blocks [R, 2R) asked alone) is
+    answered from its own memo when repeated, never from a whole chain's nor another
+    range's, and not once anything on its range changed."""
+    r = N  # >= the memo's minimum
+    st = CacheState(default_spec(), StateConfig(range_blocks=r))
+    st.register_owner(S0, pools_for(st.layout, 2 * N + 8))
+    hs = prompt_hashes(st.spec, 2 * r)
+    ids = commit_prefix(st, hs[r:], first_block=r)
+    req = LookupRequest(hs[r:], first_block=r, open_end=open_end)
+    m = _memoised(st, req)
+    assert _same(m, _fresh(st, req)) and m.usable_tokens == 2 * r * 64
+    assert m.memo is not None and m.repeatable
+    assert st.replay(m.memo)
+    for other in (LookupRequest(hs[r:], first_block=r, open_end=not open_end),
+                  # the same hashes said to start at block 0, up to the same limit
+                  LookupRequest(hs[r:], open_end=True, resume_tokens=2 * r * 64)):
+        assert _same(st.lookup(other), _fresh(st, other)), other
+    assert st.lookup(LookupRequest(hs[r:], first_block=r, open_end=open_end,
+                                   resume_tokens=(r + 8) * 64)).usable_tokens == (r + 8) * 64
+    st.transition(ids[(r + 3, "c4")], Event.EVICT)
+    assert not m.memo.live and not st.replay(m.memo)  # its range changed: dropped
+    after = st.lookup(req)
+    assert _same(after, _fresh(st, req)) and after.usable_tokens < 2 * r * 64
