@@ -10,6 +10,7 @@
     │   │   ├── UnknownKind
     │   │   └── BadSpecField
     │   ├── BadHash                   empty or wrongly sized block hash
+    │   │   └── MisplacedHash         another block's hash (.depth, .known_depth)
     │   ├── PositionBeyondHashes
     │   ├── UnknownGroup
     │   ├── FutureGeneration          a generation the owner never issued
@@ -53,6 +54,7 @@ __all__ = [
     "IllegalTransition",
     "InvalidInput",
     "LeaseExpired",
+    "MisplacedHash",
     "NotFound",
     "OwnerLost",
     "PoolExhausted",
@@ -107,6 +109,23 @@ class BadSpecField(SpecError):
 
 class BadHash(InvalidInput):
     pass
+
+
+class MisplacedHash(BadHash):
+    """A lookup's hash at block ``depth`` is the hash of block ``known_depth`` of a chain
+    the cache holds: served, that block's KV would be read at another position (a client
+    that skipped blocks it holds without saying where its hashes start)."""
+
+    def __init__(self, depth: int | str, known_depth: int | None = None) -> None:
+        if isinstance(depth, str):  # (message) alone: as an edge rebuilds it from a status
+            super().__init__(depth)
+            self.depth: int | None = None
+            self.known_depth = known_depth
+            return
+        super().__init__(f"the hash given for block {depth} is the hash of block "
+                         f"{known_depth} of a cached chain; send a prompt's hashes from its "
+                         "first block (a range of a split chain: from first_block)")
+        self.depth, self.known_depth = depth, known_depth
 
 
 class PositionBeyondHashes(InvalidInput):

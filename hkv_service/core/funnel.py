@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from . import contracts, segments
-from .contracts import F_MONO, F_TAIL, LOAD, READY, column_verdict, served, settled, swa_cover
+from .contracts import F_MONO, F_TAIL, LOAD, READY, column_verdict, served, swa_cover
 from .errors import BadHash, InvalidInput, PositionBeyondHashes, UnknownGroup
 from .ids import BlockHash, GroupName, PackedHashes, check_hash_lengths
 from .layout import Layout
@@ -145,13 +145,8 @@ def run_funnel(
                                       layout, align_of)
     else:
         entries = []
-        append = entries.append
-        for e in map(index.get, itertools.islice(hashes, max_entries)):  # lookups at C speed
-            # gate: F_MONO and byte alignment folded in one int (a pending entry: 0 until
-            # summarised here, contracts.defer)
-            if e is None or (e.gate < need and not settled(e, need, layout, align_of)):
-                break
-            append(e)
+        segments.walk_blocks(index, itertools.islice(hashes, max_entries), need, entries,
+                             layout, align_of, first)
     n = len(entries)
     downgrades: list[Downgrade] = []
     if n < max_entries:

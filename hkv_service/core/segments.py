@@ -28,9 +28,10 @@ from __future__ import annotations
 import functools
 import operator
 import struct
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from .contracts import settled
+from .errors import MisplacedHash
 from .ids import BLOCK_HASH_BYTES, BlockHash, PackedHashes
 from .layout import Layout
 from .records import ObjRecord, PrefixEntry, Segment, register
@@ -69,29 +70,41 @@ def walk(index: Mapping[BlockHash, PrefixEntry], data: bytes, count: int, need: 
         seg = end.segment if end is not None else None
         if (seg is not None and seg.live and seg.gate >= need
                 and data.startswith(seg.hashes, lo)):  # one memcmp, no copy
+            if end.depth != start + size - 1:  # (its blocks' depths are consecutive)
+                raise MisplacedHash(start, end.depth - size + 1)
             entries += seg.entries
             used.append(seg)
             continue
-        if not _blocks(index, split(data, lo), need, entries, layout, align_of):
+        if not walk_blocks(index, split(data, lo), need, entries, layout, align_of, start):
             return entries, used
         assert end is not None and entries[-1] is end  # the run was walked whole
         used.append(_certify(end, data[lo : lo + run_bytes], entries[-size:]))
     tail = count % size
     if tail:
-        _blocks(index, _splitter(tail).unpack_from(data, (count - tail) * hb), need, entries,
-                layout, align_of)
+        walk_blocks(index, _splitter(tail).unpack_from(data, (count - tail) * hb), need,
+                    entries, layout, align_of, count - tail)
     return entries, used
 
 
-def _blocks(index: Mapping[BlockHash, PrefixEntry], hashes: Sequence[BlockHash], need: int,
-            out: list[PrefixEntry], layout: Layout | None, align_of: AlignOf | None) -> bool:
-    """The per-block walk over ``hashes``, appending to ``out``; False where it stopped (a
-    pending entry is summarised first: ``contracts.defer``)."""
+def walk_blocks(index: Mapping[BlockHash, PrefixEntry], hashes: Iterable[BlockHash], need: int,
+                out: list[PrefixEntry], layout: Layout | None, align_of: AlignOf | None,
+                depth: int) -> bool:
+    """The per-block walk over ``hashes``, the first of them block ``depth``'s, appending to
+    ``out``; False where it stopped (a pending entry is summarised first:
+    ``contracts.defer``). A hash the index holds at another depth is another block's
+    (:class:`MisplacedHash`): its KV, served here, would be read at the wrong position."""
     append = out.append
-    for e in map(index.get, hashes):
-        if e is None or (e.gate < need and not settled(e, need, layout, align_of)):
+    for e in map(index.get, hashes):  # lookups at C speed
+        if e is None:
+            return False
+        if e.depth != depth:
+            raise MisplacedHash(depth, e.depth)
+        # gate: F_MONO and byte alignment folded in one int (a pending entry: 0 until
+        # summarised here, contracts.defer)
+        if e.gate < need and not settled(e, need, layout, align_of):
             return False
         append(e)
+        depth += 1
     return True
 
 

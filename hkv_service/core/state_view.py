@@ -42,6 +42,7 @@ from .errors import (
     IllegalTransition,
     InvalidInput,
     LeaseExpired,
+    MisplacedHash,
     PoolExhausted,
     ResourceExhausted,
     StaleHandle,
@@ -1434,6 +1435,16 @@ class CacheState:
         for h in hashes:
             if not isinstance(h, bytes) or len(h) != BLOCK_HASH_BYTES:
                 raise BadHash(f"block hash must be {BLOCK_HASH_BYTES} bytes, got {len(h)}")
+
+    def check_placed(self, req: LookupRequest) -> None:
+        """Raise :class:`MisplacedHash` if ``req``'s first hash is the hash of another block
+        than the one it is given for (a batch is refused with it before any item is looked
+        up; a hash out of place further in is refused by the walk)."""
+        hashes = req.block_hashes
+        with self._lock:
+            e = self.index.get(hashes[0]) if hashes else None
+            if e is not None and e.depth != req.first_block:
+                raise MisplacedHash(req.first_block, e.depth)
 
     def _check_root(self, hashes: Sequence[BlockHash]) -> None:
         """A partitioned view holds only the chains whose root routes to it."""

@@ -213,7 +213,16 @@ class MetadataServicer(pb_grpc.MetadataServiceServicer):
         if len(decoded) > 1:
             validation.check_lookups(self.state, decoded)
         # The Match's handle columns are a snapshot taken under the view's lock.
-        return [self.state.lookup(req) for req in decoded]
+        matches: list[Match] = []
+        try:
+            for req in decoded:
+                matches.append(self.state.lookup(req))
+        except HkvError:  # refused part way (only a walk finds it): the batch takes nothing
+            for m in matches:
+                if m.lease_id is not None:
+                    self.state.release_lease(m.lease_id)
+            raise
+        return matches
 
     @_unary
     def LookupRaw(self, raw: bytes, context: grpc.ServicerContext) -> bytes:

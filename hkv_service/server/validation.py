@@ -77,3 +77,7 @@ def check_lookups(state: CacheState, requests: Sequence[LookupRequest]) -> None:
         if req.lease_ttl_s > max_ttl:
             raise InvalidInput(f"lookup {i}: lease_ttl_s {req.lease_ttl_s} exceeds the "
                                f"maximum {max_ttl}")
+        try:
+            state.check_placed(req)
+        except InvalidInput as err:
+            raise type(err)(f"lookup {i}: {err}") from None

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 
 from hkv_service.core.allocator import PoolConfig
-from hkv_service.core.errors import PositionBeyondHashes, StaleHandle, UnknownGroup
+from hkv_service.core.errors import MisplacedHash, PositionBeyondHashes, StaleHandle, UnknownGroup
 from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.ids import ShardId
-from hkv_service.core.state_view import AllocRequest, CacheState
+from hkv_service.core.spec import spec_from_dict
+from hkv_service.core.state_view import AllocRequest, CacheState, StateConfig
 from hkv_service.core.states import Event, Reason, State
 from hkv_service.core.transitions import Params
 from hkv_service.testing import commit_prefix, pools_for, prompt_hashes
@@ -254,3 +255,39 @@ def test_a_malformed_hash_is_refused_wherever_it_is(
     with pytest.raises(BadHash, match="16 bytes"):
         state.lookup(LookupRequest(hashes, resume_tokens=resume))
     assert dict(state.counters.lookups) == before
+
+
+FULL_ATTENTION = spec_from_dict({"model_id": "full-attention", "hash_block_size": 64, "groups": [
+    {"name": "kv", "kind": "COMPRESSED", "block_size": 64, "ratio": 1,
+     "abi": {"dtype": "float16", "layout": "NHD", "head_shape": [2, 16], "kernel_version": "fa"}}]})
+
+
+@pytest.mark.parametrize("segment_blocks", [0, 4])
+@pytest.mark.parametrize("how", ["shifted", "shifted by a run", "one out of place", "range"])
+def test_a_hash_of_another_depth_is_refused_not_served(segment_blocks: int, how: str) -> None:
+    """The hash matched, but it is another block's: a client that sends its hashes from
+    some offset (it skipped blocks it already holds) without saying so would be served the
+    KV of block d + k as block d. Full attention only, so no SWA range or tail length
+    happens to stop it; by block and over runs certified by earlier walks."""
+    range_blocks = 16 if how == "range" else 0
+    st = CacheState(FULL_ATTENTION, StateConfig(memo_capacity=0, segment_blocks=segment_blocks,
+                                                range_blocks=range_blocks))
+    st.register_owner(ShardId("s0"), pools_for(st.layout, 64))
+    hs = prompt_hashes(st.spec, 32)
+    if range_blocks:
+        commit_prefix(st, hs[:16])
+        commit_prefix(st, hs[16:], first_block=16)
+    else:
+        commit_prefix(st, hs)
+    for _ in range(3):  # (certified runs: the second walk certifies them)
+        assert st.lookup(LookupRequest(hs[:16])).usable_tokens == 16 * 64
+    asked, at, known = {
+        "shifted": (hs[1:17], 0, 1),
+        "shifted by a run": (hs[4:20], 0, 4),
+        "one out of place": ([*hs[:5], hs[9], *hs[6:16]], 5, 9),
+        "range": (hs[16:32], 0, 16),  # the second range's hashes, first_block not said
+    }[how]
+    with pytest.raises(MisplacedHash, match=f"block {at}.* block {known}") as err:
+        st.lookup(LookupRequest(asked))
+    assert (err.value.depth, err.value.known_depth) == (at, known)
+    assert st.lookup(LookupRequest(hs[:16])).usable_tokens == 16 * 64  # nothing changed

@@ -78,6 +78,14 @@ CASES: list[tuple[str, str, Callable[[Filled], Any], grpc.StatusCode, str, str |
     ("packed and listed hashes", "Lookup",
      lambda f: lookup(packed_hashes=b"".join(f.hs), block_hashes=f.hs),
      C.INVALID_ARGUMENT, "not both", "InvalidInput"),
+    ("another block's hash", "Lookup", lambda f: lookup(block_hashes=f.hs[1:]),
+     C.INVALID_ARGUMENT, "for block 0 is the hash of block 1", "MisplacedHash"),
+    ("another block's hash in a batch", "Lookup",  # refused before the first is looked up
+     lambda f: pb.LookupBatchRequest(requests=[
+         pb.LookupRequest(block_hashes=f.hs, lease_ttl_s=5.0),
+         pb.LookupRequest(block_hashes=f.hs[1:])]),
+     C.INVALID_ARGUMENT, "lookup 1: the hash given for block 0 is the hash of block 1",
+     "MisplacedHash"),
     ("position beyond hashes", "Lookup", lambda f: lookup(block_hashes=f.hs, resume_tokens=10**6),
      C.INVALID_ARGUMENT, "outside the 256 tokens", "PositionBeyondHashes"),
     ("ABI for a group the spec lacks", "Lookup",
@@ -183,6 +191,21 @@ def test_rejected_with_status_and_state_unchanged(
     before = state_of(client)
     expect(lambda: getattr(stub, method)(make(filled), timeout=5), code, phrase, cls)
     assert state_of(client) == before
+
+
+def test_a_batch_refused_part_way_leaves_no_lease(stub: pb_grpc.MetadataServiceStub,
+                                                  client: MetadataClient,
+                                                  filled: Filled) -> None:
+    """A batch item the view refuses only once it walks (a hash out of place inside the
+    prompt) fails the batch after the items before it took their leases: those go too."""
+    scrambled = [filled.hs[0], filled.hs[2], filled.hs[1], filled.hs[3]]
+    gauges: Any = client.stats()["gauges"]
+    expect(lambda: stub.Lookup(pb.LookupBatchRequest(requests=[
+        pb.LookupRequest(block_hashes=filled.hs, lease_ttl_s=30.0),
+        pb.LookupRequest(block_hashes=scrambled)]), timeout=5),
+        C.INVALID_ARGUMENT, "for block 1 is the hash of block 2", "MisplacedHash")
+    after: Any = client.stats()["gauges"]
+    assert after["leases"] == gauges["leases"] == 0
 
 
 def test_item_errors_in_a_transition_batch(stub: pb_grpc.MetadataServiceStub,
