@@ -87,11 +87,12 @@ class BlockPool:
     re-confirm leaves the set at once and is skipped when the deque reaches it, so every
     operation is O(1) amortized."""
 
-    def __init__(self, config: PoolConfig, seed: int = 0, nbytes: int = 0) -> None:
+    def __init__(self, config: PoolConfig, *, nbytes: int, seed: int = 0) -> None:
         self.config = config
         # alignment(block * stride, nbytes, base_align), split so a lookup's summaries pay
         # one multiply per block: lowbit(b * s) = lowbit(b) * lowbit(s), and the low bit of
-        # an OR is the lesser one; ``nbytes`` is the size of its column's objects
+        # an OR is the lesser one. ``nbytes`` (the size of its column's objects) has no
+        # default: a pool that ignored it would call a misaligned length aligned
         self._align_cap = min(_lowbit(nbytes), config.base_align, _MAX_ALIGN)
         self._align_step = _lowbit(config.stride)
         self.free: deque[int] = deque()

@@ -42,7 +42,6 @@ from .errors import (
     IllegalTransition,
     InvalidInput,
     LeaseExpired,
-    MisplacedHash,
     PoolExhausted,
     ResourceExhausted,
     StaleHandle,
@@ -79,7 +78,7 @@ from .records import (
     PrefixEntry,
     new_record,
 )
-from .segments import DEFAULT_SEGMENT_BLOCKS, Segment, first_missing
+from .segments import DEFAULT_SEGMENT_BLOCKS, Segment, first_missing, walk_blocks
 from .spec import CacheSpec
 from .states import TERMINAL_STATES, Event, Kind, State
 from .transitions import APPLIED_FIELDS, Params, apply
@@ -1440,11 +1439,8 @@ class CacheState:
         """Raise :class:`MisplacedHash` if ``req``'s first hash is the hash of another block
         than the one it is given for (a batch is refused with it before any item is looked
         up; a hash out of place further in is refused by the walk)."""
-        hashes = req.block_hashes
-        with self._lock:
-            e = self.index.get(hashes[0]) if hashes else None
-            if e is not None and e.depth != req.first_block:
-                raise MisplacedHash(req.first_block, e.depth)
+        with self._lock:  # the walk's own rule, on the first hash (need 0: no gate asked)
+            walk_blocks(self.index, req.block_hashes[:1], 0, [], None, None, req.first_block)
 
     def _check_root(self, hashes: Sequence[BlockHash]) -> None:
         """A partitioned view holds only the chains whose root routes to it."""

@@ -217,7 +217,7 @@ class MetadataServicer(pb_grpc.MetadataServiceServicer):
         try:
             for req in decoded:
                 matches.append(self.state.lookup(req))
-        except HkvError:  # refused part way (only a walk finds it): the batch takes nothing
+        except Exception:  # refused part way (only a walk finds it): the batch takes nothing
             for m in matches:
                 if m.lease_id is not None:
                     self.state.release_lease(m.lease_id)

@@ -202,7 +202,7 @@ def test_a_claim_far_ahead_costs_one_block_of_metadata() -> None:
     blocks before it are handed out around it."""
     from hkv_service.core.allocator import BlockPool
 
-    pool = BlockPool(PoolConfig(1 << 24, 256))
+    pool = BlockPool(PoolConfig(1 << 24, 256), nbytes=256)
     last = (1 << 24) - 1
     assert pool.claim(last) and not pool.claim(last)
     assert len(pool.generation) == 1 and pool.free_count() == (1 << 24) - 1

@@ -95,11 +95,11 @@ def test_a_chain_of_another_partition_is_refused() -> None:
 
 
 def test_a_pool_range_hands_out_and_takes_back_only_its_own_blocks() -> None:
-    pool = BlockPool(PoolConfig(num_blocks=10, stride=64, first=6))
+    pool = BlockPool(PoolConfig(num_blocks=10, stride=64, first=6), nbytes=64)
     assert pool.free_count() == 4
     taken = [pool.take() for _ in range(5)]
     assert taken == [6, 7, 8, 9, None]
-    other = BlockPool(PoolConfig(num_blocks=10, stride=64, first=6))
+    other = BlockPool(PoolConfig(num_blocks=10, stride=64, first=6), nbytes=64)
     assert not other.claim(5) and not other.claim(10)  # another partition's / beyond
     assert other.claim(8) and other.free_count() == 3
 
