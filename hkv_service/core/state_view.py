@@ -352,7 +352,7 @@ class CacheState:
         with self._lock:
             while self._reaping and budget > 0:
                 r = self._reaping[0]
-                budget = sweep(r, budget, self._bury)
+                budget = sweep(r, budget, self._bury_if_dead)
                 if r.done:
                     self._reaping.popleft()
             return bool(self._reaping)
@@ -366,6 +366,16 @@ class CacheState:
         """``rec`` belongs to a lost owner and is not buried yet (never, while nothing is
         being reaped: a buried record has left the view)."""
         return bool(self._reaping) and dead(rec, self.owners)
+
+    def _bury_if_dead(self, rec: ObjRecord) -> None:
+        """What the reaper does with a record a lost incarnation's pool or disk set still
+        names: bury it unless it lives on elsewhere. A DISK record's loaded copy on the lost
+        pool is buried (back to rest) when something touches it, and the record can then be
+        loaded again, onto a live pool: the lost pool still names it at the old block, and
+        burying it there failed the new load under its loader (its new block freed while the
+        loader's bytes were landing in it)."""
+        if dead(rec, self.owners):
+            self._bury(rec)
 
     def _bury(self, rec: ObjRecord) -> None:
         """A dead record ends: LOST, or, if only its loaded memory copy died (its disk copy

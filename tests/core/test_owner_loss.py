@@ -211,3 +211,40 @@ def test_a_reaped_incarnations_pools_hold_nothing_per_block(how: str) -> None:
     for pool in old.pools.values():
         assert not pool.generation and not pool.owner and not pool._free and not pool.free
     assert st.lookup(LookupRequest(hashes)).usable_tokens == 0
+
+
+@pytest.mark.parametrize("then", ["verified", "inflight"])
+def test_a_copy_loaded_again_after_its_holder_restarted_is_not_reaped(then: str) -> None:
+    """A disk copy's loaded memory copy sat on s1; s1 restarts (its old incarnation is
+    queued for reaping, its old pool still names the record at that block). The copy is
+    loaded again, onto the new s1. The reaper, passing the old pool's block, must not bury
+    the record: it lives elsewhere now. (Found by the stateful test: the load in flight was
+    failed under the loader, its ticket and new block released; a verified one went back to
+    rest.)"""
+    st = CacheState(default_spec())
+    st.register_owner(S0, pools_for(st.layout, 256))
+    st.register_owner(S1, pools_for(st.layout, 256))
+    hashes = prompt_hashes(st.spec, BLOCKS)
+    ids = commit_prefix(st, hashes, owner=S0)
+    kv = next(oid for (d, _), oid in ids.items()
+              if d == 0 and st.objects[oid].kind is Kind.COMPRESSED)
+    disk = st.begin_offload(kv, S0)
+    st.transition(disk.object_id, Event.OFFLOAD_COMMITTED)
+    st.evict(kv)  # only the disk copy stays ...
+    first = st.begin_load(disk.object_id, S1)  # ... loaded onto s1
+    st.transition(first.object_id, Event.LOAD_VERIFIED)
+    st.register_owner(S1, pools_for(st.layout, 256))  # s1 restarts: that loaded copy is gone
+    again = st.begin_load(disk.object_id, S1)  # loaded again, onto the new s1
+    assert again.shard == S1
+    if then == "verified":
+        st.transition(again.object_id, Event.LOAD_VERIFIED)
+    st.reap_all()
+    rec = st.objects[disk.object_id]
+    want = State.ON_DISK_READY if then == "verified" else State.ON_DISK_INFLIGHT
+    assert (rec.state, rec.shard, rec.block, rec.generation) == (
+        want, S1, again.block, again.generation)
+    assert st.admission.stats().in_transit_objects == (then == "inflight")
+    if then == "inflight":
+        st.transition(again.object_id, Event.LOAD_VERIFIED)  # the loader finishes it
+        assert st.objects[disk.object_id].state is State.ON_DISK_READY
+    st.check_read(again)  # its handle reads
