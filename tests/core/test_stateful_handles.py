@@ -51,7 +51,7 @@ from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.hashing import ExtraKeys, hash_blocks
 from hkv_service.core.ids import BlockHash, ShardId
 from hkv_service.core.layout import Layout
-from hkv_service.core.records import ObjRecord, PrefixEntry
+from hkv_service.core.records import Handle, ObjRecord, PrefixEntry
 from hkv_service.core.spec import CacheSpec, spec_from_dict
 from hkv_service.core.state_view import (
     AllocRequest,
@@ -134,6 +134,28 @@ def pools_of(owner: ShardId, layout: Layout) -> dict[str, PoolConfig]:
 
 
 # ---- the brute force -----------------------------------------------------------------------
+
+
+def raw_handle(state: CacheState, rec: ObjRecord) -> Handle:
+    """The handle of ``rec`` from its raw fields: its memory owner's block (a DISK copy at
+    rest: its disk owner, block -1, address 0), the address that block's offset in the
+    current pool of that owner."""
+    col = state.layout.columns[rec.column]
+    at_rest = rec.kind is Kind.DISK and rec.block < 0 and rec.disk_owner is not None
+    shard = rec.disk_owner if at_rest else rec.shard
+    assert shard is not None
+    address = 0
+    if rec.block >= 0:
+        address = rec.block * state.owners[shard].pools[rec.column].config.stride
+    return Handle(rec.object_id, rec.generation, shard, col.index, rec.block, col.kind,
+                  col.name, col.nbytes, col.abi_fingerprint, address)
+
+
+def check_handle(state: CacheState, handle: Handle) -> None:
+    """A handle an allocation, offload or load returned is its record's, field for field."""
+    rec = state.objects.get(handle.object_id)
+    assert rec is not None, handle
+    assert handle == raw_handle(state, rec), (handle, raw_handle(state, rec))
 
 
 def needed(layout: Layout, c: int, p: int) -> list[int]:
@@ -469,7 +491,9 @@ class HandleMachine(RuleBasedStateMachine):
         name = self.layout.columns[c].name
         shard = None if owner is None else OWNERS[owner]
         with suppress(HkvError):  # pool exhausted by leases, or the owner is down
-            self.state.allocate(self.chains[chain][: d + 1], [AllocRequest(d, name)], shard)
+            for a in self.state.allocate(self.chains[chain][: d + 1], [AllocRequest(d, name)],
+                                         shard):
+                check_handle(self.state, a.handle)
         e = self._entry(chain, d)
         return e.mem[c] if e is not None else None
 
@@ -690,6 +714,7 @@ class HandleMachine(RuleBasedStateMachine):
             d = self.state.begin_offload(rec.object_id, shard)
         except HkvError:  # not readable, or admission
             return None
+        check_handle(self.state, d)
         drec = self.state.objects.get(d.object_id)
         if drec is None or drec.state is not State.OFFLOADING:
             return drec
@@ -704,6 +729,7 @@ class HandleMachine(RuleBasedStateMachine):
             t = self.state.begin_load(drec.object_id, None if owner is None else OWNERS[owner])
         except HkvError:  # no free block, admission
             return
+        check_handle(self.state, t)
         if outcome == "verified":
             self.state.transition(t.object_id, Event.LOAD_VERIFIED)
         elif outcome == "failed":
