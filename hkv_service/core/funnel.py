@@ -32,6 +32,7 @@ from .contracts import F_MONO, F_TAIL, LOAD, READY, column_verdict, served, swa_
 from .errors import BadHash, InvalidInput, PositionBeyondHashes, UnknownGroup
 from .ids import BlockHash, GroupName, PackedHashes, check_hash_lengths
 from .layout import Layout
+from .prefix_index import PrefixIndex
 from .records import ObjRecord, PrefixEntry
 from .segments import Segment
 from .states import Kind, Reason, State
@@ -121,7 +122,7 @@ AlignOf = Callable[[ObjRecord], int]  # a placed record's byte alignment (from i
 
 
 def run_funnel(
-    index: Mapping[BlockHash, PrefixEntry], layout: Layout, req: LookupRequest, limit: int,
+    index: PrefixIndex, layout: Layout, req: LookupRequest, limit: int,
     segment_blocks: int = 0, align_of: AlignOf | None = None,
 ) -> FunnelResult:
     """The funnel over ``index``. It changes no state (it summarises a pending entry it
@@ -163,7 +164,7 @@ def run_funnel(
     )
 
 
-def _hash_level_hit(index: Mapping[BlockHash, PrefixEntry], layout: Layout,
+def _hash_level_hit(index: PrefixIndex, layout: Layout,
                     req: LookupRequest, limit: int) -> FunnelResult:
     """TEST ONLY (``contracts.UNSAFE_LAYER3_OFF``): every whole LCM block of present hashes."""
     entries = []

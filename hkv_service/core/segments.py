@@ -28,12 +28,13 @@ from __future__ import annotations
 import functools
 import operator
 import struct
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from .contracts import settled
 from .errors import MisplacedHash
 from .ids import BLOCK_HASH_BYTES, BlockHash, PackedHashes
 from .layout import Layout
+from .prefix_index import PrefixIndex
 from .records import ObjRecord, PrefixEntry, Segment, register
 
 __all__ = ["DEFAULT_SEGMENT_BLOCKS", "Segment", "first_missing", "walk"]
@@ -52,7 +53,7 @@ def _splitter(n: int) -> struct.Struct:
     return struct.Struct("16s" * n)
 
 
-def walk(index: Mapping[BlockHash, PrefixEntry], data: bytes, count: int, need: int,
+def walk(index: PrefixIndex, data: bytes, count: int, need: int,
          size: int, layout: Layout | None = None, align_of: AlignOf | None = None
          ) -> tuple[list[PrefixEntry], list[Segment | None]]:
     """The entries of the first ``count`` hashes of ``data`` (packed, 16 bytes each) while
@@ -66,9 +67,9 @@ def walk(index: Mapping[BlockHash, PrefixEntry], data: bytes, count: int, need: 
     split = _splitter(size).unpack_from
     for start in range(0, count - count % size, size):
         lo = start * hb
-        end = index.get(data[lo + run_bytes - hb : lo + run_bytes])  # type: ignore[call-overload]
+        end = index.get(data[lo + run_bytes - hb : lo + run_bytes])
         seg = end.segment if end is not None else None
-        if (seg is not None and seg.live and seg.gate >= need
+        if (end is not None and seg is not None and seg.live and seg.gate >= need
                 and data.startswith(seg.hashes, lo)):  # one memcmp, no copy
             if end.depth != start + size - 1:  # (its blocks' depths are consecutive)
                 raise MisplacedHash(start, end.depth - size + 1)
@@ -86,15 +87,19 @@ def walk(index: Mapping[BlockHash, PrefixEntry], data: bytes, count: int, need: 
     return entries, used
 
 
-def walk_blocks(index: Mapping[BlockHash, PrefixEntry], hashes: Iterable[BlockHash], need: int,
+def walk_blocks(index: PrefixIndex, hashes: Iterable[BlockHash], need: int,
                 out: list[PrefixEntry], layout: Layout | None, align_of: AlignOf | None,
                 depth: int) -> bool:
     """The per-block walk over ``hashes``, the first of them block ``depth``'s, appending to
     ``out``; False where it stopped (a pending entry is summarised first:
     ``contracts.defer``). A hash the index holds at another depth is another block's
     (:class:`MisplacedHash`): its KV, served here, would be read at the wrong position."""
-    append = out.append
-    for e in map(index.get, hashes):  # lookups at C speed
+    append, parts = out.append, index.parts
+    for h in hashes:
+        try:
+            e = parts[h[0]].get(h)  # (PrefixIndex.get, inlined: the walk's one lookup)
+        except (IndexError, TypeError):
+            return False  # not a block hash: no entry has it (the length check names it)
         if e is None:
             return False
         if e.depth != depth:
@@ -122,7 +127,7 @@ def _certify(end: PrefixEntry, hashes: bytes, run: list[PrefixEntry]) -> Segment
     return seg
 
 
-def first_missing(index: Mapping[BlockHash, PrefixEntry], hashes: Sequence[BlockHash],
+def first_missing(index: PrefixIndex, hashes: Sequence[BlockHash],
                   count: int) -> int:
     """Where the first of ``hashes[:count]`` the index lacks is, by bisection (log2(count)
     dict lookups), taking present hashes to come before absent ones as they do along a
@@ -133,7 +138,7 @@ def first_missing(index: Mapping[BlockHash, PrefixEntry], hashes: Sequence[Block
     while lo < hi:
         mid = (lo + hi) // 2
         h = hashes[mid] if data is None else data[mid * hb : mid * hb + hb]
-        if get(h) is None:  # type: ignore[call-overload]
+        if get(h) is None:
             hi = mid
         else:
             lo = mid + 1

@@ -69,6 +69,7 @@ from .memo import LookupMemo
 from .objects import ObjectTable
 from .owners import REAP_SLICE, Owner, Reap, dead, disk_part_alive, sweep
 from .partitions import Partition, check_range_blocks, partition_of_root
+from .prefix_index import PrefixIndex
 from .records import (
     HANDLE_DTYPE,
     DiskRecord,
@@ -216,7 +217,7 @@ class CacheState:
         self.clock = clock
         self.admission = AdmissionGate(self.config.admission)
         self.counters = Counters()
-        self.index: dict[BlockHash, PrefixEntry] = {}
+        self.index = PrefixIndex()  # (in parts: one dict's resize was O(all entries))
         self.partition = self.config.partition
         self.range_blocks = check_range_blocks(self.config.range_blocks, self.layout.period)
         self._empty_summary = _empty_summaries(self.layout)

@@ -14,6 +14,7 @@ from hkv_service.core import segments
 from hkv_service.core.errors import InvalidInput
 from hkv_service.core.funnel import LookupRequest, run_funnel
 from hkv_service.core.ids import BlockHash, PackedHashes
+from hkv_service.core.prefix_index import PrefixIndex
 from hkv_service.core.records import PrefixEntry
 from hkv_service.core.segments import Segment
 from hkv_service.core.state_view import CacheState, Match, StateConfig
@@ -158,11 +159,13 @@ def test_two_paths_to_one_entry_do_not_pile_segments_on_it() -> None:
     walks alternating between them certify each in turn, and the one replaced is dropped,
     not left live and registered on the shared entry forever."""
     end = PrefixEntry(BlockHash(b"E" * 16), None, 3, [], gate=1)
-    index = {end.block_hash: end}
+    index = PrefixIndex()
+    index[end.block_hash] = end
     paths = []
     for tag in (b"a", b"b"):
         hashes = [BlockHash(tag * 15 + bytes([i])) for i in range(3)]
-        index.update({h: PrefixEntry(h, None, i, [], gate=1) for i, h in enumerate(hashes)})
+        for i, h in enumerate(hashes):
+            index[h] = PrefixEntry(h, None, i, [], gate=1)
         paths.append(b"".join([*hashes, end.block_hash]))
     for _ in range(10):
         for data in paths:

@@ -1,0 +1,81 @@
+"""The state view's index, block hash -> prefix entry, held as :data:`PARTS` dicts.
+
+One dict of every entry has a stop-the-world step: CPython grows (or compacts) a dict in one
+go, copying all of it, when the inserts since the last resize have used up its free slots,
+and churn (entries made for new prompts, freed when evicted) keeps using them up at a steady
+size. Measured here (``benchmarks/README.md``, issue 19): the insert that resizes a dict of
+700k entries takes 47 ms, of 2.8M entries 177 ms, under the view's lock and the GIL; a view of
+4M objects has ~960k entries. Split by the hash's first byte (block hashes are xxh3 digests:
+uniform), each part holds 1/256 of it and resizes in 1/256 of the time.
+
+Reads pay one list subscript and one byte read more than a flat dict (~25-35 ns a hash); the
+walk's loop inlines them (:meth:`PrefixIndex.part_of` is for everyone else).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from itertools import chain
+
+from .ids import BlockHash
+from .records import PrefixEntry
+
+__all__ = ["PARTS", "PrefixIndex"]
+
+PARTS = 256  # one per value of a hash's first byte
+_NONE: dict[BlockHash, PrefixEntry] = {}  # the part of a key no entry can have (never filled)
+
+
+class PrefixIndex:
+    """A mapping of block hash to entry; ``parts[h[0]]`` holds ``h``."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self) -> None:
+        self.parts: list[dict[BlockHash, PrefixEntry]] = [{} for _ in range(PARTS)]
+
+    def part_of(self, h: object) -> dict[BlockHash, PrefixEntry]:
+        """The part that holds ``h``; an empty one for what is not a block hash (no entry
+        has such a key: the callers' own checks name it)."""
+        try:
+            return self.parts[h[0]]  # type: ignore[index]
+        except (IndexError, TypeError, KeyError):
+            return _NONE
+
+    def get(self, h: object, default: PrefixEntry | None = None) -> PrefixEntry | None:
+        part: dict[object, PrefixEntry] = self.part_of(h)  # type: ignore[assignment]
+        return part.get(h, default)
+
+    def __getitem__(self, h: BlockHash) -> PrefixEntry:
+        return self.part_of(h)[h]
+
+    def __setitem__(self, h: BlockHash, entry: PrefixEntry) -> None:
+        self.parts[h[0]][h] = entry  # (keys are checked 16-byte hashes: _check_hashes)
+
+    def __delitem__(self, h: BlockHash) -> None:
+        del self.part_of(h)[h]
+
+    def __contains__(self, h: object) -> bool:
+        return h in self.part_of(h)
+
+    def __len__(self) -> int:
+        return sum(map(len, self.parts))
+
+    def __bool__(self) -> bool:
+        return any(self.parts)
+
+    def __iter__(self) -> Iterator[BlockHash]:
+        return chain.from_iterable(self.parts)
+
+    def keys(self) -> Iterator[BlockHash]:
+        return iter(self)
+
+    def values(self) -> Iterator[PrefixEntry]:
+        return chain.from_iterable(p.values() for p in self.parts)
+
+    def items(self) -> Iterator[tuple[BlockHash, PrefixEntry]]:
+        return chain.from_iterable(p.items() for p in self.parts)
+
+    def largest_part(self) -> int:
+        """Entries in the fullest part: what one resize can copy."""
+        return max(map(len, self.parts))

@@ -1,0 +1,54 @@
+"""The index in parts: a dict to every caller, and no part near the size of the whole."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hkv_service.core.hashing import ExtraKeys, hash_blocks
+from hkv_service.core.ids import BlockHash
+from hkv_service.core.prefix_index import PARTS, PrefixIndex
+from hkv_service.core.records import PrefixEntry
+
+KEYS = [BlockHash(bytes([i % 4]) + bytes(14) + bytes([i])) for i in range(24)]
+OPS = st.lists(st.tuples(st.sampled_from(["set", "del", "get"]), st.sampled_from(KEYS)),
+               max_size=60)
+
+
+def _entry(h: BlockHash) -> PrefixEntry:
+    return PrefixEntry(h, None, 0, [])
+
+
+@settings(max_examples=200, deadline=None)
+@given(OPS)
+def test_it_answers_as_one_dict(ops: list[tuple[str, BlockHash]]) -> None:
+    index, model = PrefixIndex(), {}
+    for op, h in ops:
+        if op == "set":
+            index[h] = model[h] = _entry(h)
+        elif op == "del" and h in model:
+            del index[h], model[h]
+        assert index.get(h) is model.get(h) and (h in index) == (h in model)
+    assert len(index) == len(model) and bool(index) == bool(model)
+    assert dict(index.items()) == model and set(index) == set(model) == set(index.keys())
+    assert sorted(map(id, index.values())) == sorted(map(id, model.values()))
+
+
+def test_what_is_not_a_block_hash_is_in_no_part() -> None:
+    index = PrefixIndex()
+    index[KEYS[0]] = _entry(KEYS[0])
+    for bad in (b"", "a string", 7, None, (1, 2)):
+        assert index.get(bad) is None and bad not in index  # (no exception: a miss)
+
+
+def test_no_part_holds_much_more_than_its_share() -> None:
+    """The bound the parts exist for: the dict a resize copies holds ~1/PARTS of the entries
+    (xxh3 block hashes: their first byte is uniform)."""
+    n = 100_000
+    tokens = np.random.default_rng(0).integers(0, 50_000, n * 4)
+    index = PrefixIndex()
+    for h in hash_blocks(tokens, 4, ExtraKeys("m")):
+        index[h] = _entry(h)
+    assert len(index) == n
+    assert index.largest_part() < 1.5 * n / PARTS  # (a flat dict: n)
