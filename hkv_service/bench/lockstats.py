@@ -6,7 +6,9 @@ wall time, with little wait per acquisition, is not the bottleneck. Only the out
 acquisition of a thread is timed (the view's methods nest); every counter is updated while
 the lock is held, so a snapshot taken under it is consistent. The scale bench also reads the
 hold of one call (``last_held_s``: the calling thread's last outermost hold) and the longest
-hold of a window and the thread that held it (``take_max_held``).
+hold of a window and the thread that held it (``take_max_held``). With ``thread_cpu`` each hold's
+thread CPU time is taken too (two ``time.thread_time`` calls per acquisition, ~1 us): a hold is
+timed in wall-clock, so a thread switch inside it counts; its CPU time tells work from waiting.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ class LockStats:
 class TimedLock:
     """Drop-in for ``threading.RLock`` used as a context manager."""
 
-    def __init__(self) -> None:
+    def __init__(self, thread_cpu: bool = False) -> None:
+        self._thread_cpu = thread_cpu
         self._lock = threading.Lock()
         self._owner: int | None = None  # only the owner sets it to its own id, so a stale read
         self._depth = 0  # by another thread never equals that thread's id
@@ -52,7 +55,10 @@ class TimedLock:
         self._wait_s = self._held_s = 0.0
         self._max_held_s = 0.0  # longest outermost hold since take_max_held
         self._max_held_by = 0  # the thread that held it
+        self._max_held_cpu_s = 0.0  # and its thread CPU time (thread_cpu)
         self._last_held: dict[int, float] = {}  # thread id -> its last outermost hold
+        self._last_cpu: dict[int, float] = {}  # ... and that hold's thread CPU time
+        self._cpu_since = 0.0
 
     def __enter__(self) -> TimedLock:
         me = threading.get_ident()
@@ -65,6 +71,8 @@ class TimedLock:
             self._lock.acquire()
         now = time.perf_counter()
         self._owner, self._depth, self._since = me, 1, now
+        if self._thread_cpu:
+            self._cpu_since = time.thread_time()
         self._acquisitions += 1
         if contended:  # an uncontended acquire waits for nothing: only the timer would count
             self._contended += 1
@@ -76,11 +84,13 @@ class TimedLock:
         if self._depth:
             return
         held = time.perf_counter() - self._since
+        cpu = time.thread_time() - self._cpu_since if self._thread_cpu else 0.0
         self._held_s += held
         me = threading.get_ident()
         if held > self._max_held_s:
-            self._max_held_s, self._max_held_by = held, me
+            self._max_held_s, self._max_held_by, self._max_held_cpu_s = held, me, cpu
         self._last_held[me] = held
+        self._last_cpu[me] = cpu
         self._owner = None
         self._lock.release()
 
@@ -90,12 +100,19 @@ class TimedLock:
         with self._lock:
             return self._last_held.get(threading.get_ident(), 0.0)
 
-    def take_max_held(self) -> tuple[float, int]:
-        """The longest outermost hold by any thread since the previous call, and that thread's
-        id (``threading.get_ident``; 0 if none); then starts over."""
+    def last_held_cpu_s(self) -> float:
+        """The thread CPU time of the calling thread's last outermost hold (0 without
+        ``thread_cpu``)."""
         with self._lock:
-            out = (self._max_held_s, self._max_held_by)
-            self._max_held_s, self._max_held_by = 0.0, 0
+            return self._last_cpu.get(threading.get_ident(), 0.0)
+
+    def take_max_held(self) -> tuple[float, int, float]:
+        """The longest outermost hold by any thread since the previous call, that thread's id
+        (``threading.get_ident``; 0 if none) and the hold's thread CPU time (0 without
+        ``thread_cpu``); then starts over."""
+        with self._lock:
+            out = (self._max_held_s, self._max_held_by, self._max_held_cpu_s)
+            self._max_held_s, self._max_held_by, self._max_held_cpu_s = 0.0, 0, 0.0
             return out
 
     def stats(self) -> LockStats:

@@ -23,6 +23,10 @@ Per size, in order:
 
 * ``bytes_per_object``: RSS growth over the fill (after a full collection) less the bench's
   own books, per object; ``rss_mib`` the child's whole RSS;
+* ``index_resize_ms``: the longest step one insert into the index can take, the one that
+  resizes the fullest of its 256 parts (``index_largest_part`` entries; timed on a copy grown
+  by fresh keys until it resizes), beside ``flat_index_resize_ms``, the same for one dict of
+  every entry (what the index was until 2026-12-03: 47 ms at 700k entries on this host);
 * the child runs the service's GC policy (``server/gcpolicy.py``: automatic collection off, a
   collection of what is new every 0.25 s, its survivors frozen), as ``hkv serve`` does:
   ``service_gc_longest_ms`` its longest collection. The baseline beside it, ``full_gc_ms``:
@@ -235,6 +239,20 @@ class _GcTimer:
         return [p for p in self.pauses if p[1] >= t0]
 
 
+def _resize_insert_s(table: dict[Any, Any]) -> float:
+    """How long the insert that resizes ``table`` takes (fresh keys until its size moves;
+    ``table`` is a copy: it is changed)."""
+    size, i = sys.getsizeof(table), 0
+    while True:
+        key = b"resize %d" % i
+        i += 1
+        t0 = time.perf_counter()
+        table[key] = None
+        took = time.perf_counter() - t0
+        if sys.getsizeof(table) != size:
+            return took
+
+
 @dataclass(slots=True)
 class _LookupLog:
     one: list[float] = field(default_factory=list)
@@ -378,7 +396,7 @@ class _Scale:
         self.spec = default_spec()
         self.layout = Layout(self.spec)
         self.clock = _Clock()
-        self.lock = TimedLock()
+        self.lock = TimedLock(thread_cpu=True)  # (a hold's CPU beside it: work or a switch)
         self.config = state_config(run)
         self.state = CacheState(self.spec, self.config, clock=self.clock, lock=self.lock)
         self.writer = _Writer(self.state)
@@ -388,7 +406,8 @@ class _Scale:
         self.incarnations = {o: self.state.register_owner(o, self.pools) for o in self.owners}
         self.silent: set[ShardId] = set()
         self.victims: set[ShardId] = set()  # owners lost on purpose (never rejoin)
-        self.expired: list[tuple[list[ShardId], float]] = []  # (owners, lock hold of the call)
+        # (owners, the call's lock hold, that hold's thread CPU time)
+        self.expired: list[tuple[list[ShardId], float, float]] = []
         self.rejoined: list[ShardId] = []  # healthy owners found expired, registered again
         self._owners_lock = threading.Lock()  # incarnations: the heartbeat thread and the main
         self.heartbeat_max = 0.0  # longest heartbeat call
@@ -470,7 +489,8 @@ class _Scale:
         while not self._stop_background.wait(REAP_EVERY_S):
             dead = self.state.expire_owners()
             if dead:
-                self.expired.append((dead, self.lock.last_held_s()))
+                self.expired.append((dead, self.lock.last_held_s(),
+                                     self.lock.last_held_cpu_s()))
             while reap is not None:
                 self.reap_calls += 1
                 call = self.reap_calls
@@ -622,7 +642,19 @@ class _Scale:
             "fill_errors": float(errors),
             "fill_heartbeat_max_gap_ms": self.heartbeat_gap * 1e3,
             "fill_owners_rejoined": float(len(self.rejoined)),
+            **self.index_resize(),
         }
+
+    def index_resize(self) -> dict[str, float]:
+        """The longest step an insert into the index can take: the one that resizes its
+        fullest part (a copy of it, grown by fresh keys until it resizes), beside the same for
+        one flat dict of every entry (the baseline: what the index was)."""
+        parts = self.state.index.parts
+        largest = max(parts, key=len)
+        flat = {h: e for part in parts for h, e in part.items()}
+        return {"index_largest_part": float(len(largest)),
+                "index_resize_ms": _resize_insert_s(dict(largest)) * 1e3,
+                "flat_index_resize_ms": _resize_insert_s(flat) * 1e3}
 
     @contextmanager
     def _live(self, inject_gc_after_s: float | None = None
@@ -752,19 +784,21 @@ class _Scale:
             with self.clock.backdated(self.run.heartbeat_timeout_s - 0.5):
                 self.state.heartbeat(silent, self.incarnations[silent])
             deadline = time.monotonic() + 30 + self.run.heartbeat_timeout_s
-            while not any(silent in dead for dead, _ in self.expired):
+            while not any(silent in dead for dead, _, _ in self.expired):
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"the reaper did not expire silent owner {silent}")
                 time.sleep(0.05)
-            expire_hold = next(h for dead, h in self.expired if silent in dead)
+            expire_hold, expire_cpu = next((h, c) for dead, h, c in self.expired
+                                           if silent in dead)
             t_lost = time.perf_counter()
             # 2. the data plane found a shard dead
             lost = self.state.mark_owner_lost(marked)
-            mark_hold = self.lock.last_held_s()
+            mark_hold, mark_cpu = self.lock.last_held_s(), self.lock.last_held_cpu_s()
             # 3. a restarted shard registers again
             with self._owners_lock:
                 self.incarnations[restarted] = self.state.register_owner(restarted, self.pools)
                 register_hold = self.lock.last_held_s()
+                register_cpu = self.lock.last_held_cpu_s()
             t_done, calls = time.perf_counter(), self.reap_calls
             # until a reap() call begun after the losses found nothing left to bury
             while (self.has_reap and self.reap_idle[0] <= calls
@@ -772,7 +806,7 @@ class _Scale:
                 time.sleep(0.05)
             reaped = not self.has_reap or self.reap_idle[0] > calls
             time.sleep(0.3)
-            max_hold, holder = self.lock.take_max_held()
+            max_hold, holder, max_hold_cpu = self.lock.take_max_held()
             by = {t.ident: t.name for t in threading.enumerate()}.get(holder, "?")
         healthy_expired = len(self.rejoined) - rejoined
         alive = sum(self.state.owner_liveness().values())
@@ -781,7 +815,13 @@ class _Scale:
             "owner_loss_deadline_hold_ms": expire_hold * 1e3,
             "owner_loss_mark_hold_ms": mark_hold * 1e3,
             "owner_loss_reregister_hold_ms": register_hold * 1e3,
+            # each hold's thread CPU time: near its wall time, the hold was work; far under
+            # it, the holder waited (a thread switch at the GIL's 5 ms interval)
+            "owner_loss_deadline_hold_cpu_ms": expire_cpu * 1e3,
+            "owner_loss_mark_hold_cpu_ms": mark_cpu * 1e3,
+            "owner_loss_reregister_hold_cpu_ms": register_cpu * 1e3,
             "owner_loss_max_hold_ms": max_hold * 1e3,
+            "owner_loss_max_hold_cpu_ms": max_hold_cpu * 1e3,
             "owner_loss_max_hold_thread": by,  # who held it (a name, not a figure)
             "owner_loss_objects": float(lost),
             "owner_loss_reap_s": max(0.0, self.reap_idle[1] - t_lost) if self.has_reap else 0.0,

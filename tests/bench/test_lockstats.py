@@ -51,3 +51,22 @@ def test_state_view_runs_on_a_given_lock() -> None:
     before = lock.stats()
     state.stats()
     assert lock.stats().since(before)["acquisitions"] == 1  # stats() (snapshots do not count)
+
+
+def test_a_hold_spent_waiting_is_told_from_one_spent_working() -> None:
+    """``thread_cpu``: each hold's thread CPU time beside its wall-clock time, so a long hold
+    is known as work (CPU ~ wall) or as the holder waiting (a switch, a sleep: CPU ~ 0)."""
+    lock = TimedLock(thread_cpu=True)
+    with lock:
+        time.sleep(0.03)  # held, not working
+    assert lock.last_held_s() >= 0.03 and lock.last_held_cpu_s() < 0.01
+    held, holder, cpu = lock.take_max_held()
+    assert holder == threading.get_ident() and held >= 0.03 and cpu < 0.01
+    with lock:
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < 0.03:  # held, working
+            pass
+    assert lock.last_held_cpu_s() >= 0.03
+    held, holder, cpu = lock.take_max_held()
+    assert held >= 0.03 and cpu >= 0.03
+    assert TimedLock().last_held_cpu_s() == 0.0  # not asked for: not measured
