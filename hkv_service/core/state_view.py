@@ -1301,11 +1301,11 @@ class CacheState:
             self._check_vouched([reports[i] for i in order])
             ids: list[ObjectId | None] = [None] * len(reports)
             made: list[ObjRecord] = []
-            get, defer = self.index.get, contracts.defer
+            parts, defer = self.index.parts, contracts.defer
             for i in order:  # (every report was checked above: hashes, depths, parents)
                 r = reports[i]
                 p = r.parent_hash
-                entry = self._entry_under(r.block_hash, get(p) if p else None,
+                entry = self._entry_under(r.block_hash, parts[p[0]].get(p) if p else None,
                                           r.depth)  # an unknown parent: an orphan
                 rec = self._confirm_one(o, owner, entry, cols[i], r)
                 if rec is not None:
@@ -1353,17 +1353,17 @@ class CacheState:
         depth_of: dict[BlockHash, int] = {}  # hashes named here that the index lacks
         parent_of: dict[BlockHash, BlockHash] = {}  # links this call makes
         made: set[BlockHash] = set()  # entries this call creates, in order
-        get, layout = self.index.get, self.layout
+        parts, layout = self.index.parts, self.layout
         for r in vouched:  # (their columns are known: confirm_objects checked them)
             check_report(layout, r)
             h, p, d = r.block_hash, r.parent_hash, r.depth
-            e = get(h)
+            e = parts[h[0]].get(h)  # (16-byte hashes: _check_shapes checked them)
             known = e.depth if e is not None else depth_of.setdefault(h, d)
             if known != d:
                 raise _unchained_report(d, known)
             pe = None
             if p is not None:
-                pe = get(p)
+                pe = parts[p[0]].get(p)
                 known = pe.depth if pe is not None else depth_of.setdefault(p, d - 1)
                 if known != d - 1:
                     raise _unchained_report(d - 1, known)
@@ -1451,11 +1451,12 @@ class CacheState:
             parent = e
 
     def _entry_under(self, h: BlockHash, parent: PrefixEntry | None, depth: int) -> PrefixEntry:
-        e = self.index.get(h)
+        part = self.index.parts[h[0]]  # (a checked 16-byte hash: its part, looked up once)
+        e = part.get(h)
         if e is None:
             e = PrefixEntry(h, parent, depth, [None] * len(self.layout.columns))
             e.flags, e.gate = self._empty_summary[depth % self.layout.period]
-            self.index[h] = e
+            part[h] = e
             if parent is not None:
                 parent.children += 1
             return e
