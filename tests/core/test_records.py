@@ -10,7 +10,15 @@ import pytest
 from hkv_service.core.errors import IllegalTransition
 from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.ids import BlockHash, GroupName, ObjectId, ShardId
-from hkv_service.core.records import HandleColumn, PrefixEntry, new_record, record_type
+from hkv_service.core.records import (
+    _PRUNE_AT,
+    HandleColumn,
+    PrefixEntry,
+    drop_memos,
+    new_record,
+    record_type,
+    register,
+)
 from hkv_service.core.state_view import CacheState
 from hkv_service.core.states import Event, Kind, State
 from hkv_service.core.transitions import Params
@@ -118,3 +126,44 @@ def test_columns_of_split_ranges_join_in_order_over_one_shard_table(
     joined.check()
     with pytest.raises(ValueError, match="do not join"):
         HandleColumn.concat([a, replace(b, column=4)])
+
+
+class _Counted:
+    """A memo stand-in that counts how often its liveness is read (what pruning costs)."""
+
+    reads = 0
+
+    def __init__(self) -> None:
+        self._live = True
+
+    @property
+    def live(self) -> bool:
+        _Counted.reads += 1
+        return self._live
+
+    def drop(self) -> None:
+        self._live = False
+
+
+def test_an_entry_many_memos_share_is_registered_on_in_linear_time() -> None:
+    """A hot root's entries are on every memo through them (up to the table's 1,024): each
+    registration copied and filtered the entry's whole tuple, O(n^2) over n memos (a hot root
+    lookup repeated once made its memo ~3x slower than a walk, `hkv bench service`
+    hot_root). Now the list is appended to and pruned of dropped ones at each doubling."""
+    entry = PrefixEntry(BlockHash(b"r" * 16), None, 0, [])
+    items = [_Counted() for _ in range(2000)]
+    _Counted.reads = 0
+    for it in items:
+        register(it, [entry])  # type: ignore[arg-type]
+    assert entry.memos is not None and list(entry.memos) == items  # all live, in order
+    assert _Counted.reads < 4 * len(items)  # (the tuple rebuilt each time: ~2M reads)
+    for it in items[:1900]:
+        it.drop()
+    more = [_Counted() for _ in range(100)]
+    for it in more:
+        register(it, [entry])  # type: ignore[arg-type]
+    live = [m for m in entry.memos if m.live]
+    assert live == items[1900:] + more  # nothing live lost
+    assert len(entry.memos) <= 2 * len(live) + _PRUNE_AT  # the dropped ones' shells went
+    drop_memos(entry)
+    assert entry.memos is None and not any(m.live for m in live)
