@@ -725,7 +725,7 @@ class CacheState:
             self._disk_records -= 1
             tier = self.owners.get(rec.disk_owner) if rec.disk_owner is not None else None
             if tier is not None:
-                tier.disk.discard(rec)
+                tier.disk.pop(rec, None)
             self._end_transfer(rec)
         else:
             entry.mem[col] = None
@@ -1418,7 +1418,7 @@ class CacheState:
         assert isinstance(rec, DiskRecord)
         entry.disk[col] = rec
         self._disk_records += 1
-        self._owner(disk_owner).disk.add(rec)
+        self._owner(disk_owner).disk[rec] = None
         self.objects.put(rec)
         return rec
 

@@ -248,3 +248,27 @@ def test_a_copy_loaded_again_after_its_holder_restarted_is_not_reaped(then: str)
         st.transition(again.object_id, Event.LOAD_VERIFIED)  # the loader finishes it
         assert st.objects[disk.object_id].state is State.ON_DISK_READY
     st.check_read(again)  # its handle reads
+
+
+def test_a_reap_buries_a_tiers_copies_in_a_fixed_order() -> None:
+    """A lost tier's disk copies are buried in an order fixed by the steps that made them
+    (the last first), not by where the records sit in memory: a set of records iterated by
+    address, so a replay of the same steps reaped in another order, placed later loads on
+    other blocks, and the stateful tests' rule choices went Flaky."""
+    st = CacheState(default_spec())
+    st.register_owner(S0, pools_for(st.layout, 256))
+    st.register_owner(S1, pools_for(st.layout, 256))
+    ids = commit_prefix(st, prompt_hashes(st.spec, BLOCKS), owner=S0)
+    copies = []
+    for oid in ids.values():
+        if st.objects[oid].kind is Kind.COMPRESSED:
+            disk = st.begin_offload(oid, S1)
+            st.transition(disk.object_id, Event.OFFLOAD_COMMITTED)
+            copies.append(disk.object_id)
+    assert len(copies) > 16
+    st.mark_owner_lost(S1)  # the tier
+    seq = st.log[-1].seq
+    st.reap_all()
+    buried = [e.object_id for e in st.events_since(seq, limit=10_000)
+              if e.object_id in set(copies)]
+    assert buried == copies[::-1]
