@@ -37,7 +37,12 @@ def check_hash_lengths(hashes: Sequence[bytes], start: int = 0) -> None:
     """Raise BadHash unless every hash from ``start`` on is 16 bytes."""
     if isinstance(hashes, PackedHashes):
         return  # 16 bytes each by construction
-    sizes = set(map(len, itertools.islice(hashes, start, None)))  # C speed
+    tail = list(itertools.islice(hashes, start, None))
+    kinds = set(map(type, tail))  # C speed; what is not bytes has no length to check
+    if not all(issubclass(k, bytes) for k in kinds):
+        bad_kind = next(k for k in kinds if not issubclass(k, bytes))
+        raise BadHash(f"block hash must be {BLOCK_HASH_BYTES} bytes, got a {bad_kind.__name__}")
+    sizes = set(map(len, tail))
     if sizes - {BLOCK_HASH_BYTES}:
         bad = min(sizes - {BLOCK_HASH_BYTES})
         raise BadHash(f"block hash must be {BLOCK_HASH_BYTES} bytes, got {bad}")

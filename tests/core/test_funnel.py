@@ -257,6 +257,24 @@ def test_a_malformed_hash_is_refused_wherever_it_is(
     assert dict(state.counters.lookups) == before
 
 
+@pytest.mark.parametrize("bad", [b"", "sixteen chars!!!", 7], ids=["empty", "str16", "int"])
+def test_what_is_not_a_hash_at_all_is_refused_in_the_walk(
+    state: CacheState, spec, bad: object
+) -> None:
+    """The walk reads a hash's first byte to find its part of the index: an empty hash, or
+    no bytes at all, stops it there (no IndexError, no TypeError) and is refused as BadHash
+    with nothing changed. (An int raised TypeError from the length check, and a 16-character
+    str passed it: the lookup answered a miss there instead of refusing it.)"""
+    from hkv_service.core.errors import BadHash
+
+    hs = prompt_hashes(spec, 8)
+    commit_prefix(state, hs)
+    before = dict(state.counters.lookups)
+    with pytest.raises(BadHash, match="16 bytes"):
+        state.lookup(LookupRequest([*hs[:3], bad, *hs[4:]]))  # type: ignore[list-item]
+    assert dict(state.counters.lookups) == before
+
+
 FULL_ATTENTION = spec_from_dict({"model_id": "full-attention", "hash_block_size": 64, "groups": [
     {"name": "kv", "kind": "COMPRESSED", "block_size": 64, "ratio": 1,
      "abi": {"dtype": "float16", "layout": "NHD", "head_shape": [2, 16], "kernel_version": "fa"}}]})
