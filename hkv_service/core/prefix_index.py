@@ -3,13 +3,16 @@
 One dict of every entry has a stop-the-world step: CPython grows (or compacts) a dict in one
 go, copying all of it, when the inserts since the last resize have used up its free slots,
 and churn (entries made for new prompts, freed when evicted) keeps using them up at a steady
-size. Measured here (``benchmarks/README.md``, issue 19): the insert that resizes a dict of
-700k entries takes 47 ms, of 2.8M entries 177 ms, under the view's lock and the GIL; a view of
-4M objects has ~960k entries. Split by the hash's first byte (block hashes are xxh3 digests:
-uniform), each part holds 1/256 of it and resizes in 1/256 of the time.
+size, under the view's lock and the GIL. ``hkv bench scale`` times that insert at each size
+(``flat_index_resize_ms``, one dict of every entry, beside ``index_resize_ms``, the fullest
+part; ``benchmarks/README.md``, runs I and J): 69-279 ms at 4M objects (~960k entries)
+against 0.03-0.05 ms. Split by the hash's first byte (block hashes are xxh3 digests:
+uniform), each part holds ~1/256 of the entries. The rule that picks a part
+(``parts[h[0]]``) is inlined where a lookup is hot (``segments.walk_blocks``, the
+re-confirm's checked hashes in ``CacheState``); ``test_prefix_index`` pins it.
 
-Reads pay one list subscript and one byte read more than a flat dict (~25-35 ns a hash); the
-walk's loop inlines them (:meth:`PrefixIndex.part_of` is for everyone else).
+Reads pay one list subscript and one byte read more than a flat dict (~25-35 ns a hash,
+ad-hoc timing; ``hkv bench core``'s ``lookup_vs_dict_walk`` shows it on the block walk).
 """
 
 from __future__ import annotations

@@ -1189,12 +1189,13 @@ class CacheState:
 
     def _strides(self, col: int) -> tuple[int, ...]:
         """Per shard ordinal: the block stride of its pool for ``col`` (0: no such pool)."""
-        out = []
-        for name in self._shard_names:
-            owner = self.owners.get(name)
-            pool = owner.pools.get(col) if owner is not None else None
-            out.append(pool.config.stride if pool is not None else 0)
-        return tuple(out)
+        return tuple(self._stride(name, col) for name in self._shard_names)
+
+    def _stride(self, shard: ShardId, col: int) -> int:
+        """The block stride of ``shard``'s current pool for ``col`` (0: no such pool)."""
+        owner = self.owners.get(shard)
+        pool = owner.pools.get(col) if owner is not None else None
+        return pool.config.stride if pool is not None else 0
 
     def _readable_record(self, e: PrefixEntry, col: int, usable: int, align: int
                          ) -> ObjRecord | None:
@@ -1571,11 +1572,8 @@ class CacheState:
         column = self.layout.columns[rec.column]
         shard, block = _handle_shard(rec), rec.block
         self._ordinal(shard)  # the shard table grows in the order handles name owners, as
-        address = 0  # through a snapshot: a memo and a fresh walk give the same table
-        if block >= 0:
-            owner = self.owners.get(shard)
-            pool = owner.pools.get(rec.column) if owner is not None else None
-            address = block * pool.config.stride if pool is not None else 0
+        # through a snapshot: a memo and a fresh walk give the same table
+        address = block * self._stride(shard, rec.column) if block >= 0 else 0
         return Handle(rec.object_id, rec.generation, shard, column.index, block, column.kind,
                       column.name, column.nbytes, column.abi_fingerprint, address)
 

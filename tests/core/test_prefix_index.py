@@ -31,6 +31,9 @@ def test_it_answers_as_one_dict(ops: list[tuple[str, BlockHash]]) -> None:
             del index[h], model[h]
         assert index.get(h) is model.get(h) and (h in index) == (h in model)
     assert len(index) == len(model) and bool(index) == bool(model)
+    # the rule the walk and the re-confirm inline: hash h lives in parts[h[0]], and only there
+    assert all(index.parts[h[0]].get(h) is e for h, e in model.items())
+    assert sum(map(len, index.parts)) == len(model)
     assert dict(index.items()) == model and set(index) == set(model) == set(index.keys())
     assert sorted(map(id, index.values())) == sorted(map(id, model.values()))
 
