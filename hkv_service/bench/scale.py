@@ -51,8 +51,10 @@ Per size, in order:
   deadline (its last heartbeat backdated: no 10 s wait) and the reaper expires it, one is marked
   lost as the data plane does (``mark_owner_lost``), one re-registers as a restarted shard
   does. ``owner_loss_hold_ms`` is the longest of the three lock holds (timed by the lock);
-  ``owner_loss_max_hold_ms`` the longest hold of anyone (reap slices too) in the phase and
-  ``owner_loss_max_hold_thread`` who held it, ``owner_loss_reap_s`` how long the reaper's
+  ``owner_loss_max_hold_ms`` the longest hold of anyone (reap slices too) in the phase,
+  ``owner_loss_max_hold_thread`` who held it, ``..._cpu_ms`` that thread's CPU time in it (of
+  it ``..._sys_ms`` in the kernel) and ``..._minor_faults`` the page faults it took (work, a
+  wait, or memory being mapped in), ``owner_loss_reap_s`` how long the reaper's
   slices ran until a ``reap`` call begun after the losses found nothing left,
   ``healthy_owners_expired`` heartbeating owners expired meanwhile (the cascade);
 * re-confirm after a restart, in a fresh child process as a restarted service is (running
@@ -806,8 +808,8 @@ class _Scale:
                 time.sleep(0.05)
             reaped = not self.has_reap or self.reap_idle[0] > calls
             time.sleep(0.3)
-            max_hold, holder, max_hold_cpu = self.lock.take_max_held()
-            by = {t.ident: t.name for t in threading.enumerate()}.get(holder, "?")
+            longest = self.lock.take_max_held()
+            by = {t.ident: t.name for t in threading.enumerate()}.get(longest.thread, "?")
         healthy_expired = len(self.rejoined) - rejoined
         alive = sum(self.state.owner_liveness().values())
         return {
@@ -820,8 +822,12 @@ class _Scale:
             "owner_loss_deadline_hold_cpu_ms": expire_cpu * 1e3,
             "owner_loss_mark_hold_cpu_ms": mark_cpu * 1e3,
             "owner_loss_reregister_hold_cpu_ms": register_cpu * 1e3,
-            "owner_loss_max_hold_ms": max_hold * 1e3,
-            "owner_loss_max_hold_cpu_ms": max_hold_cpu * 1e3,
+            "owner_loss_max_hold_ms": longest.held_s * 1e3,
+            "owner_loss_max_hold_cpu_ms": longest.cpu_s * 1e3,
+            # of that CPU, the kernel's (split by tick samples: rough) and the page faults
+            # it took: a long hold with little Python work in it is memory being mapped in
+            "owner_loss_max_hold_sys_ms": longest.sys_s * 1e3,
+            "owner_loss_max_hold_minor_faults": float(longest.minor_faults),
             "owner_loss_max_hold_thread": by,  # who held it (a name, not a figure)
             "owner_loss_objects": float(lost),
             "owner_loss_reap_s": max(0.0, self.reap_idle[1] - t_lost) if self.has_reap else 0.0,
