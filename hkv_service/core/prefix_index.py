@@ -23,7 +23,7 @@ from itertools import chain
 from .ids import BlockHash
 from .records import PrefixEntry
 
-__all__ = ["PARTS", "PrefixIndex"]
+__all__ = ["PARTS", "Orphans", "PrefixIndex"]
 
 PARTS = 256  # one per value of a hash's first byte
 _NONE: dict[BlockHash, PrefixEntry] = {}  # the part of a key no entry can have (never filled)
@@ -84,3 +84,49 @@ class PrefixIndex:
     def largest_part(self) -> int:
         """Entries in the fullest part: what one resize can copy."""
         return max(map(len, self.parts))
+
+
+class Orphans:
+    """Entries made before their parent's: a re-confirm in random order reports a block
+    before the block above it (a chain's report names its parent's hash, whose entry is not
+    there yet). Each waits for the entry of that hash, which adopts it when it is made
+    (``CacheState._entry_under``): else it stayed parentless for good once no later report
+    named it, and what walks up the parents (the SWA policy's resume-point counts) stopped
+    short there, and its parent, counting no child, could be dropped under it."""
+
+    __slots__ = ("_by_parent", "_parent_of")
+
+    def __init__(self) -> None:
+        self._by_parent: dict[BlockHash, dict[PrefixEntry, None]] = {}
+        self._parent_of: dict[PrefixEntry, BlockHash] = {}
+
+    def wait(self, child: PrefixEntry, parent_hash: BlockHash) -> None:
+        """``child`` waits for the entry of ``parent_hash`` (the first hash named stays)."""
+        if child not in self._parent_of:
+            self._parent_of[child] = parent_hash
+            self._by_parent.setdefault(parent_hash, {})[child] = None
+
+    def parent_hash(self, child: PrefixEntry) -> BlockHash | None:
+        """The hash ``child`` waits for; None if it waits for none."""
+        return self._parent_of.get(child)
+
+    def take(self, parent_hash: BlockHash) -> list[PrefixEntry]:
+        """The entries that wait for ``parent_hash``, waiting no more (its entry was made)."""
+        children = self._by_parent.pop(parent_hash, None)
+        if not children:
+            return []
+        for child in children:
+            del self._parent_of[child]
+        return list(children)
+
+    def forget(self, child: PrefixEntry) -> None:
+        """``child`` left the index: it waits for nothing."""
+        parent_hash = self._parent_of.pop(child, None)
+        if parent_hash is not None:
+            siblings = self._by_parent[parent_hash]
+            del siblings[child]
+            if not siblings:
+                del self._by_parent[parent_hash]
+
+    def __len__(self) -> int:
+        return len(self._parent_of)

@@ -69,7 +69,7 @@ from .memo import LookupMemo
 from .objects import ObjectTable
 from .owners import REAP_SLICE, Owner, Reap, dead, disk_part_alive, sweep
 from .partitions import Partition, check_range_blocks, partition_of_root
-from .prefix_index import PrefixIndex
+from .prefix_index import Orphans, PrefixIndex
 from .records import (
     HANDLE_DTYPE,
     DiskRecord,
@@ -255,6 +255,10 @@ class CacheState:
         self._policies: dict[int, Policy] = {c: swa_policy(i) for c, i in lanes.items()}
         hb = self.layout.hash_block
         reach = {c: -(-self.layout.columns[c].group.window // hb) for c in lanes}
+        # entries a re-confirm made before their parent's, and the complete tails whose walk
+        # up waits at one of them, with the increment each goes on with when it is adopted
+        self._orphans = Orphans()
+        self._cut_walks: dict[PrefixEntry, dict[ObjRecord, int]] = {}
         self._swa_steps = tuple(
             sum(1 << (SWA_LANE_BITS * i) for c, i in lanes.items() if reach[c] > step)
             for step in range(max(reach.values(), default=0)))
@@ -751,6 +755,8 @@ class CacheState:
         ):
             if self.index.get(entry.block_hash) is entry:
                 del self.index[entry.block_hash]
+            if entry.parent is None and self._orphans:
+                self._orphans.forget(entry)
             parent = entry.parent
             if parent is not None:
                 parent.children -= 1
@@ -760,14 +766,38 @@ class CacheState:
         """Keep ``swa_need`` = resume points within one window after each block, per SWA
         column and its own window (SWA policy)."""
         delta = (rec.state is State.TAIL_COMPLETE) - (before is State.TAIL_COMPLETE)
-        if not delta:
-            return
-        e: PrefixEntry | None = rec.entry
-        for step in self._swa_steps:
-            if e is None:
-                break
-            e.swa_need += delta * step
+        if delta:
+            self._count_resume_point(rec, rec.entry, 0, delta)
+
+    def _count_resume_point(self, tail: ObjRecord, e: PrefixEntry, step: int,
+                            delta: int) -> None:
+        """Add ``delta`` times ``tail``'s increments to ``e`` and the entries above it, the
+        ``step``-th increment first. A re-confirm in random order makes a block's entry before
+        its parent's (an orphan, adopted when the parent's report arrives): a walk cut there
+        is remembered (``_cut_walks``) and :meth:`_entry_under` goes on with it when it adopts
+        the orphan, so a count taken back later walks exactly the entries it was added to.
+        (Stopping at the orphan for good under-counted the blocks above it, and taking the
+        count back once the parent was there went below zero, into the next column's lane.)"""
+        steps = self._swa_steps
+        while step < len(steps):
+            e.swa_need += delta * steps[step]
+            step += 1
+            if e.parent is None:
+                if step < len(steps) and not self._starts_range(e.depth):
+                    self._cut_walk(e, tail, step if delta > 0 else None)
+                return
             e = e.parent
+
+    def _cut_walk(self, orphan: PrefixEntry, tail: ObjRecord, step: int | None) -> None:
+        """``tail``'s walk waits at ``orphan`` from its ``step``-th increment on (None: it no
+        longer waits, the tail stopped being a resume point)."""
+        waiting = self._cut_walks.setdefault(orphan, {})
+        if step is not None:
+            waiting[tail] = step
+            return
+        waiting.pop(tail, None)
+        if not waiting:
+            del self._cut_walks[orphan]
 
     # ---- disk tier ----------------------------------------------------------------------
 
@@ -1307,7 +1337,7 @@ class CacheState:
                 r = reports[i]
                 p = r.parent_hash
                 entry = self._entry_under(r.block_hash, parts[p[0]].get(p) if p else None,
-                                          r.depth)  # an unknown parent: an orphan
+                                          r.depth, p)  # an unknown parent: an orphan
                 rec = self._confirm_one(o, owner, entry, cols[i], r)
                 if rec is not None:
                     ids[i] = rec.object_id
@@ -1369,13 +1399,18 @@ class CacheState:
                 if known != d - 1:
                     raise _unchained_report(d - 1, known)
             made.add(h)
-            if p is None or (pe is None and p not in made):
-                continue  # a root, or an orphan: linked when its parent arrives
+            if p is None:
+                continue  # a root (or a range's first block)
+            if e is not None and e.parent is None:  # an orphan: the parent an earlier call named
+                named = self._orphans.parent_hash(e)
+                if named is not None and named != p:
+                    raise _other_parent(d)
+            if pe is None and p not in made:
+                continue  # an orphan: linked when its parent arrives
             linked = (e.parent.block_hash if e is not None and e.parent is not None
                       else parent_of.setdefault(h, p))
             if linked != p:
-                raise BadHash(f"block hash at depth {d} is already known with another "
-                              "parent; hashes must be chained")
+                raise _other_parent(d)
 
     def _confirm_one(
         self, o: Owner, owner: ShardId, entry: PrefixEntry, col: int, r: ObjectReport
@@ -1451,7 +1486,11 @@ class CacheState:
             seen.add(h)
             parent = e
 
-    def _entry_under(self, h: BlockHash, parent: PrefixEntry | None, depth: int) -> PrefixEntry:
+    def _entry_under(self, h: BlockHash, parent: PrefixEntry | None, depth: int,
+                     parent_hash: BlockHash | None = None) -> PrefixEntry:
+        """The entry of ``h`` at ``depth`` under ``parent``; made if the index lacks it.
+        ``parent_hash``: the parent's hash where its entry is not there yet (a re-confirm's
+        report): the entry waits for it as an orphan (:class:`Orphans`)."""
         part = self.index.parts[h[0]]  # (a checked 16-byte hash: its part, looked up once)
         e = part.get(h)
         if e is None:
@@ -1460,13 +1499,30 @@ class CacheState:
             part[h] = e
             if parent is not None:
                 parent.children += 1
+            elif parent_hash is not None:
+                self._orphans.wait(e, parent_hash)
+            if self._orphans:
+                for child in self._orphans.take(h):
+                    self._adopt(child, e)
             return e
         if e.depth != depth or (None not in (e.parent, parent) and e.parent is not parent):
             raise _unchained(depth, e.depth)
-        if e.parent is None and parent is not None:  # adopt an orphan from a restart rebuild
-            e.parent = parent
-            parent.children += 1
+        if e.parent is None and parent is not None:  # an orphan of a restart rebuild
+            self._orphans.forget(e)
+            self._adopt(e, parent)
         return e
+
+    def _adopt(self, orphan: PrefixEntry, parent: PrefixEntry) -> None:
+        """``parent`` is ``orphan``'s, made after it; the resume-point counts that stopped at
+        the orphan go on above it. (One of another depth is not its parent: the reports
+        contradict each other; it stays an orphan, and the walk, which checks every block's
+        depth, never serves it out of place.)"""
+        if parent.depth != orphan.depth - 1:
+            return
+        orphan.parent = parent
+        parent.children += 1
+        for tail, step in self._cut_walks.pop(orphan, {}).items():
+            self._count_resume_point(tail, parent, step, 1)
 
     def _check_hashes(self, hashes: Sequence[BlockHash]) -> None:
         if not hashes:
@@ -1796,6 +1852,11 @@ _DISK_EVENTS: dict[Event, Callable[[CacheState, ObjRecord, Params], None]] = {
 
 def _unchained_report(depth: int, known: int) -> BadHash:
     return BadHash(f"block hash at depth {depth} is already known at depth {known}; "
+                   "hashes must be chained")
+
+
+def _other_parent(depth: int) -> BadHash:
+    return BadHash(f"block hash at depth {depth} is already known with another parent; "
                    "hashes must be chained")
 
 

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from hkv_service.core.hashing import ExtraKeys, hash_blocks
 from hkv_service.core.ids import BlockHash
-from hkv_service.core.prefix_index import PARTS, PrefixIndex
+from hkv_service.core.prefix_index import PARTS, Orphans, PrefixIndex
 from hkv_service.core.records import PrefixEntry
 
 KEYS = [BlockHash(bytes([i % 4]) + bytes(14) + bytes([i])) for i in range(24)]
@@ -55,3 +55,19 @@ def test_no_part_holds_much_more_than_its_share() -> None:
         index[h] = _entry(h)
     assert len(index) == n
     assert index.largest_part() < 1.5 * n / PARTS  # (a flat dict: n)
+
+
+def test_orphans_wait_for_the_first_parent_named_until_taken_or_forgotten() -> None:
+    book = Orphans()
+    a, b, c = (_entry(k) for k in KEYS[:3])
+    book.wait(a, KEYS[5])
+    book.wait(b, KEYS[5])
+    book.wait(c, KEYS[6])
+    book.wait(a, KEYS[7])  # named again under another hash: the first stays
+    assert book.parent_hash(a) == KEYS[5] and len(book) == 3
+    book.forget(b)
+    assert book.take(KEYS[5]) == [a] and book.parent_hash(a) is None
+    assert book.take(KEYS[5]) == [] and book.take(KEYS[7]) == []
+    book.forget(c)
+    book.forget(c)  # (twice: nothing)
+    assert not book and book.take(KEYS[6]) == []

@@ -27,10 +27,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hkv_service.core.allocator import SWA_LANE_BITS
 from hkv_service.core.errors import BadHash, HkvError, InvalidInput, UnknownGroup, UnknownOwner
 from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.ids import BlockHash, ShardId
 from hkv_service.core.layout import Layout
+from hkv_service.core.records import PrefixEntry
 from hkv_service.core.spec import CacheSpec, GroupKind
 from hkv_service.core.state_view import AllocRequest, CacheState, ObjectReport
 from hkv_service.core.states import Event, Kind, Reason, State
@@ -549,3 +551,130 @@ def test_exactly_the_reconfirmed_objects_are_reused(spec: CacheSpec, data: st.Da
         want = {(d, c, by_key[d, c].block, by_key[d, c].generation, S0)
                 for d, c in (_needed(new.layout, expected) if expected else ())}
         assert got == want
+
+
+# ---- 5. resume points counted in any order ---------------------------------------------------
+
+
+def _lanes_from_scratch(st: CacheState) -> dict[BlockHash, tuple[int, ...]]:
+    """Per entry, per SWA column, the complete tails at most a window below it (the SWA
+    eviction policy's count: a block no resume point's window reaches goes first), counted
+    from the view as it stands."""
+    hb = st.layout.hash_block
+    reach = [-(-st.layout.columns[c].group.window // hb) for c in st.layout.swa_columns]
+    out = {h: [0] * len(reach) for h, _ in st.index.items()}
+    for rec in st.objects.values():
+        if rec.kind is not Kind.TAIL or rec.state is not State.TAIL_COMPLETE:
+            continue
+        e: PrefixEntry | None = rec.entry
+        k = 0
+        while e is not None:
+            for lane, r in enumerate(reach):
+                out[e.block_hash][lane] += k < r
+            e, k = e.parent, k + 1
+    return {h: tuple(v) for h, v in out.items()}
+
+
+def _lanes(st: CacheState) -> dict[BlockHash, tuple[int, ...]]:
+    n = len(st.layout.swa_columns)
+    mask = (1 << SWA_LANE_BITS) - 1
+    got = {}
+    for h, e in st.index.items():
+        lanes = tuple(e.swa_need >> (SWA_LANE_BITS * i) & mask for i in range(n))
+        assert e.swa_need == sum(c << (SWA_LANE_BITS * i) for i, c in enumerate(lanes)), \
+            f"a lane of the entry at depth {e.depth} went below zero (swa_need {e.swa_need})"
+        got[h] = lanes
+    return got
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_resume_points_are_counted_whatever_order_reports_come_in(
+        spec: CacheSpec, data: st.DataObject) -> None:
+    """A tail confirmed before the blocks above it (random order, its entry an orphan until
+    its parent's report arrives) is counted on every entry within a window above it, as an
+    in-order rebuild counts it; and when it later stops being a resume point, exactly that
+    is taken back (a count taken back from entries it was never added to went below zero
+    and borrowed from the next SWA column's lane)."""
+    hs = prompt_hashes(spec, 8)
+    old = _old(spec, [hs])
+    reports = _reports(old)
+    order = data.draw(st.permutations(range(len(reports))), label="order")
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(reports)), max_size=3), label="cuts"))
+    new = _fresh(spec)
+    evicted = False
+    for lo, hi in zip([0, *cuts], [*cuts, len(reports)], strict=True):
+        new.confirm(S0, [reports[i] for i in order[lo:hi]], _inc(new))
+        complete = sorted((r for r in new.objects.values() if r.kind is Kind.TAIL),
+                          key=lambda r: r.entry.depth)
+        evict: bool = data.draw(st.booleans(), label="evict a tail before the next call")
+        if complete and evict:
+            new.evict(data.draw(st.sampled_from(complete), label="tail").object_id)
+            evicted = True
+        assert _lanes(new) == _lanes_from_scratch(new)
+    if not evicted:
+        assert _lanes(new) == _lanes(old)
+    tails = [r for r in new.objects.values() if r.kind is Kind.TAIL]
+    for rec in data.draw(st.permutations(tails), label="evicted"):
+        new.evict(rec.object_id)
+        assert _lanes(new) == _lanes_from_scratch(new)
+
+
+def _chain_reports(spec: CacheSpec, n: int) -> tuple[list[BlockHash], list[ObjectReport]]:
+    hs = prompt_hashes(spec, n)
+    return hs, _reports(_old(spec, [hs]))
+
+
+def test_an_orphan_is_adopted_when_its_parents_report_arrives(spec: CacheSpec) -> None:
+    """Block 3 confirmed alone, then blocks 0-2 in another call that names nothing of block
+    3: block 3's entry has its parent all the same (it was left parentless for good, and
+    block 2's entry, counting no child, could be dropped from under it)."""
+    hs, reports = _chain_reports(spec, 4)
+    new = _fresh(spec)
+    new.confirm(S0, [r for r in reports if r.depth == 3], _inc(new))
+    orphan = new.index[hs[3]]
+    assert orphan.parent is None and new._orphans.parent_hash(orphan) == hs[2]
+    new.confirm(S0, [r for r in reports if r.depth < 3], _inc(new))
+    assert orphan.parent is new.index[hs[2]] and new.index[hs[2]].children == 1
+    assert not new._orphans
+    assert _hit(new, hs) == _hit(_old(spec, [hs]), hs)
+
+
+def test_an_orphan_named_under_another_parent_later_is_refused(spec: CacheSpec) -> None:
+    """Hashes are chained across calls too: block 3 reported under block 2's hash, then (its
+    parent still missing) under another hash, is refused whole, changing nothing."""
+    _, reports = _chain_reports(spec, 4)
+    new = _fresh(spec)
+    tail = [r for r in reports if r.depth == 3]
+    new.confirm(S0, tail[:1], _inc(new))
+    before = _view(new)
+    other = replace(tail[1], parent_hash=BlockHash(b"\x07" * 16))
+    with pytest.raises(BadHash, match="another parent"):
+        new.confirm(S0, [other], _inc(new))
+    assert _view(new) == before
+
+
+def test_an_orphan_that_leaves_the_index_waits_no_more(spec: CacheSpec) -> None:
+    hs, reports = _chain_reports(spec, 4)
+    new = _fresh(spec)
+    ids = new.confirm_objects(S0, [r for r in reports if r.depth == 3], _inc(new))
+    for oid in ids:
+        if oid is not None and new.objects.get(oid) is not None:  # (a KV takes its indexer)
+            new.evict(oid)
+    assert hs[3] not in new.index and not new._orphans
+    new.confirm(S0, [r for r in reports if r.depth < 3], _inc(new))  # adopts nothing gone
+    assert new.index[hs[2]].children == 0
+
+
+def test_an_entry_made_at_another_depth_does_not_adopt_an_orphan(spec: CacheSpec) -> None:
+    """Block 3 waits for block 2's hash; a later report puts that hash at depth 1 (the
+    reports contradict each other): block 3 stays parentless rather than hang two blocks
+    below it, and the walk never serves that hash out of place."""
+    hs, reports = _chain_reports(spec, 4)
+    new = _fresh(spec)
+    new.confirm(S0, [r for r in reports if r.depth == 3], _inc(new))
+    liar = replace(next(r for r in reports if r.depth == 1), block_hash=hs[2])
+    new.confirm(S0, [liar], _inc(new))
+    assert new.index[hs[3]].parent is None and new.index[hs[2]].children == 0
+    assert _hit(new, hs) == 0
