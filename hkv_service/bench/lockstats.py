@@ -6,12 +6,12 @@ wall time, with little wait per acquisition, is not the bottleneck. Only the out
 acquisition of a thread is timed (the view's methods nest); every counter is updated while
 the lock is held, so a snapshot taken under it is consistent. The scale bench also reads the
 hold of one call (``last_held_s``: the calling thread's last outermost hold) and the longest
-hold of a window and the thread that held it (``take_max_held``). With ``thread_cpu`` each hold's
-thread CPU time is taken too (a ``getrusage`` of the thread at each end, ~1 us each): a hold is
-timed in wall-clock, so a thread switch inside it counts; its CPU time tells work from waiting,
-and its system time and page faults tell the kernel's work (memory mapped in: in a VM, the host
-backing the guest's pages) from the code's. (Linux sums user and system time exactly but splits
-them by tick samples: the split of a hold of a few ms is rough, the faults are counted.)
+hold of a window and the thread that held it (``take_max_held``). With ``thread_cpu`` each
+hold's thread CPU time is taken too (``thread_time`` and a ``getrusage`` of the thread at each
+end, ~2 us): a hold is timed in wall-clock, so a thread switch inside it counts; its CPU time
+tells work from waiting, and its system time and page faults tell the kernel's work (memory
+mapped in: in a VM, the host backing the guest's pages) from the code's. (The system time is
+as of the last tick: rough for a hold of a few ms; the faults are counted.)
 """
 
 from __future__ import annotations
@@ -42,11 +42,12 @@ _NO_HOLD = Hold(0.0, 0)
 
 
 def _thread_usage() -> tuple[float, float, int]:
-    """(CPU, system time, minor faults) of the calling thread so far."""
+    """(CPU, system time, minor faults) of the calling thread so far. The CPU time is
+    ``thread_time``'s: ``getrusage`` reads a running thread's as of its last tick."""
     if _RUSAGE_THREAD is None:
         return time.thread_time(), 0.0, 0
     r = resource.getrusage(_RUSAGE_THREAD)
-    return r.ru_utime + r.ru_stime, r.ru_stime, r.ru_minflt
+    return time.thread_time(), r.ru_stime, r.ru_minflt
 
 
 @dataclass(frozen=True, slots=True)

@@ -323,6 +323,9 @@ class PrefixEntry:
     # The owner-loss epoch through which this entry is known to hold no record of a lost
     # owner (CacheState reaps lost owners lazily: a lookup cleans the entries it walks).
     clean: int = 0
+    # The hash of the parent this entry waits for (an orphan: a re-confirm made it before
+    # its parent's entry, prefix_index.Orphans); None when it waits for none.
+    awaits: BlockHash | None = field(default=None, repr=False)
 
 
 class Dependent(Protocol):

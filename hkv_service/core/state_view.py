@@ -755,7 +755,7 @@ class CacheState:
         ):
             if self.index.get(entry.block_hash) is entry:
                 del self.index[entry.block_hash]
-            if entry.parent is None and self._orphans:
+            if entry.awaits is not None:
                 self._orphans.forget(entry)
             parent = entry.parent
             if parent is not None:
@@ -1402,7 +1402,7 @@ class CacheState:
             if p is None:
                 continue  # a root (or a range's first block)
             if e is not None and e.parent is None:  # an orphan: the parent an earlier call named
-                named = self._orphans.parent_hash(e)
+                named = e.awaits
                 if named is not None and named != p:
                     raise _other_parent(d)
             if pe is None and p not in made:
@@ -1508,7 +1508,8 @@ class CacheState:
         if e.depth != depth or (None not in (e.parent, parent) and e.parent is not parent):
             raise _unchained(depth, e.depth)
         if e.parent is None and parent is not None:  # an orphan of a restart rebuild
-            self._orphans.forget(e)
+            if e.awaits is not None:
+                self._orphans.forget(e)
             self._adopt(e, parent)
         return e
 

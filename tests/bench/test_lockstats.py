@@ -86,3 +86,18 @@ def test_a_hold_spent_in_the_kernel_is_told_from_one_spent_in_python() -> None:
     with lock:
         pass
     assert lock.take_max_held().minor_faults < 100  # nothing touched: (next to) none
+
+
+def test_a_short_hold_s_cpu_time_is_not_rounded_to_nothing() -> None:
+    """Regression: ``getrusage`` reads a running thread's CPU time as of its last tick, so
+    the scale bench's 0.1 ms holds (an owner expired, marked lost, re-registered) read 0 ms
+    (``thread_time`` brings it up to date)."""
+    lock = TimedLock(thread_cpu=True)
+    cpu = []
+    for _ in range(20):
+        with lock:  # (spun on the wall clock: reading thread_time would refresh the count)
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < 0.0003:
+                pass
+        cpu.append(lock.last_held_cpu_s())
+    assert min(cpu) >= 0.0002, cpu  # (a switch inside one of 0.3 ms: rare, and it is fine)

@@ -64,10 +64,17 @@ def test_orphans_wait_for_the_first_parent_named_until_taken_or_forgotten() -> N
     book.wait(b, KEYS[5])
     book.wait(c, KEYS[6])
     book.wait(a, KEYS[7])  # named again under another hash: the first stays
-    assert book.parent_hash(a) == KEYS[5] and len(book) == 3
+    assert a.awaits == KEYS[5] and c.awaits == KEYS[6] and len(book) == 3
     book.forget(b)
-    assert book.take(KEYS[5]) == [a] and book.parent_hash(a) is None
-    assert book.take(KEYS[5]) == [] and book.take(KEYS[7]) == []
+    assert b.awaits is None and len(book) == 2
+    assert book.take(KEYS[5]) == (a,) and a.awaits is None
+    assert book.take(KEYS[5]) == () and book.take(KEYS[7]) == ()
     book.forget(c)
     book.forget(c)  # (twice: nothing)
-    assert not book and book.take(KEYS[6]) == []
+    assert not book and book.take(KEYS[6]) == ()
+    d, e = _entry(KEYS[8]), _entry(KEYS[9])  # siblings: the last one forgotten empties it
+    book.wait(d, KEYS[5])
+    book.wait(e, KEYS[5])
+    book.forget(d)
+    book.forget(e)
+    assert not book

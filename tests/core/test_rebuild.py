@@ -634,7 +634,7 @@ def test_an_orphan_is_adopted_when_its_parents_report_arrives(spec: CacheSpec) -
     new = _fresh(spec)
     new.confirm(S0, [r for r in reports if r.depth == 3], _inc(new))
     orphan = new.index[hs[3]]
-    assert orphan.parent is None and new._orphans.parent_hash(orphan) == hs[2]
+    assert orphan.parent is None and orphan.awaits == hs[2]
     new.confirm(S0, [r for r in reports if r.depth < 3], _inc(new))
     assert orphan.parent is new.index[hs[2]] and new.index[hs[2]].children == 1
     assert not new._orphans
