@@ -81,7 +81,8 @@ def test_a_hold_spent_in_the_kernel_is_told_from_one_spent_in_python() -> None:
         touched = bytearray(64 << 20)  # fresh pages, faulted in by zeroing them
     hold = lock.take_max_held()
     assert hold.minor_faults >= 1000, hold  # 16,384 pages of 4 KiB
-    assert 0.0 <= hold.sys_s <= hold.cpu_s <= hold.held_s + 0.01
+    assert hold.cpu_s <= hold.held_s + 0.001
+    assert 0.0 <= hold.sys_s <= hold.cpu_s + 0.01  # (as of the last tick: it may run ahead)
     del touched
     with lock:
         pass
