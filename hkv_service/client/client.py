@@ -234,7 +234,10 @@ class MetadataClient:
             msg.generation = generation
         (out,) = _outcomes(self._call("Transition", req, idempotent=False))
         if isinstance(out, HkvError):
-            raise out
+            try:
+                raise out
+            finally:  # (else this frame holds the error whose traceback holds this frame)
+                del out
         return out
 
     def evict(self, object_id: ObjectId | int) -> None:

@@ -3,6 +3,7 @@ for rejected requests an unchanged state (Stats before == after)."""
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -14,7 +15,9 @@ from svc_util import Live, commit_remote, hashes, register
 from hkv_service.client import MetadataClient
 from hkv_service.core import errors as E
 from hkv_service.core.admission import AdmissionCap
+from hkv_service.core.ids import ObjectId
 from hkv_service.core.state_view import CacheState, StateConfig
+from hkv_service.core.states import Event
 from hkv_service.proto_gen.hkv.v1 import hkv_pb2 as pb
 from hkv_service.proto_gen.hkv.v1 import hkv_pb2_grpc as pb_grpc
 from hkv_service.server import status_map
@@ -369,3 +372,22 @@ def test_an_undecodable_request_is_one_log_line_and_invalid_argument(
         svc.stop(0).wait(10)
     lines = [r for r in caplog.records if "undecodable" in r.getMessage()]
     assert len(lines) == 3 and not any(r.exc_info for r in caplog.records)
+
+
+def test_a_refused_call_leaves_no_garbage_cycle(live: Live, client: MetadataClient) -> None:
+    """Regression: the client raised the refusal it decoded from a local of the frame the
+    traceback holds (frame -> exception -> traceback -> frame), 7 objects a refused call that
+    only a full collection frees: in a worker whose heap is frozen or collected rarely (the
+    service's own policy, an engine's), they pile up. Nothing of a refusal outlives it now."""
+    register(client, "s0", blocks=16)
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(20):
+            with pytest.raises(E.UnknownObject):
+                client.transition(ObjectId(123_456_789), Event.WRITE_DONE)
+        assert gc.collect() == 0
+    finally:
+        if was:
+            gc.enable()
