@@ -910,6 +910,7 @@ def time_reconfirm(run: SizeRun, pools: Mapping[str, PoolConfig],
         batch = reports[done : done + CONFIRM_BATCH]
         t = time.perf_counter()
         confirmed += state.confirm(RECONFIRM_OWNER, batch, inc)
+        gcpolicy.freeze_confirmed()  # as the servicer's Confirm does (with the policy on)
         now = time.perf_counter()
         busy += now - t
         max_hold = max(max_hold, lock.last_held_s())

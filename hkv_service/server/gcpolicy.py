@@ -9,6 +9,8 @@ So the service process:
 
 * turns automatic collection off, and freezes what exists at start (``gc.freeze``: frozen
   objects are never scanned again);
+* freezes what a confirm re-created as soon as it returns (:func:`freeze_confirmed`): the
+  view's own long-lived records, never scanned;
 * every :data:`COLLECT_EVERY_S` (0.25 s) at most collects once and freezes the survivors. A
   collection scans only what was allocated since the last one, so its pause is the
   allocation rate times the interval, not the state's size; the interval halves while
@@ -38,7 +40,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 __all__ = ["COLLECT_EVERY_S", "MIN_EVERY_S", "PAUSE_TARGET_S", "YOUNG_OBJECTS", "GcStats",
-           "due", "install", "next_wait", "paused"]
+           "due", "freeze_confirmed", "install", "next_wait", "paused"]
 
 COLLECT_EVERY_S = 0.25  # the longest interval: an idle service collects this often
 MIN_EVERY_S = 0.01  # the shortest: a collection's fixed cost is ~0.1 ms with the heap frozen
@@ -47,6 +49,7 @@ POLL_S = 0.01  # how often the policy's thread looks at the count of new objects
 YOUNG_OBJECTS = 10_000  # new objects that are collected at once (~10-20 ms of scanning)
 log = logging.getLogger(__name__)
 _ONE_AT_A_TIME = threading.Lock()  # the policy's collection, or a caller's walk (paused)
+_running: threading.Event | None = None  # the installed policy's stop event (None: not installed)
 
 
 @dataclass(slots=True)
@@ -58,10 +61,12 @@ class GcStats:
 
 def install(stop: threading.Event, every_s: float = COLLECT_EVERY_S) -> GcStats:
     """Apply the policy to this process; a daemon thread collects until ``stop`` is set."""
+    global _running
     stats = GcStats()
     gc.collect()
     gc.freeze()
     gc.disable()
+    _running = stop
     threading.Thread(target=_collect_loop, args=(stop, every_s, stats), daemon=True,
                      name="hkv-gc").start()
     return stats
@@ -96,6 +101,23 @@ def next_wait(wait: float, pause: float, longest: float = COLLECT_EVERY_S) -> fl
     if pause < PAUSE_TARGET_S / 4:
         return min(longest, wait * 2)
     return wait
+
+
+def freeze_confirmed() -> None:
+    """A confirm just re-created objects that live as long as the view: freeze them now,
+    unscanned (the servicer's Confirm calls this, and ``hkv bench scale``'s re-confirm as it
+    does). A collection scans each new object once, ~0.8 us at 1M objects (1.8 objects a
+    report): ~10-25% of a re-confirm's time. Whatever else is young is frozen with them, so a
+    cycle already garbage then is kept; the service makes none (lookups, transitions, their
+    refusals, confirms: 0 objects in garbage cycles a call, measured 2026-12-03). Nothing
+    unless the policy is installed and running; skipped while it collects or a caller walks
+    the heap (``paused``): that collection freezes them anyway."""
+    if _running is None or _running.is_set() or not _ONE_AT_A_TIME.acquire(blocking=False):
+        return
+    try:
+        gc.freeze()
+    finally:
+        _ONE_AT_A_TIME.release()
 
 
 @contextmanager

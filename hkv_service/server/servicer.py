@@ -26,7 +26,7 @@ from hkv_service.core.state_view import AllocRequest, CacheState, Match
 from hkv_service.proto_gen.hkv.v1 import hkv_pb2 as pb
 from hkv_service.proto_gen.hkv.v1 import hkv_pb2_grpc as pb_grpc
 
-from . import codec, validation
+from . import codec, gcpolicy, validation
 from .replies import ReplyCache
 from .status_map import map_error
 
@@ -129,6 +129,7 @@ class MetadataServicer(pb_grpc.MetadataServiceServicer):
         if request.incarnation == 0:
             raise InvalidInput("Confirm needs the incarnation RegisterOwner returned (> 0)")
         ids = self.state.confirm_objects(owner, reports, request.incarnation)
+        gcpolicy.freeze_confirmed()  # the view's records, long-lived: never scanned
         return pb.ConfirmResponse(confirmed=sum(1 for oid in ids if oid),
                                   object_ids=[oid or 0 for oid in ids])
 
