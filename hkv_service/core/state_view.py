@@ -1473,7 +1473,8 @@ class CacheState:
 
     def _check_path(self, hashes: Sequence[BlockHash], last: int, first: int = 0) -> None:
         """Raise what :meth:`_entry_under` would raise part way down the path to depth
-        ``last``: checked first, so a refused call leaves no entry behind."""
+        ``last``: checked first, so a refused call leaves no entry behind. An orphan's parent
+        is the hash its report named (``awaits``), on this path as on a confirm's."""
         seen: set[BlockHash] = set()
         parent: PrefixEntry | None = None  # the known entry one depth up; None if made here
         for depth in range(first, last + 1):
@@ -1483,6 +1484,9 @@ class CacheState:
                 depth > first and e.parent is not None and e.parent is not parent))
             if h in seen or clash:
                 raise _unchained(depth, depth if e is None else e.depth)
+            if e is not None and e.awaits is not None and depth > first and \
+                    e.awaits != hashes[depth - first - 1]:
+                raise _other_parent(depth)
             seen.add(h)
             parent = e
 
@@ -1508,6 +1512,8 @@ class CacheState:
         if e.depth != depth or (None not in (e.parent, parent) and e.parent is not parent):
             raise _unchained(depth, e.depth)
         if e.parent is None and parent is not None:  # an orphan of a restart rebuild
+            # (not reached while confirms and writes refuse another parent than the one it
+            # waits for: kept so that a waiting orphan is never adopted twice)
             if e.awaits is not None:
                 self._orphans.forget(e)
             self._adopt(e, parent)

@@ -678,3 +678,21 @@ def test_an_entry_made_at_another_depth_does_not_adopt_an_orphan(spec: CacheSpec
     new.confirm(S0, [liar], _inc(new))
     assert new.index[hs[3]].parent is None and new.index[hs[2]].children == 0
     assert _hit(new, hs) == 0
+
+
+def test_a_write_through_an_orphan_under_another_parent_is_refused(spec: CacheSpec) -> None:
+    """The adversary's order: block 3 confirmed alone (it waits for block 2's hash), then a
+    writer allocates a chain whose block 3 has that hash under another block 2. Taken, the
+    orphan hung under the writer's block 2 and, once the reported block 2 arrived, under that
+    one too (two parents counting it, the first one's count never taken back). The orphan's
+    parent is the one it first named, on every path: the write is refused, changing nothing."""
+    hs, reports = _chain_reports(spec, 4)
+    new = _fresh(spec)
+    new.confirm(S0, [r for r in reports if r.depth == 3], _inc(new))
+    other = prompt_hashes(spec, 3, seed=9)
+    before = _view(new)
+    with pytest.raises(BadHash, match="another parent"):
+        new.allocate([*other, hs[3]], [AllocRequest(3, "c4")])
+    assert _view(new) == before
+    new.confirm(S0, [r for r in reports if r.depth < 3], _inc(new))
+    assert new.index[hs[3]].parent is new.index[hs[2]] and new.index[hs[2]].children == 1
