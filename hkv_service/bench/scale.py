@@ -824,8 +824,8 @@ class _Scale:
             "owner_loss_reregister_hold_cpu_ms": register_cpu * 1e3,
             "owner_loss_max_hold_ms": longest.held_s * 1e3,
             "owner_loss_max_hold_cpu_ms": longest.cpu_s * 1e3,
-            # of that CPU, the kernel's (split by tick samples: rough) and the page faults
-            # it took: a long hold with little Python work in it is memory being mapped in
+            # of that CPU, the kernel's (as of the last tick: rough) and the page faults it
+            # took: a long hold with little Python work in it is the kernel's or the host's
             "owner_loss_max_hold_sys_ms": longest.sys_s * 1e3,
             "owner_loss_max_hold_minor_faults": float(longest.minor_faults),
             "owner_loss_max_hold_thread": by,  # who held it (a name, not a figure)

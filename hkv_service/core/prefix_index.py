@@ -95,7 +95,8 @@ class Orphans:
     counts) stopped short there, and its parent, counting no child, could be dropped under
     it. A hash most often has one orphan waiting (a chain), kept bare; siblings in a dict.
     (A re-confirm of one owner of eight leaves ~90% of its entries waiting: the parents are
-    the other owners'; ~0.2 us a report, ``hkv bench scale``.)"""
+    the other owners'. An entry made adopts all that wait for it under the one lock hold:
+    50k children of one root, ad-hoc, 13 ms.)"""
 
     __slots__ = ("_waiting",)
 

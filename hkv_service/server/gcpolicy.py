@@ -107,7 +107,8 @@ def freeze_confirmed() -> None:
     """A confirm just re-created objects that live as long as the view: freeze them now,
     unscanned (the servicer's Confirm calls this, and ``hkv bench scale``'s re-confirm as it
     does). A collection scans each new object once, ~0.8 us at 1M objects (1.8 objects a
-    report): ~10-25% of a re-confirm's time. Whatever else is young is frozen with them, so a
+    report; ad-hoc: one collection after a 1M re-confirm with collection off). Whatever else
+    is young is frozen with them, so a
     cycle already garbage then is kept; the service makes none (lookups, transitions, their
     refusals, confirms: 0 objects in garbage cycles a call, measured 2026-12-03). Nothing
     unless the policy is installed and running; skipped while it collects or a caller walks
