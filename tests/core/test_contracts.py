@@ -84,3 +84,75 @@ def test_version_0_never_pairs_even_with_both_in_memory() -> None:
         entry.mem[col] = _rec(LAYOUT.columns[col].kind, col, entry, ready, 0, block=col)
     assert contracts._both_in_memory(entry, KV, LAYOUT) is None
     assert contracts._kv_and_indexers(entry, KV, LAYOUT) == ((entry.mem[KV], contracts.READY), {})
+
+
+ALL_MEM_STATES = {
+    Kind.COMPRESSED: MEM_STATES[Kind.COMPRESSED],
+    Kind.INDEXER: MEM_STATES[Kind.INDEXER],
+    Kind.SWA: [State.ALLOCATED, State.WRITING, State.SWA_VALID, State.LOST],
+    Kind.TAIL: [State.ALLOCATED, State.TAIL_PARTIAL, State.TAIL_COMPLETE, State.CORRUPT],
+}
+
+
+@st.composite
+def whole_entries(draw: st.DrawFn) -> PrefixEntry:
+    """An entry at either depth residue with any mix of copies in every column living there;
+    memory copies mostly READY at one version, so the summary's shortcut is often taken."""
+    n = len(LAYOUT.columns)
+    depth = draw(st.integers(0, 2 * LAYOUT.period - 1))
+    entry = PrefixEntry(BlockHash(bytes(16)), None, depth, [None] * n, [None] * n)
+    assert entry.disk is not None
+    version = draw(st.integers(0, 2))
+    for col in LAYOUT.attached[depth % LAYOUT.period]:
+        kind = LAYOUT.columns[col].kind
+        if draw(st.integers(0, 4)):  # mostly present
+            ready = next(s for s in ALL_MEM_STATES[kind] if s in contracts._READY_STATES[kind])
+            state = ready if draw(st.integers(0, 3)) else draw(
+                st.sampled_from(ALL_MEM_STATES[kind]))
+            v = version if draw(st.integers(0, 3)) else draw(st.integers(0, 2))
+            entry.mem[col] = _rec(kind, col, entry, state, v, block=draw(st.integers(0, 64)))
+        if not draw(st.integers(0, 3)):
+            state = draw(st.sampled_from(DISK_STATES))  # (a loaded copy has its block)
+            block = draw(st.integers(0, 64)) if state is State.ON_DISK_READY else -1
+            entry.disk[col] = _rec(Kind.DISK, col, entry, state, draw(st.integers(0, 2)),
+                                   block=block)
+    return entry
+
+
+def _align(rec: ObjRecord) -> int:
+    return (rec.block & -rec.block) or 1 << 20
+
+
+@settings(max_examples=600, deadline=None)
+@given(whole_entries())
+def test_the_summary_shortcut_gives_what_the_rule_gives(entry: PrefixEntry) -> None:
+    """``summarise`` answers at once where an entry has no disk copy (``_memory_only``): the
+    same flags and gate as asking every column's verdict, on every mix hypothesis finds."""
+    contracts._summarise_by_rule(entry, LAYOUT, _align)
+    rule = (entry.flags, entry.gate)
+    entry.flags = entry.gate = -1
+    contracts.summarise(entry, LAYOUT, _align)
+    assert (entry.flags, entry.gate) == rule
+
+
+def test_the_summary_shortcut_is_taken_without_disk_copies() -> None:
+    """(Else the test above would pass with a shortcut that never answers.) Whole entries and
+    the half entries a re-confirm leaves (an owner holds some of an entry's columns, the
+    others arrive from other owners): the shortcut answers both, and not with a disk copy."""
+    for depth in range(LAYOUT.period):
+        for keep in (lambda c: True, lambda c: c % 2 == 0):
+            n = len(LAYOUT.columns)
+            entry = PrefixEntry(BlockHash(bytes(16)), None, depth, [None] * n)
+            for col in filter(keep, LAYOUT.attached[depth]):
+                kind = LAYOUT.columns[col].kind
+                ready = next(s for s in ALL_MEM_STATES[kind]
+                             if s in contracts._READY_STATES[kind])
+                entry.mem[col] = _rec(kind, col, entry, ready, 3, block=8 * (col + 1))
+            assert contracts._memory_only(entry, LAYOUT, _align)
+            flags, gate = entry.flags, entry.gate
+            contracts._summarise_by_rule(entry, LAYOUT, _align)
+            assert (flags, gate) == (entry.flags, entry.gate)
+            entry.disk = [None] * n
+            entry.disk[LAYOUT.attached[depth][-1]] = _rec(
+                Kind.DISK, LAYOUT.attached[depth][-1], entry, State.ON_DISK, 3, block=-1)
+            assert not contracts._memory_only(entry, LAYOUT, _align)
