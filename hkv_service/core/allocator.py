@@ -130,25 +130,38 @@ class BlockPool:
         self._hand_out(block)
         return block
 
-    def _hand_out(self, block: int) -> None:
+    def _hand_out(self, block: int, generation: int = 0) -> None:
         self.owner[block] = None
-        self.generation[block] = 0
-        self._span = max(self._span, block + 1)
+        self.generation[block] = generation
+        if block >= self._span:
+            self._span = block + 1
 
     def claim(self, block: int) -> bool:
         """Take the free ``block`` itself (an owner re-confirms what it still holds there);
         False if it is not free or outside the pool."""
-        if not self.config.first <= block < self.config.num_blocks:
-            return False
-        if block in self.generation:
+        return self.claim_at(block, 0) is not None
+
+    def claim_at(self, block: int, generation: int) -> int | None:
+        """:meth:`claim` for an owner that issued ``generation`` there: the block's generation
+        from now on (the greater of the two: generations issued stay issued), or None if
+        it is not free or outside the pool. (One call a re-confirmed block, not four.)"""
+        cfg = self.config
+        if not cfg.first <= block < cfg.num_blocks:
+            return None
+        gens = self.generation
+        known = gens.get(block)
+        if known is not None:
             if block not in self._free:
-                return False
+                return None
             self._free.discard(block)
-            return True
+            if generation > known:
+                gens[block] = generation
+                return generation
+            return known
         if block >= self._next:
             self._ahead.add(block)  # take() steps over it
-        self._hand_out(block)
-        return True
+        self._hand_out(block, generation)
+        return generation
 
     def alignment_of(self, block: int) -> int:
         """:func:`alignment` of ``block``'s address and the column's object size."""

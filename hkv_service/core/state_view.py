@@ -1323,28 +1323,33 @@ class CacheState:
         with self._lock:
             o = self._current_owner(owner, incarnation)
             cols = self._check_shapes(reports)  # all checked before any applied: all or nothing
-            # a slot a lost incarnation (ours, say) still seems to hold is free to re-confirm
-            self._clean(h for r in reports for h in (r.block_hash, r.parent_hash) if h)
+            if self._reaping:  # a slot a lost incarnation (ours, say) seems to hold is free
+                self._clean(h for r in reports for h in (r.block_hash, r.parent_hash) if h)
             # Half-written objects (ALLOCATED, WRITING, TAIL_PARTIAL, ...) are not re-created:
             # their writer's ids died with the old view, so they could never complete.
-            order = sorted((i for i, r in enumerate(reports) if r.state in _CONFIRMABLE),
-                           key=lambda i: reports[i].depth)
-            self._check_vouched([reports[i] for i in order])
+            order = [i for i, r in enumerate(reports) if r.state in _CONFIRMABLE]
+            order.sort(key=[r.depth for r in reports].__getitem__)  # (stable: as sorted)
+            found = self._check_vouched([reports[i] for i in order], [cols[i] for i in order])
             ids: list[ObjectId | None] = [None] * len(reports)
             made: list[ObjRecord] = []
             parts, defer = self.index.parts, contracts.defer
-            for i in order:  # (every report was checked above: hashes, depths, parents)
+            for i, (e, pe) in zip(order, found, strict=True):  # (every report checked above)
                 r = reports[i]
-                p = r.parent_hash
-                entry = self._entry_under(r.block_hash, parts[p[0]].get(p) if p else None,
-                                          r.depth, p)  # an unknown parent: an orphan
-                rec = self._confirm_one(o, owner, entry, cols[i], r)
+                h, p = r.block_hash, r.parent_hash
+                # the entries the check found; one an earlier report here made is looked up
+                if p is not None and pe is None:
+                    pe = parts[p[0]].get(p)
+                if e is None:
+                    e = parts[h[0]].get(h)
+                if e is None or (pe is not None and e.parent is None):  # make it, or adopt it
+                    e = self._entry_under(h, pe, r.depth, p)  # (an unknown parent: an orphan)
+                rec = self._confirm_one(o, owner, e, cols[i], r)
                 if rec is not None:
                     ids[i] = rec.object_id
                     made.append(rec)
                     # summarised when a walk reaches it: once, not once per report (an
                     # entry's columns arrive in other batches when the order is random)
-                    defer(entry)
+                    defer(e)
             self._log_events(made)
             return ids
 
@@ -1378,15 +1383,19 @@ class CacheState:
                                    "are split, has none)")
         return cols
 
-    def _check_vouched(self, vouched: Sequence[ObjectReport]) -> None:
-        """Raise for what applying ``vouched`` (in this order) would refuse half way, or store
-        unchecked: checked first, so a refused call changes nothing."""
+    def _check_vouched(self, vouched: Sequence[ObjectReport], cols: Sequence[int]
+                       ) -> list[tuple[PrefixEntry | None, PrefixEntry | None]]:
+        """Raise for what applying ``vouched`` (in this order; ``cols``: their columns) would
+        refuse half way, or store unchecked: checked first, so a refused call changes
+        nothing. Per report, the entries of its hash and of its parent's that the index
+        holds now (None where it has none): applying them looks up only what it made."""
         depth_of: dict[BlockHash, int] = {}  # hashes named here that the index lacks
         parent_of: dict[BlockHash, BlockHash] = {}  # links this call makes
         made: set[BlockHash] = set()  # entries this call creates, in order
         parts, layout = self.index.parts, self.layout
-        for r in vouched:  # (their columns are known: confirm_objects checked them)
-            check_report(layout, r)
+        found: list[tuple[PrefixEntry | None, PrefixEntry | None]] = []
+        for r, col in zip(vouched, cols, strict=True):
+            check_report(layout, r, col)
             h, p, d = r.block_hash, r.parent_hash, r.depth
             e = parts[h[0]].get(h)  # (16-byte hashes: _check_shapes checked them)
             known = e.depth if e is not None else depth_of.setdefault(h, d)
@@ -1398,6 +1407,7 @@ class CacheState:
                 known = pe.depth if pe is not None else depth_of.setdefault(p, d - 1)
                 if known != d - 1:
                     raise _unchained_report(d - 1, known)
+            found.append((e, pe))
             made.add(h)
             if p is None:
                 continue  # a root (or a range's first block)
@@ -1411,6 +1421,7 @@ class CacheState:
                       else parent_of.setdefault(h, p))
             if linked != p:
                 raise _other_parent(d)
+        return found
 
     def _confirm_one(
         self, o: Owner, owner: ShardId, entry: PrefixEntry, col: int, r: ObjectReport
@@ -1420,15 +1431,16 @@ class CacheState:
                 return None
             return self._add_disk_record(entry, col, _ON_DISK, owner, r)
         pool, block = o.pools.get(col), r.block
-        if pool is None or entry.mem[col] is not None or not pool.claim(block):
+        if pool is None or entry.mem[col] is not None:
             return None
-        generation = pool.generation[block]
-        if r.generation > generation:  # generations the owner issued stay issued
-            generation = pool.generation[block] = r.generation
+        generation = pool.claim_at(block, r.generation)  # (generations issued stay issued)
+        if generation is None:
+            return None
         kind = self.layout.columns[col].kind
         rec = new_record(kind, col, self.objects.new_id(), entry, r.state, owner, block,
                          generation, version=r.version, lo=r.lo, hi=r.hi)
-        self._saw_version(r.version)
+        if r.version >= self._next_version:
+            self._saw_version(r.version)
         pool.owner[block] = rec
         entry.mem[col] = rec
         if kind is _TAIL:
@@ -1763,14 +1775,15 @@ _VERSIONED = frozenset({Kind.COMPRESSED, Kind.INDEXER})
 _AGE_SLACK = 64  # lookups: LRU order is kept to this precision (see CacheState._age)
 
 
-def check_report(layout: Layout, r: ObjectReport) -> None:
+def check_report(layout: Layout, r: ObjectReport, col: int | None = None) -> None:
     """Raise unless ``r`` is a report a confirm takes (the one home of that rule: an owner
     filters what it vouches for with it). A vouched state must be one its column's kind can
     be read in (else no transition, not even LOSE, applies to the record), an SWA range must
     lie inside its block, and a complete tail must hold exactly the raw tokens its boundary
     needs (as TAIL_DONE demands: a tail vouched for with another length would be read as
-    whole)."""
-    col = layout.by_name.get(r.column)
+    whole). ``col``: the column of ``r.column``, where the caller found it already."""
+    if col is None:
+        col = layout.by_name.get(r.column)
     if col is None:
         raise UnknownGroup(f"unknown group {r.column!r}; the spec has {sorted(layout.by_name)}")
     column = layout.columns[col]

@@ -210,3 +210,26 @@ def test_a_claim_far_ahead_costs_one_block_of_metadata() -> None:
     assert pool.claim(5) and pool.take() == 3 and pool.take() == 4 and pool.take() == 6
     pool.release(last)
     assert pool.take() == last  # released blocks go out first
+
+
+def test_a_claim_keeps_the_greater_generation() -> None:
+    """``claim_at``: a re-confirmed block's generation is the greater of the pool's and the
+    owner's (a generation issued stays issued: a handle read before the restart must not
+    match the block's next object); None for a block in use or outside the pool, and then
+    nothing changes."""
+    from hkv_service.core.allocator import BlockPool
+
+    pool = BlockPool(PoolConfig(64, 256, first=8), nbytes=256)
+    assert pool.claim_at(9, 7) == 7 and pool.generation[9] == 7  # never handed out
+    assert pool.claim_at(9, 1) is None  # in use
+    assert pool.claim_at(7, 1) is None and pool.claim_at(64, 1) is None  # outside
+    for _ in range(4):
+        pool.release(9)
+        pool.claim_at(9, 0)
+    pool.release(9)
+    assert pool.generation[9] == 12
+    assert pool.claim_at(9, 3) == 12 and pool.generation[9] == 12  # the pool's is greater
+    pool.release(9)
+    assert pool.claim_at(9, 40) == 40 and pool.generation[9] == 40  # the owner's is
+    assert 7 not in pool.generation and 64 not in pool.generation
+    assert pool.span == 10 and pool.take() == 8 and pool.take() == 10  # 9 stepped over
