@@ -53,6 +53,7 @@ from .errors import (
     UnsetVersion,
     WrongPartition,
 )
+from .events import EventLog, TransitionEvent
 from .funnel import (
     Downgrade,
     FunnelResult,
@@ -166,20 +167,6 @@ class ObjectTransitions(NamedTuple):
 MAX_TRANSITION_ITEMS = 4096
 
 
-class TransitionEvent(NamedTuple):
-    """One applied transition, as the Watch stream carries it (a named tuple: one is made per
-    transition under the lock, ~3x cheaper than a frozen dataclass)."""
-
-    seq: int
-    object_id: ObjectId
-    kind: Kind
-    state: State
-    column: str
-    block_hash: BlockHash
-    at: float
-
-
-_new_tuple = tuple.__new__
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,7 +218,7 @@ class CacheState:
         self.holds = self.leases.holds  # leases and captures per record
         self.captures: dict[CaptureId, Capture] = {}
         self.topology_epoch = 0
-        self.log: deque[TransitionEvent] = deque(maxlen=self.config.log_capacity)
+        self.log = EventLog(self.config.log_capacity, [c.name for c in self.layout.columns])
         self._tickets: dict[ObjectId, Ticket] = {}
         self._disk_records = 0  # 0 lets lookups skip per-record verdicts
         self._ordinals: dict[ShardId, int] = {}  # shard name -> index in _shard_names
@@ -247,7 +234,6 @@ class CacheState:
         # re-confirmed or a client passed, or a KV rewritten after a restart could get the
         # version a stale indexer was synced to and that indexer would pass as synced.
         self._next_version = 1
-        self._log_seq = 0
         self._tick = 0
         # per SWA column (its lane in swa_need): its own policy, and the increments a complete
         # tail adds to the entries within each window above it (step 0: its own entry)
@@ -705,19 +691,14 @@ class CacheState:
         if rec.state in TERMINAL_STATES:
             self._gc_entry(rec.entry)
 
-    def _log_events(self, recs: Iterable[ObjRecord]) -> None:
+    def _log_events(self, recs: Sequence[ObjRecord]) -> None:
         """Count and log the state each of ``recs`` reached (the Watch stream's events), in
         order; one clock read for them all (a re-confirm logs a batch at once)."""
-        now, names, counts, log = self.clock(), self._column_names, self.counters.transitions, \
-            self.log
-        seq, event = self._log_seq, TransitionEvent
-        for rec in recs:
-            seq += 1
-            counts[(rec.kind, rec.state)] += 1
-            # (tuple.__new__: a named tuple's own __new__ is a Python frame, 3x the cost)
-            log.append(_new_tuple(event, (seq, rec.object_id, rec.kind, rec.state,
-                                          names[rec.column], rec.entry.block_hash, now)))
-        self._log_seq = seq
+        states = [rec.state for rec in recs]
+        counts = self.counters.transitions
+        for rec, state in zip(recs, states, strict=True):
+            counts[(rec.kind, state)] += 1
+        self.log.add(recs, states, self.clock())
 
     def _detach(self, rec: ObjRecord) -> None:
         entry, col = rec.entry, rec.column
@@ -1695,12 +1676,7 @@ class CacheState:
     def events_since(self, seq: int, limit: int = 1024) -> list[TransitionEvent]:
         """Events after ``seq`` (the log is bounded: older ones may be gone)."""
         with self._lock:
-            if not self.log:
-                return []
-            skip = max(0, seq - self.log[0].seq + 1)  # sequence numbers are contiguous
-            if skip >= len(self.log):  # nothing after seq yet (islice refuses huge bounds)
-                return []
-            return list(itertools.islice(self.log, skip, skip + limit))
+            return self.log.since(seq, limit)
 
     def object_count(self) -> int:
         """Objects the view holds (every kind, memory and disk)."""
