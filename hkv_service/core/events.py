@@ -43,6 +43,9 @@ class _Chunk(NamedTuple):
     states: tuple[State, ...]  # the state each record reached (a record moves on later)
 
 
+_new_tuple = tuple.__new__
+
+
 class EventLog:
     """Events with contiguous sequence numbers from 1, the newest ``capacity`` of them kept.
     A record named here is kept alive until its chunk goes (at most ``capacity`` records):
@@ -65,7 +68,10 @@ class EventLog:
         n = len(records)
         if not n:
             return
-        self._chunks.append(_Chunk(self.last_seq + 1, at, tuple(records), tuple(states)))
+        # (tuple.__new__: a named tuple's own __new__ is a Python frame, ~3x the cost, and a
+        # write logs its transitions one call each)
+        self._chunks.append(_new_tuple(_Chunk, (self.last_seq + 1, at, tuple(records),
+                                                tuple(states))))
         self.last_seq += n
         self._len += n
         excess = self._len - self.capacity
