@@ -61,11 +61,13 @@ class LocalMetadata:
         return lost
 
     def confirm(self, owner: ShardId, reports: Sequence[ObjectReport], incarnation: int) -> int:
-        return self.state.confirm(owner, reports, incarnation)
+        return sum(1 for oid in self.confirm_objects(owner, reports, incarnation) if oid)
 
     def confirm_objects(self, owner: ShardId, reports: Sequence[ObjectReport], incarnation: int
                         ) -> list[ObjectId | None]:
-        return self.state.confirm_objects(owner, reports, incarnation)
+        ids = self.state.confirm_objects(owner, reports, incarnation)
+        self.state.reap_all()  # the orphans it left to adopt in slices: no reaper thread here
+        return ids
 
     def allocate(
         self,

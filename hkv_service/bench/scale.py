@@ -62,10 +62,11 @@ Per size, in order:
   it held at the end of the fill (memory objects and its disk records) in random order,
   ``confirm`` in batches of 256 as ``workers/shard.py`` sends them, for at most a time budget:
   ``reconfirm_reports_per_s`` (and whether it finished). A confirm leaves each entry's summary
-  to the first walk that reaches it (``contracts.defer``); the bench then pays them all at
-  once (``CacheState.settle_pending``: ``reconfirm_pending_entries``, ``reconfirm_settle_ms``),
-  and ``reconfirm_with_summaries_reports_per_s`` counts that time too: the target is judged
-  on it. Outside ``--quick`` the restart runs 3 times, each in a fresh process, and the
+  to the first walk that reaches it (``contracts.defer``), and the orphans of an entry made
+  with more than a slice waiting to the reaper (``ADOPT_SLICE``); the bench then pays them
+  all at once (``CacheState.settle_pending`` and ``reap``: ``reconfirm_pending_entries``,
+  ``reconfirm_settle_ms``), and ``reconfirm_with_summaries_reports_per_s`` counts that time
+  too: the target is judged on it. Outside ``--quick`` the restart runs 3 times, each in a fresh process, and the
   median run's figures are given, with ``..._min`` and ``..._max`` of that rate beside them
   (``reconfirm_restarts``): on this host one run's rate moves 30-40% with the host's speed.
   The same reports confirmed in the size's own child first, after its view and the
@@ -920,9 +921,12 @@ def time_reconfirm(run: SizeRun, pools: Mapping[str, PoolConfig],
             _say(f"[{name}] re-confirm {done:,} / {len(reports):,} "
                  f"({done / busy:,.0f}/s, {now - t0:.0f} s)")
     # what the re-confirm left to the walks (each entry summarised once, when first read),
-    # paid here at once: the rate with it counts every summary a rebuild needs
+    # paid here at once: the rate with it counts every summary a rebuild needs, and the
+    # orphans left to adopt in the reaper's slices (ADOPT_SLICE)
     t = time.perf_counter()
     pending = state.settle_pending()
+    while state.reap():
+        pass
     settle = time.perf_counter() - t
     total = busy + settle
     return {

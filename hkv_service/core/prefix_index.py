@@ -18,7 +18,7 @@ ad-hoc timing; ``hkv bench core``'s ``lookup_vs_dict_walk`` shows it on the bloc
 from __future__ import annotations
 
 from collections.abc import Iterator
-from itertools import chain
+from itertools import chain, islice
 
 from .ids import BlockHash
 from .records import PrefixEntry
@@ -95,8 +95,10 @@ class Orphans:
     counts) stopped short there, and its parent, counting no child, could be dropped under
     it. A hash most often has one orphan waiting (a chain), kept bare; siblings in a dict.
     (A re-confirm of one owner of eight leaves ~90% of its entries waiting: the parents are
-    the other owners'. An entry made adopts all that wait for it under the one lock hold:
-    50k children of one root, ad-hoc, 13 ms.)"""
+    the other owners'.) An entry made adopts a slice of those that wait for it under that
+    lock hold, the rest in later ones (``CacheState.ADOPT_SLICE``): all at once, 50k
+    children of one root held the lock 13 ms (ad-hoc), so a root with hundreds of thousands
+    would have held it past the 50 ms pause target."""
 
     __slots__ = ("_waiting",)
 
@@ -116,15 +118,26 @@ class Orphans:
         else:
             self._waiting[parent_hash] = {got: None, child: None}
 
-    def take(self, parent_hash: BlockHash) -> tuple[PrefixEntry, ...]:
-        """The entries that wait for ``parent_hash``, waiting no more (its entry was made)."""
-        got = self._waiting.pop(parent_hash, None)
+    def take(self, parent_hash: BlockHash, limit: int) -> tuple[PrefixEntry, ...]:
+        """Up to ``limit`` (> 0) of the entries that wait for ``parent_hash`` (its entry was
+        made), first come first, waiting no more; the rest wait on (:meth:`waits_for`)."""
+        got = self._waiting.get(parent_hash)
         if got is None:
             return ()
-        children = tuple(got) if isinstance(got, dict) else (got,)
+        if not isinstance(got, dict) or len(got) <= limit:
+            del self._waiting[parent_hash]
+            children = tuple(got) if isinstance(got, dict) else (got,)
+        else:
+            children = tuple(islice(got, limit))
+            for child in children:
+                del got[child]
         for child in children:
             child.awaits = None
         return children
+
+    def waits_for(self, parent_hash: BlockHash) -> bool:
+        """Whether some entry still waits for the entry of ``parent_hash``."""
+        return parent_hash in self._waiting
 
     def forget(self, child: PrefixEntry) -> None:
         """``child`` left the index (or was adopted): it waits for nothing."""

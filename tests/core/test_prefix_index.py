@@ -67,14 +67,28 @@ def test_orphans_wait_for_the_first_parent_named_until_taken_or_forgotten() -> N
     assert a.awaits == KEYS[5] and c.awaits == KEYS[6] and len(book) == 3
     book.forget(b)
     assert b.awaits is None and len(book) == 2
-    assert book.take(KEYS[5]) == (a,) and a.awaits is None
-    assert book.take(KEYS[5]) == () and book.take(KEYS[7]) == ()
+    assert book.take(KEYS[5], 4) == (a,) and a.awaits is None
+    assert book.take(KEYS[5], 4) == () and book.take(KEYS[7], 4) == ()
     book.forget(c)
     book.forget(c)  # (twice: nothing)
-    assert not book and book.take(KEYS[6]) == ()
+    assert not book and book.take(KEYS[6], 4) == ()
     d, e = _entry(KEYS[8]), _entry(KEYS[9])  # siblings: the last one forgotten empties it
     book.wait(d, KEYS[5])
     book.wait(e, KEYS[5])
     book.forget(d)
     book.forget(e)
     assert not book
+
+
+def test_orphans_are_taken_a_slice_at_a_time_first_come_first() -> None:
+    """``take`` hands out at most its limit, those that waited longest first; the rest wait on
+    (``waits_for``), each exactly once, and one forgotten meanwhile is never handed out."""
+    book = Orphans()
+    kids = [_entry(k) for k in KEYS[:7]]
+    for kid in kids:
+        book.wait(kid, KEYS[9])
+    assert book.take(KEYS[9], 3) == tuple(kids[:3]) and book.waits_for(KEYS[9])
+    assert all(k.awaits is None for k in kids[:3]) and len(book) == 4
+    book.forget(kids[4])
+    assert book.take(KEYS[9], 2) == (kids[3], kids[5]) and len(book) == 1
+    assert book.take(KEYS[9], 2) == (kids[6],) and not book.waits_for(KEYS[9]) and not book

@@ -23,13 +23,16 @@ import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hkv_service.core import state_view
 from hkv_service.core.allocator import SWA_LANE_BITS
 from hkv_service.core.errors import BadHash, HkvError, InvalidInput, UnknownGroup, UnknownOwner
 from hkv_service.core.funnel import LookupRequest
+from hkv_service.core.hashing import ExtraKeys, hash_blocks
 from hkv_service.core.ids import BlockHash, ShardId
 from hkv_service.core.layout import Layout
 from hkv_service.core.records import PrefixEntry
@@ -587,16 +590,21 @@ def _lanes(st: CacheState) -> dict[BlockHash, tuple[int, ...]]:
     return got
 
 
+@pytest.mark.parametrize("adopt_slice", [state_view.ADOPT_SLICE, 1])
 @settings(max_examples=40, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_resume_points_are_counted_whatever_order_reports_come_in(
-        spec: CacheSpec, data: st.DataObject) -> None:
+        spec: CacheSpec, adopt_slice: int, monkeypatch: pytest.MonkeyPatch,
+        data: st.DataObject) -> None:
     """A tail confirmed before the blocks above it (random order, its entry an orphan until
     its parent's report arrives) is counted on every entry within a window above it, as an
     in-order rebuild counts it; and when it later stops being a resume point, exactly that
     is taken back (a count taken back from entries it was never added to went below zero
-    and borrowed from the next SWA column's lane)."""
+    and borrowed from the next SWA column's lane). With orphans adopted one a lock hold, the
+    counts are those of the links made so far at every step, and the in-order rebuild's
+    once the reaper has adopted the rest."""
+    monkeypatch.setattr(state_view, "ADOPT_SLICE", adopt_slice)
     hs = prompt_hashes(spec, 8)
     old = _old(spec, [hs])
     reports = _reports(old)
@@ -613,6 +621,8 @@ def test_resume_points_are_counted_whatever_order_reports_come_in(
             new.evict(data.draw(st.sampled_from(complete), label="tail").object_id)
             evicted = True
         assert _lanes(new) == _lanes_from_scratch(new)
+    new.reap_all()  # (the orphans left to adopt in the reaper's slices)
+    assert not new._orphans or evicted
     if not evicted:
         assert _lanes(new) == _lanes(old)
     tails = [r for r in new.objects.values() if r.kind is Kind.TAIL]
@@ -696,3 +706,70 @@ def test_a_write_through_an_orphan_under_another_parent_is_refused(spec: CacheSp
     assert _view(new) == before
     new.confirm(S0, [r for r in reports if r.depth < 3], _inc(new))
     assert new.index[hs[3]].parent is new.index[hs[2]] and new.index[hs[2]].children == 1
+
+
+def _fan(spec: CacheSpec, n: int) -> list[list[BlockHash]]:
+    """``n`` 4-block prompts sharing their first 2 blocks: block 1 (the hub) has ``n``
+    children."""
+    rng = np.random.default_rng(3)
+    hb = spec.hash_block_size
+    shared = rng.integers(0, 50_000, 2 * hb)
+    return [hash_blocks(np.concatenate([shared, rng.integers(0, 50_000, 2 * hb)]), hb,
+                        ExtraKeys(spec.model_id)) for _ in range(n)]
+
+
+def test_a_parent_of_many_orphans_adopts_them_a_slice_at_a_time(
+        spec: CacheSpec, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every child of the hub confirmed before the hub: the call that makes the hub adopts a
+    slice as it makes it and one more as it returns, not all (a hub with hundreds of
+    thousands of children held the lock for all of them); the reaper's slices adopt the rest.
+    Meanwhile every prompt hits as it did before the restart (the walk reads no parent
+    link), the resume-point counts are those of the links made so far, and a write naming a
+    waiting child under the hub adopts it at once."""
+    monkeypatch.setattr(state_view, "ADOPT_SLICE", 4)
+    chains = _fan(spec, 11)
+    old = _old(spec, chains)
+    reports = _reports(old)
+    new = _fresh(spec)
+    new.confirm(S0, [r for r in reports if r.depth >= 2], _inc(new))
+    hub_hash = chains[0][1]
+    assert len([e for e in new.index.values() if e.awaits == hub_hash]) == 11
+    new.confirm(S0, [r for r in reports if r.depth < 2], _inc(new))
+    hub = new.index[hub_hash]
+    assert hub.children == 8 and new._orphans.waits_for(hub_hash)
+    assert _lanes(new) == _lanes_from_scratch(new)
+    assert [_hit(new, hs) for hs in chains] == [_hit(old, hs) for hs in chains]
+    waiting = [e for e in new.index.values() if e.awaits == hub_hash]
+    assert len(waiting) == 3
+    writer = next(hs for hs in chains if hs[2] == waiting[0].block_hash)
+    new.allocate(writer, [AllocRequest(3, "c4")])  # (exists: a write through the path)
+    assert waiting[0].parent is hub and waiting[0].awaits is None and hub.children == 9
+    assert new.reap() is False  # the last 2: nothing left
+    assert hub.children == 11 and not new._orphans and not new._adopting
+    assert all(new.index[hs[2]].parent is hub for hs in chains)
+    assert _lanes(new) == _lanes(old) == _lanes_from_scratch(new)
+
+
+def test_a_waiting_parent_that_left_the_index_adopts_nothing(
+        spec: CacheSpec, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An entry made with more orphans waiting than a slice, gone from the index before the
+    reaper's slice (its records evicted): the reaper passes it by, and what it did not take
+    waits for the next entry of its hash, as if it had never been made."""
+    monkeypatch.setattr(state_view, "ADOPT_SLICE", 1)
+    chains = _fan(spec, 3)
+    reports = _reports(_old(spec, chains))
+    new = _fresh(spec)
+    # children reported at the hub's depth + 2 (a liar): the hub adopts none of its slice
+    liars = [replace(r, depth=3) for r in reports if r.depth == 2 and r.column == "c4"]
+    new.confirm(S0, liars, _inc(new))
+    hub_hash = chains[0][1]
+    hub_reports = [r for r in reports if r.depth == 1]
+    ids = new.confirm_objects(S0, hub_reports, _inc(new))
+    hub = new.index[hub_hash]
+    assert hub.children == 0 and new._adopting  # (both its slices were liars)
+    for oid in ids:
+        if oid is not None and new.objects.get(oid) is not None:
+            new.evict(oid)
+    assert hub_hash not in new.index
+    assert len(liars) == 3 and new.reap() is False and not new._adopting
+    assert new._orphans.waits_for(hub_hash)  # (one taken as it was made, one as it returned)
