@@ -66,9 +66,10 @@ Per size, in order:
   with more than a slice waiting to the reaper (``ADOPT_SLICE``); the bench then pays them
   all at once (``CacheState.settle_pending`` and ``reap``: ``reconfirm_pending_entries``,
   ``reconfirm_settle_ms``), and ``reconfirm_with_summaries_reports_per_s`` counts that time
-  too: the target is judged on it. Outside ``--quick`` the restart runs 3 times, each in a fresh process, and the
-  median run's figures are given, with ``..._min`` and ``..._max`` of that rate beside them
-  (``reconfirm_restarts``): on this host one run's rate moves 30-40% with the host's speed.
+  too: the target is judged on it. Outside ``--quick`` the restart runs 3 times, each in a
+  fresh process, and the median run's figures are given, with ``..._min`` and ``..._max`` of
+  that rate beside them (``reconfirm_restarts``): on this host one run's rate moves 30-40%
+  with the host's speed.
   The same reports confirmed in the size's own child first, after its view and the
   phases above were let go (``reconfirm_in_place_*``), show what a heap that held and churned
   a view of this size costs the same work (a restart does not pay it: that was how this

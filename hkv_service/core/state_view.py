@@ -171,8 +171,6 @@ MAX_TRANSITION_ITEMS = 4096
 ADOPT_SLICE = 4096
 
 
-
-
 @dataclass(frozen=True, slots=True)
 class ObjectReport:
     """An owner's account of an object it holds, for rebuilding the view after a restart."""
@@ -228,7 +226,6 @@ class CacheState:
         self._ordinals: dict[ShardId, int] = {}  # shard name -> index in _shard_names
         self._shard_names: tuple[ShardId, ...] = ()
         self._mono_slot = {c: j for j, c in enumerate(self.layout.mono_columns)}
-        self._column_names = tuple(c.name for c in self.layout.columns)
         self._column_nbytes = tuple(c.nbytes for c in self.layout.columns)
         self.segment_blocks = segment_blocks_for(self.layout, self.config.segment_blocks)
         self._row_struct = struct.Struct("<" + "QQiH" * len(self.layout.mono_columns))
