@@ -101,12 +101,15 @@ class EventLog:
         start = max(seq + 1, self.first_seq)
         if start > self.last_seq or limit <= 0:
             return []
-        k = len(self._chunks) - 1
-        while self._chunks[k].first > start:
-            k -= 1
+        # the chunks from the one holding ``start`` on, found from the newest end (iterated,
+        # not indexed: a deque's index walks from its nearer end, a read of all was quadratic)
+        newest_first: list[_Chunk] = []
+        for chunk in reversed(self._chunks):
+            newest_first.append(chunk)
+            if chunk.first <= start:
+                break
         out: list[TransitionEvent] = []
-        for i in range(k, len(self._chunks)):
-            chunk = self._chunks[i]
+        for chunk in reversed(newest_first):
             j = start - chunk.first
             while j < len(chunk.records) and len(out) < limit:
                 out.append(self._event(chunk, j))
