@@ -61,7 +61,9 @@ class LocalMetadata:
         return lost
 
     def confirm(self, owner: ShardId, reports: Sequence[ObjectReport], incarnation: int) -> int:
-        return sum(1 for oid in self.confirm_objects(owner, reports, incarnation) if oid)
+        confirmed = self.state.confirm(owner, reports, incarnation)
+        self.state.reap_all()  # the orphans it left to adopt in slices: no reaper thread here
+        return confirmed
 
     def confirm_objects(self, owner: ShardId, reports: Sequence[ObjectReport], incarnation: int
                         ) -> list[ObjectId | None]:

@@ -926,8 +926,7 @@ def time_reconfirm(run: SizeRun, pools: Mapping[str, PoolConfig],
     # orphans left to adopt in the reaper's slices (ADOPT_SLICE)
     t = time.perf_counter()
     pending = state.settle_pending()
-    while state.reap():
-        pass
+    state.reap_all()
     settle = time.perf_counter() - t
     total = busy + settle
     return {

@@ -165,9 +165,9 @@ class ObjectTransitions(NamedTuple):
 # Items one transition_many call may carry: the call holds the lock throughout (tens of
 # microseconds an object), so this bounds the pause it makes every other caller wait.
 MAX_TRANSITION_ITEMS = 4096
-# Orphans adopted in one lock hold (an entry made while more than this wait for it adopts the
-# rest in later holds: the next confirms', the reaper's): ~0.26 us each (50k in 13 ms, ad-hoc),
-# so a slice holds the lock ~1 ms however many blocks were confirmed before their parent.
+# Orphans adopted in one lock hold (as a confirm or an allocation returns, and per reap call;
+# the rest in later ones): ~0.26 us each (50k in 13 ms, ad-hoc), so a slice holds the lock
+# ~1 ms however many blocks were confirmed before their parents.
 ADOPT_SLICE = 4096
 
 
@@ -245,7 +245,7 @@ class CacheState:
         # entries a re-confirm made before their parent's, and the complete tails whose walk
         # up waits at one of them, with the increment each goes on with when it is adopted
         self._orphans = Orphans()
-        self._adopting: deque[PrefixEntry] = deque()  # made with more orphans than a slice
+        self._adopting: deque[PrefixEntry] = deque()  # made with orphans still to adopt
         self._cut_walks: dict[PrefixEntry, dict[ObjRecord, int]] = {}
         self._swa_steps = tuple(
             sum(1 << (SWA_LANE_BITS * i) for c, i in lanes.items() if reach[c] > step)
@@ -464,6 +464,8 @@ class CacheState:
                     self._gc_entry(entries[-1])  # and so would path entries made for them
                 raise
             self._settle_allocated(made)
+            if self._adopting:  # the orphans of entries its path made
+                self._adopt_some(ADOPT_SLICE)
             return done
 
     def _allocate_one(self, entry: PrefixEntry, col: int, owner: ShardId | None,
@@ -1509,10 +1511,7 @@ class CacheState:
             elif parent_hash is not None:
                 self._orphans.wait(e, parent_hash)
             if self._orphans and self._orphans.waits_for(h):
-                for child in self._orphans.take(h, ADOPT_SLICE):
-                    self._adopt(child, e)
-                if self._orphans.waits_for(h):  # the rest in later lock holds
-                    self._adopting.append(e)
+                self._adopting.append(e)  # adopted a slice per lock hold (_adopt_some)
             return e
         if e.depth != depth or (None not in (e.parent, parent) and e.parent is not parent):
             raise _unchained(depth, e.depth)
@@ -1525,8 +1524,11 @@ class CacheState:
         return e
 
     def _adopt_some(self, budget: int) -> bool:
-        """Adopt up to ``budget`` of the orphans left waiting for entries made with more than
-        a slice waiting; True while some are left. (One whose entry left the index since
+        """Adopt up to ``budget`` of the orphans waiting for the entries queued in
+        ``_adopting`` (made while orphans waited for them), oldest first: one slice as a
+        confirm or an allocation returns, and in the reaper's slices, so no call adopts more
+        than a slice however many entries it made that others wait for; True while some are
+        left. (One whose entry left the index since
         waits for the next entry of its hash, as if it had never been made.) Until adopted an
         orphan is what it was before its parent came: the walk checks depths and reads no
         parent link, a confirm or write naming it under that parent adopts it at once, and

@@ -708,10 +708,10 @@ def test_a_write_through_an_orphan_under_another_parent_is_refused(spec: CacheSp
     assert new.index[hs[3]].parent is new.index[hs[2]] and new.index[hs[2]].children == 1
 
 
-def _fan(spec: CacheSpec, n: int) -> list[list[BlockHash]]:
+def _fan(spec: CacheSpec, n: int, seed: int = 3) -> list[list[BlockHash]]:
     """``n`` 4-block prompts sharing their first 2 blocks: block 1 (the hub) has ``n``
     children."""
-    rng = np.random.default_rng(3)
+    rng = np.random.default_rng(seed)
     hb = spec.hash_block_size
     shared = rng.integers(0, 50_000, 2 * hb)
     return [hash_blocks(np.concatenate([shared, rng.integers(0, 50_000, 2 * hb)]), hb,
@@ -721,8 +721,8 @@ def _fan(spec: CacheSpec, n: int) -> list[list[BlockHash]]:
 def test_a_parent_of_many_orphans_adopts_them_a_slice_at_a_time(
         spec: CacheSpec, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every child of the hub confirmed before the hub: the call that makes the hub adopts a
-    slice as it makes it and one more as it returns, not all (a hub with hundreds of
-    thousands of children held the lock for all of them); the reaper's slices adopt the rest.
+    slice as it returns, not all (a hub with hundreds of thousands of children held the lock
+    for all of them); a write's call one more; the reaper's slices adopt the rest.
     Meanwhile every prompt hits as it did before the restart (the walk reads no parent
     link), the resume-point counts are those of the links made so far, and a write naming a
     waiting child under the hub adopts it at once."""
@@ -736,14 +736,15 @@ def test_a_parent_of_many_orphans_adopts_them_a_slice_at_a_time(
     assert len([e for e in new.index.values() if e.awaits == hub_hash]) == 11
     new.confirm(S0, [r for r in reports if r.depth < 2], _inc(new))
     hub = new.index[hub_hash]
-    assert hub.children == 8 and new._orphans.waits_for(hub_hash)
+    assert hub.children == 4 and new._orphans.waits_for(hub_hash)
     assert _lanes(new) == _lanes_from_scratch(new)
     assert [_hit(new, hs) for hs in chains] == [_hit(old, hs) for hs in chains]
     waiting = [e for e in new.index.values() if e.awaits == hub_hash]
-    assert len(waiting) == 3
-    writer = next(hs for hs in chains if hs[2] == waiting[0].block_hash)
+    assert len(waiting) == 7
+    writer = next(hs for hs in chains if hs[2] == waiting[-1].block_hash)
     new.allocate(writer, [AllocRequest(3, "c4")])  # (exists: a write through the path)
-    assert waiting[0].parent is hub and waiting[0].awaits is None and hub.children == 9
+    # the write adopts the child its path names at once, and a slice as it returns
+    assert waiting[-1].parent is hub and waiting[-1].awaits is None and hub.children == 9
     assert new.reap() is False  # the last 2: nothing left
     assert hub.children == 11 and not new._orphans and not new._adopting
     assert all(new.index[hs[2]].parent is hub for hs in chains)
@@ -772,4 +773,21 @@ def test_a_waiting_parent_that_left_the_index_adopts_nothing(
             new.evict(oid)
     assert hub_hash not in new.index
     assert len(liars) == 3 and new.reap() is False and not new._adopting
-    assert new._orphans.waits_for(hub_hash)  # (one taken as it was made, one as it returned)
+    assert new._orphans.waits_for(hub_hash)  # (one taken as the call returned, one by reap)
+
+
+def test_a_call_that_makes_many_hubs_adopts_one_slice(
+        spec: CacheSpec, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three hubs made in one confirm, each with 5 children confirmed before it: the call
+    adopts one slice in all, not one per hub (256 hubs of a batch, each with a slice
+    waiting, would have held the lock for 256 slices); the reaper adopts the rest."""
+    monkeypatch.setattr(state_view, "ADOPT_SLICE", 4)
+    fans = [_fan(spec, 5, seed) for seed in (3, 4, 5)]
+    reports = _reports(_old(spec, [hs for fan in fans for hs in fan]))
+    new = _fresh(spec)
+    new.confirm(S0, [r for r in reports if r.depth >= 2], _inc(new))
+    new.confirm(S0, [r for r in reports if r.depth < 2], _inc(new))
+    hubs = [new.index[fan[0][1]] for fan in fans]
+    assert sum(h.children for h in hubs) == 4
+    new.reap_all()
+    assert [h.children for h in hubs] == [5, 5, 5] and not new._orphans
