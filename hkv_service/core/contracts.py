@@ -114,7 +114,6 @@ Served = tuple[ObjRecord | None, Verdict]  # the copy that serves a column, and 
 # read through its class costs ~0.1 us in Python 3.11, EnumType.__getattr__)
 _READY_STATES = {k: c.ready_states for k, c in CONTRACTS.items()}
 _INDEXER, _COMPRESSED = Kind.INDEXER, Kind.COMPRESSED
-_INDEXER_READY, _KV_READY = _READY_STATES[Kind.INDEXER], _READY_STATES[Kind.COMPRESSED]
 
 
 def column_verdict(entry: PrefixEntry, column: int, layout: Layout) -> Verdict:
@@ -353,9 +352,9 @@ def settled(entry: PrefixEntry, need: int, layout: Layout | None,
 
 
 # Per layout, per depth residue, per column living there: (column, its ready states, its bit
-# in the flags, whether it is monotone (its alignment gates the walk), and for an INDEXER its
-# KV column with every indexer of that KV, else None): :func:`_memory_only`'s plan.
-_Step = tuple[int, frozenset[State], int, bool, tuple[int, tuple[int, ...]] | None]
+# in the flags, whether it is monotone (its alignment gates the walk), and for an INDEXER the
+# KV column it indexes, else None): :func:`_memory_only`'s plan.
+_Step = tuple[int, frozenset[State], int, bool, int | None]
 _PLANS: dict[int, tuple[Layout, tuple[tuple[_Step, ...], ...]]] = {}
 
 
@@ -365,25 +364,19 @@ def _plan(layout: Layout) -> tuple[tuple[_Step, ...], ...]:
         return got[1]
     plan = tuple(
         tuple((col, _READY_STATES[kind], _BITS[kind][0], _BITS[kind][0] == F_MONO,
-               _kv_of(layout, col)) for col, kind in attached)
+               layout.columns[col].indexes) for col, kind in attached)
         for attached in layout.kinds_attached)
     _PLANS[id(layout)] = (layout, plan)  # (the layout kept: its id is never another's)
     return plan
 
 
-def _kv_of(layout: Layout, col: int) -> tuple[int, tuple[int, ...]] | None:
-    """An INDEXER column's KV column and every indexer of that KV; None for other kinds."""
-    kv = layout.columns[col].indexes
-    return None if kv is None else (kv, layout.indexers_of[kv])
-
-
 def _memory_only(entry: PrefixEntry, layout: Layout,
                  align_of: Callable[[ObjRecord], int]) -> bool:
     """Summarise ``entry`` at once where it has no disk copy: each column's verdict is then
-    READY exactly when its memory copy is in a ready state, an INDEXER's only beside a READY
-    memory KV at the KV's version (never 0) with every other indexer of that KV likewise
-    (:func:`served`: with no disk copy there is no other candidate, and :func:`_best_pair`
-    either pairs exactly these or serves the KV alone); no LOAD bit. False, changing nothing,
+    READY exactly when its memory copy is in a ready state, an INDEXER's only where the
+    memory KV and every indexer of it pair (:func:`_both_in_memory`: with no disk copy there
+    is no other candidate, and :func:`_best_pair` either pairs exactly these or serves the
+    KV alone); no LOAD bit. False, changing nothing,
     where a disk copy is present: the general rule decides. (Most summaries end here: a
     write's, and a settle's after a re-confirm, ~91% of whose entries have no disk copy; the
     settle of a 1M-object view's re-confirm took 230 -> 160 ms, ad-hoc, median of 3
@@ -394,10 +387,10 @@ def _memory_only(entry: PrefixEntry, layout: Layout,
     mem = entry.mem
     flags = F_MONO | F_TAIL | F_SWA
     align = 1 << 30
-    for col, ready, bit, mono, pair in _plan(layout)[entry.depth % layout.period]:
+    for col, ready, bit, mono, kv in _plan(layout)[entry.depth % layout.period]:
         rec = mem[col]
         if rec is None or rec.state not in ready or (
-                pair is not None and not _paired(mem, rec, *pair)):
+                kv is not None and _both_in_memory(entry, kv, layout) is None):
             flags &= ~bit
         elif mono:
             a = align_of(rec)
@@ -405,19 +398,4 @@ def _memory_only(entry: PrefixEntry, layout: Layout,
                 align = a
     entry.flags = flags
     entry.gate = align if flags & F_MONO else 0
-    return True
-
-
-def _paired(mem: list[ObjRecord | None], indexer: ObjRecord, kv: int,
-            indexers: tuple[int, ...]) -> bool:
-    """Whether the READY memory ``indexer`` serves beside the memory KV in column ``kv``: the
-    KV is READY at the indexer's version (never 0), and so is every indexer of the KV."""
-    k = mem[kv]
-    version = indexer.version
-    if k is None or not version or k.version != version or k.state not in _KV_READY:
-        return False
-    for ix in indexers:
-        m = mem[ix]
-        if m is None or m.version != version or m.state not in _INDEXER_READY:
-            return False
     return True
