@@ -95,10 +95,10 @@ class Orphans:
     counts) stopped short there, and its parent, counting no child, could be dropped under
     it. A hash most often has one orphan waiting (a chain), kept bare; siblings in a dict.
     (A re-confirm of one owner of eight leaves ~90% of its entries waiting: the parents are
-    the other owners'.) An entry made adopts a slice of those that wait for it under that
-    lock hold, the rest in later ones (``CacheState.ADOPT_SLICE``): all at once, 50k
-    children of one root held the lock 13 ms (ad-hoc), so a root with hundreds of thousands
-    would have held it past the 50 ms pause target."""
+    the other owners'.) Those that wait for an entry made are adopted a slice per lock
+    hold (``CacheState.ADOPT_SLICE``, ``_adopt_some``): all at once, 50k children of one
+    root held the lock 13 ms (ad-hoc), so a root with hundreds of thousands would have held
+    it past the 50 ms pause target."""
 
     __slots__ = ("_waiting",)
 
