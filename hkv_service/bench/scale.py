@@ -29,10 +29,11 @@ Per size, in order:
   every entry (what the index was until 2026-12-03: 47 ms at 700k entries on this host);
 * the child runs the service's GC policy (``server/gcpolicy.py``: automatic collection off, a
   collection of what is new every 0.25 s, its survivors frozen), as ``hkv serve`` does:
-  ``service_gc_longest_ms`` its longest collection. The baseline beside it, ``full_gc_ms``:
-  one full ``gc.collect()`` over the whole filled heap, frozen part included (what CPython's
-  automatic gen-2 collection costs at this size); ``fill_gc_max_pause_ms``: the longest
-  collection during the fill (``gc.callbacks``);
+  ``service_gc_longest_ms`` its longest collection (``..._cpu_ms`` its thread's CPU time in
+  it: far under the pause, the thread waited, for the host or the GIL). The baseline beside
+  it, ``full_gc_ms``: one full ``gc.collect()`` over the whole filled heap, frozen part
+  included (what CPython's automatic gen-2 collection costs at this size);
+  ``fill_gc_max_pause_ms``: the longest collection during the fill (``gc.callbacks``);
 * a live window: a lookup thread (flat out, alternating a 1-block lookup of a random root and
   a new 2,048-block question over the document: 2,032 cached blocks and 16 never cached, a
   request never seen before) while a mutation thread writes 20 requests/s of 16 new blocks
@@ -56,6 +57,7 @@ Per size, in order:
   it ``..._sys_ms`` in the kernel) and ``..._minor_faults`` the page faults it took (work, a
   wait, or memory being mapped in), ``owner_loss_reap_s`` how long the reaper's
   slices ran until a ``reap`` call begun after the losses found nothing left,
+  ``owner_loss_gc_max_pause_ms`` the longest collection in the phase (of ``..._collections``),
   ``healthy_owners_expired`` heartbeating owners expired meanwhile (the cascade);
 * re-confirm after a restart, in a fresh child process as a restarted service is (running
   the service's GC policy): a new view, owner ``shard-0`` registered with its pools, then what
@@ -653,6 +655,10 @@ class _Scale:
         """The longest step an insert into the index can take: the one that resizes its
         fullest part (a copy of it, grown by fresh keys until it resizes), beside the same for
         one flat dict of every entry (the baseline: what the index was)."""
+        with gcpolicy.paused():  # (a collection meanwhile would walk these copies: 27 ms
+            return self._index_resize()  # at 1M objects; the service makes no such dict)
+
+    def _index_resize(self) -> dict[str, float]:
         parts = self.state.index.parts
         largest = max(parts, key=len)
         flat = {h: e for part in parts for h, e in part.items()}
@@ -778,6 +784,7 @@ class _Scale:
         self.victims |= {silent, marked}
         rejoined = len(self.rejoined)
         self._reset_heartbeat_figures()
+        t_phase = time.perf_counter()
         with self._live() as (looks, _muts):
             time.sleep(0.3)
             self.lock.take_max_held()
@@ -814,6 +821,7 @@ class _Scale:
             by = {t.ident: t.name for t in threading.enumerate()}.get(longest.thread, "?")
         healthy_expired = len(self.rejoined) - rejoined
         alive = sum(self.state.owner_liveness().values())
+        collections = self.gc.since(t_phase)
         return {
             "owner_loss_hold_ms": max(expire_hold, mark_hold, register_hold) * 1e3,
             "owner_loss_deadline_hold_ms": expire_hold * 1e3,
@@ -837,6 +845,8 @@ class _Scale:
             "owner_loss_objects_left": float(self.state.object_count()),
             "owner_loss_objects_before": float(before),
             "owner_loss_lookup_pause_ms": looks.stall_max * 1e3,
+            "owner_loss_gc_max_pause_ms": max((p[2] for p in collections), default=0.0) * 1e3,
+            "owner_loss_gc_collections": float(len(collections)),
             "owner_loss_heartbeat_max_ms": self.heartbeat_max * 1e3,
             "owner_loss_heartbeat_max_gap_ms": self.heartbeat_gap * 1e3,
             "healthy_owners_expired": float(healthy_expired),
@@ -957,6 +967,7 @@ def reconfirm_after_restart(run: SizeRun, path: str) -> dict[str, Any]:
     out: dict[str, Any] = {f"reconfirm_{k}": v for k, v in figs.items()}
     if policy is not None:
         out["reconfirm_gc_longest_ms"] = policy.longest_pause_s * 1e3
+        out["reconfirm_gc_longest_cpu_ms"] = policy.longest_pause_cpu_s * 1e3
     return out
 
 
@@ -1006,6 +1017,7 @@ def measure_size(run: SizeRun, reports_path: str) -> dict[str, Any]:
         if policy is not None:  # its bounded collections, beside one full one (full_gc_ms)
             out["service_gc_collections"] = float(policy.collections)
             out["service_gc_longest_ms"] = policy.longest_pause_s * 1e3
+            out["service_gc_longest_cpu_ms"] = policy.longest_pause_cpu_s * 1e3
     finally:
         bench.close()
         policy_stop.set()
