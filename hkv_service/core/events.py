@@ -1,14 +1,13 @@
 """The state view's recent transitions, as the Watch stream carries them.
 
 The log is bounded (``capacity`` events): a watcher that falls behind is told of the gap, not
-sent what is gone. A call that applies many transitions at once (a re-confirm's batch of a
-few hundred records, a ``transition_many``) is kept as one chunk: its records and the state
-each reached, with one sequence number range and one clock reading. An event is built when
-it is read. Building every event under the state lock (a 7-field tuple, its column name and
-hash looked up, the oldest event let go) was 15% of a confirm's samples in a 4M-object
-view's re-confirm (py-spy, ad-hoc), for history that a restart's re-confirm of 500k records
-overwrites mostly unread; chunked, that re-confirm ran 148k -> 164k reports/s (ad-hoc, best
-of 2 per process, median of 3 interleaved processes).
+sent what is gone. The log keeps each event's record and the state it reached, and builds
+the event when it is read. Building every event under the state lock (a 7-field tuple, its
+column name and hash looked up, the oldest event let go) was 15% of a confirm's samples in a
+4M-object view's re-confirm (py-spy, ad-hoc), for history that a restart's re-confirm of
+500k records overwrites mostly unread; built when read (then as chunks a call), that
+re-confirm ran 148k -> 164k reports/s (ad-hoc, best of 2 per process, median of 3
+interleaved processes).
 
 The log is a ring of ``capacity`` slots made once (a list of records, a list of states, an
 array of clock readings), written in place: logging an event makes no object. Chunks made 3
