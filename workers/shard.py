@@ -93,11 +93,13 @@ from .ports import (
     tag_bytes,
 )
 
-__all__ = ["PACK_BELOW", "ShardActor", "ShardConfig"]
+__all__ = ["PACK_BELOW", "REGISTER_ATTEMPTS", "ShardActor", "ShardConfig"]
 
 PACK_BELOW = 32 * 1024  # read spans smaller than this are packed into one buffer per call
 LOAD_CHUNK = 8  # disk loads begun, read and finished together (see ShardActor.load)
 CONFIRM_BATCH = 256  # reports per confirm call when the shard registers again
+REGISTER_ATTEMPTS = 5  # registrations a shard tries before it gives up (see _register)
+REGISTER_BACKOFF_S = 0.05  # times the attempt: late loss reports land meanwhile
 _WRITTEN = ItemResult(Outcome.OK)  # one shared object: a batch of them pickles as memo refs
 _UNREAD = ItemResult(Outcome.FAILED, "not read")  # placeholder while a read is assembled
 
@@ -162,6 +164,30 @@ class ShardActor:
     # -- registration -----------------------------------------------------------------------
 
     def _register(self, partitions: frozenset[int] | None = None) -> None:
+        """Register (again) and vouch for what this shard still holds (``_register_once``).
+        Declared lost before its confirms were done, it registers again: a loss report of
+        the incarnation before names the owner, not the incarnation, and may land just
+        after this one registered (the data plane saw the old process die while Ray was
+        starting this one), or the service restarted meanwhile. Raised out of ``__init__``
+        the error would end the actor for good: Ray does not restart an actor whose
+        constructor failed. Bounded: a service that drops every registration is an error."""
+        last: UnknownOwner | None = None
+        for attempt in range(1, REGISTER_ATTEMPTS + 1):
+            try:
+                self._register_once(partitions)
+                return
+            except UnknownOwner as exc:
+                last = exc
+                if partitions is not None and isinstance(exc, PartitionsLost):
+                    partitions = partitions | exc.partitions  # re-register with those too
+            log.warning("shard %s declared lost while registering (attempt %d of %d): %s",
+                        self.shard_id, attempt, REGISTER_ATTEMPTS, last)
+            time.sleep(REGISTER_BACKOFF_S * attempt)
+        raise UnknownOwner(f"shard {self.shard_id} was declared lost during each of its "
+                           f"{REGISTER_ATTEMPTS} registrations; is another process "
+                           f"registering as {self.shard_id!r}? (last: {last})")
+
+    def _register_once(self, partitions: frozenset[int] | None) -> None:
         """Register (again) and vouch for what this shard still holds: the memory blocks whose
         bytes are intact (a service restart, or a loss the service declared while this
         process lived on), then the disk tier. ``partitions``: only those metadata partitions

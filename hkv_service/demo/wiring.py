@@ -277,13 +277,30 @@ class SystemWiring(Wiring):
         answers once ``__init__``, registration included, is done)."""
         killed = self._killed.pop(sid, None)
         deadline = time.monotonic() + REVIVE_WAIT_S
+        last: object = "no ping answered"
         while time.monotonic() < deadline:
-            with contextlib.suppress(Exception):
+            try:
                 info = self._ping(sid)
+            except Exception as exc:  # the actor restarting, or dead: said if it never comes
+                last = f"{type(exc).__name__}: {exc}"
+            else:
                 if int(info["pid"]) != killed:
                     return int(info["incarnation"])
+                last = f"the killed process {killed} still answers"
             time.sleep(0.2)
-        raise TimeoutError(f"shard {sid} did not come back within {REVIVE_WAIT_S:.0f} s")
+        raise TimeoutError(f"shard {sid} did not come back within {REVIVE_WAIT_S:.0f} s "
+                           f"(Ray: {self._actor_state(sid)}; last ping: {last})")
+
+    def _actor_state(self, sid: str) -> str:
+        """Ray's record of the shard actor (state, restarts, death cause), for the error."""
+        try:
+            from ray._private import state  # no public call without the dashboard
+
+            rec = state.actors(self.system.shards[sid]._actor_id.hex())
+            return ", ".join(f"{k}={rec.get(k)}" for k in
+                             ("State", "NumRestarts", "DeathCause", "Pid", "Address"))
+        except Exception as exc:
+            return f"unknown ({type(exc).__name__}: {exc})"
 
     def restart_service(self) -> None:
         """Kill ``hkv serve`` and start it again on its port; wait for every shard to rejoin."""

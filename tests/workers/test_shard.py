@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from hkv_service.core.errors import UnknownOwner
 from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.ids import BlockHash, ShardId
 from hkv_service.core.state_view import AllocRequest, CacheState, StateConfig
@@ -16,7 +17,7 @@ from hkv_service.core.states import Event, State
 from hkv_service.specs import default_spec
 from workers.local import LocalMetadata
 from workers.ports import BlockTag, Commit, ItemResult, Outcome
-from workers.shard import ShardActor, ShardConfig
+from workers.shard import REGISTER_ATTEMPTS, ShardActor, ShardConfig
 
 
 @pytest.fixture
@@ -210,6 +211,63 @@ def test_restart_comes_back_empty_and_reconfirms_disk(meta: LocalMetadata, data_
     assert entry.disk[0] is not None and entry.disk[0].state is State.ON_DISK
     assert isinstance(shard.read_blocks([mem_only])[0], ItemResult)
     shard.shutdown()
+
+
+class LossReportRacesRegistration(LocalMetadata):
+    """The data plane's report that the previous incarnation died (it names the owner, not
+    the incarnation) arriving just after the new incarnation registered: ``losses`` times."""
+
+    def __init__(self, state: CacheState, losses: int) -> None:
+        super().__init__(state)
+        self.losses = losses
+        self.registrations = 0
+
+    def register_owner(self, owner: ShardId, pools: Any) -> int:
+        incarnation = super().register_owner(owner, pools)
+        self.registrations += 1
+        if self.losses:
+            self.losses -= 1
+            self.mark_owner_lost(owner)
+        return incarnation
+
+
+def _one_disk_object(state: CacheState, data_dir: Path, w: Any) -> list[BlockHash]:
+    """A shard that wrote and offloaded one block, then stopped."""
+    shard = make_shard(LocalMetadata(state), data_dir)
+    hashes: list[BlockHash] = w.prompt(1, seed=60)
+    kept = write_c4(shard, LocalMetadata(state), hashes, 0, c4_bytes(60))
+    [off] = shard.offload([kept])
+    assert off.ok
+    shard.shutdown()
+    return hashes
+
+
+def test_a_loss_report_racing_the_restart_does_not_kill_the_successor(data_dir: Path,
+                                                                     w: Any) -> None:
+    """Found by the system fault campaign: a restarted shard's confirms met UnknownOwner (a
+    late loss report had ended its new incarnation), its __init__ raised, and Ray never
+    restarts an actor whose constructor failed: the shard was gone for good."""
+    state = CacheState(default_spec(), StateConfig())
+    hashes = _one_disk_object(state, data_dir, w)
+    racing = LossReportRacesRegistration(state, losses=2)
+    shard = make_shard(racing, data_dir)  # what a Ray restart does: __init__ again
+    assert racing.registrations == 3  # lost twice, registered again each time
+    assert shard.confirmed == 1  # its disk object vouched for by the current incarnation
+    racing.heartbeat(ShardId("s0"), shard.incarnation)  # current: no UnknownOwner
+    entry = state.index[hashes[0]]
+    assert entry.disk is not None and entry.disk[0] is not None
+    assert entry.disk[0].state is State.ON_DISK
+    shard.shutdown()
+
+
+def test_a_shard_declared_lost_at_every_registration_gives_up_with_a_clear_error(
+        data_dir: Path, w: Any) -> None:
+    state = CacheState(default_spec(), StateConfig())
+    _one_disk_object(state, data_dir, w)  # something to confirm, which the loss refuses
+    racing = LossReportRacesRegistration(state, losses=10**6)
+    with pytest.raises(UnknownOwner, match="declared lost during each of its"):
+        make_shard(racing, data_dir)
+    assert racing.registrations == REGISTER_ATTEMPTS  # bounded: no endless loop
 
 
 def test_admission_refusal_is_reported(data_dir: Path, w: Any) -> None:
