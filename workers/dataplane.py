@@ -60,6 +60,9 @@ __all__ = ["DataPlane", "PendingLoad", "Recompute", "WriteReport"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# Handles of a failed call sent with its loss report: any one still held by the shard's
+# current incarnation shows the report current (a few suffice; one could have been evicted).
+WITNESSES = 4
 Slot = tuple[int, str]  # (depth, column name)
 
 
@@ -179,7 +182,7 @@ class DataPlane:
         loaded: dict[int, Handle] = {}
         failures: list[ItemResult] = []
         for sid, ref in refs.items():
-            res = self._get(sid, ref)
+            res = self._get(sid, ref, [h for h in match.load if h.shard == sid])
             if res is None:
                 continue
             for item in res:
@@ -406,20 +409,23 @@ class DataPlane:
             batch = HandleBatch.of([handles[i] for i in idx])  # one array, not N pickled handles
             refs[sid] = link.submit(method, batch, **args, **kwargs)
         for sid, ref in refs.items():
-            res = self._get(sid, ref)
+            res = self._get(sid, ref, [handles[i] for i in groups[sid][:WITNESSES]])
             for j, i in enumerate(groups[sid]):
                 out[i] = res[j] if res is not None else ItemResult(
                     Outcome.UNAVAILABLE, f"shard {sid} died or timed out: recompute")
         return out
 
-    def _get(self, shard: str, ref: Pending) -> Any:
+    def _get(self, shard: str, ref: Pending, handles: Sequence[Handle]) -> Any:
         """The call's result within the deadline; a dead or silent shard is marked lost
-        (None)."""
+        (None), with ``handles`` (the call's) as witnesses of which incarnation failed: Ray
+        reports a crashed call's failure once the restarted shard is up, and the report must
+        not end the successor (``CacheState.mark_owner_lost``)."""
         try:
             return ref.result(self.timeout_s)
         except ShardUnavailable as exc:
             log.warning("shard %s unavailable (%s); marking it lost", shard, exc.why)
-            self._quietly(lambda: self.meta.mark_owner_lost(ShardId(shard)))
+            seen = [int(h.object_id) for h in handles[:WITNESSES]]
+            self._quietly(lambda: self.meta.mark_owner_lost(ShardId(shard), seen))
             return None
 
     @staticmethod

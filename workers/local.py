@@ -55,8 +55,9 @@ class LocalMetadata:
     def heartbeat(self, owner: ShardId, incarnation: int) -> None:
         self.state.heartbeat(owner, incarnation)
 
-    def mark_owner_lost(self, owner: ShardId) -> int:
-        lost = self.state.mark_owner_lost(owner)
+    def mark_owner_lost(self, owner: ShardId, witnesses: Sequence[int] = ()
+                        ) -> int | None:
+        lost = self.state.mark_owner_lost(owner, witnesses)
         self.state.reap_all()  # in process there is no reaper thread: slices, here and now
         return lost
 

@@ -224,8 +224,25 @@ class PartitionedMetadata:
                                  partitions=lost)
         self._raising(answers)
 
-    def mark_owner_lost(self, owner: ShardId) -> int:
-        return sum(n for _, n in self._raising(self._each(lambda _i, p: p.mark_owner_lost(owner))))
+    def mark_owner_lost(self, owner: ShardId, witnesses: Sequence[int] = ()
+                        ) -> int | None:
+        """Witnesses go to the partitions that hold them, which judge whether the report is
+        current (``CacheState.mark_owner_lost``); if one finds it so, every other partition
+        is told too; if all find it stale, none is (a partition without a witness cannot
+        tell, and its registration of the owner's successor must not be ended)."""
+        if not witnesses:
+            return sum(n or 0 for _, n in self._raising(
+                self._each(lambda _i, p: p.mark_owner_lost(owner))))
+        mine: dict[int, list[int]] = {}
+        for oid in witnesses:
+            mine.setdefault(partition_of_id(ObjectId(oid), self.count), []).append(oid)
+        judged = self._raising(self._each(lambda i, p: p.mark_owner_lost(owner, mine[i]),
+                                          sorted(mine)))
+        if all(n is None for _, n in judged):
+            return None
+        rest = self._raising(self._each(lambda _i, p: p.mark_owner_lost(owner),
+                                        [i for i in range(self.count) if i not in mine]))
+        return sum(n or 0 for _, n in (*judged, *rest))
 
     def confirm(self, owner: ShardId, reports: Sequence[ObjectReport], incarnation: int) -> int:
         return sum(1 for oid in self.confirm_objects(owner, reports, incarnation)

@@ -123,8 +123,9 @@ class ActorMetadata:
     def heartbeat(self, owner: ShardId, incarnation: int) -> None:
         self._call("heartbeat", owner, incarnation)
 
-    def mark_owner_lost(self, owner: ShardId) -> int:
-        return int(self._call("mark_owner_lost", owner))
+    def mark_owner_lost(self, owner: ShardId, witnesses: Sequence[int] = ()
+                        ) -> int | None:
+        return self._call("mark_owner_lost", owner, list(witnesses))  # type: ignore[no-any-return]
 
     def confirm(self, owner: ShardId, reports: Sequence[ObjectReport], incarnation: int) -> int:
         return int(self._call("confirm", owner, list(reports), incarnation))

@@ -839,7 +839,7 @@ class _Scale:
             "owner_loss_max_hold_sys_ms": longest.sys_s * 1e3,
             "owner_loss_max_hold_minor_faults": float(longest.minor_faults),
             "owner_loss_max_hold_thread": by,  # who held it (a name, not a figure)
-            "owner_loss_objects": float(lost),
+            "owner_loss_objects": float(lost or 0),
             "owner_loss_reap_s": max(0.0, self.reap_idle[1] - t_lost) if self.has_reap else 0.0,
             "owner_loss_reap_done": 1.0 if reaped else 0.0,
             "owner_loss_objects_left": float(self.state.object_count()),

@@ -181,9 +181,13 @@ class MetadataClient:
         self._call("Heartbeat", pb.HeartbeatRequest(owner=owner, incarnation=incarnation),
                    idempotent=True)
 
-    def mark_owner_lost(self, owner: str) -> int:
-        return int(self._call("MarkOwnerLost", pb.MarkOwnerLostRequest(owner=owner),
-                              idempotent=False).lost)
+    def mark_owner_lost(self, owner: str, witnesses: Sequence[int] = ()
+                        ) -> int | None:
+        """Objects ``owner`` held, declared lost; None: the witnesses showed the report
+        stale, and it was ignored (``CacheState.mark_owner_lost``)."""
+        req = pb.MarkOwnerLostRequest(owner=owner, witnesses=list(witnesses))
+        reply = self._call("MarkOwnerLost", req, idempotent=False)
+        return None if reply.stale else int(reply.lost)
 
     def confirm(self, owner: str, reports: Sequence[ObjectReport], incarnation: int) -> int:
         """How many of ``reports`` :meth:`confirm_objects` re-created."""

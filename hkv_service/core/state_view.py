@@ -315,15 +315,27 @@ class CacheState:
                 self.mark_owner_lost(s)
             return dead
 
-    def mark_owner_lost(self, owner: ShardId) -> int:
+    def mark_owner_lost(self, owner: ShardId, witnesses: Sequence[int] = ()) -> int | None:
         """Memory of ``owner`` is gone: from now on none of its objects is a hit (O(1) here:
         the incarnation is marked dead and queued; :meth:`reap` buries its objects as LOST,
         and loaded disk copies on it as dropped, in slices). Returns how many objects it
-        held; 0 if it was lost already."""
+        held; 0 if it was lost already.
+
+        ``witnesses``: object ids of handles the failed call carried (an id is never reused;
+        a disk copy's generation changes with each load, so it is not part of the witness). The loss
+        is then declared only if one of them is still held by the owner's current
+        incarnation; else the call went to an incarnation a new registration has replaced
+        already (Ray reports a crashed call's failure once the restarted shard is up, and its
+        registration ended the old incarnation), the report is stale, and ending the new
+        incarnation with it would throw away what it just vouched for: None (ignored).
+        Without witnesses (an operator, the heartbeat expiry) the loss is declared."""
         with self._lock:
             o = self._owner(owner)
             if not o.alive:
                 return 0
+            if witnesses and not any(self._held_now(owner, oid) for oid in witnesses):
+                self.counters.events["stale_loss_report"] += 1
+                return None
             held = sum(p.occupied() for p in o.pools.values()) + len(o.disk)
             o.alive = False
             self._owners_epoch += 1  # memos and replays stop answering
@@ -337,6 +349,13 @@ class CacheState:
                     self._bury(rec)
             self.counters.events["owner_lost"] += 1
             return held
+
+    def _held_now(self, owner: ShardId, oid: int) -> bool:
+        """Object ``oid`` is held by ``owner``'s current incarnation (its memory copy, or its
+        disk tier)."""
+        rec = self.objects.get(ObjectId(oid))
+        return (rec is not None and owner in (rec.shard, rec.disk_owner)
+                and not dead(rec, self.owners))
 
     def reap(self, budget: int = REAP_SLICE) -> bool:
         """Bury up to ``budget`` objects (or empty blocks looked at) of lost owners, and adopt

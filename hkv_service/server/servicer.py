@@ -116,7 +116,8 @@ class MetadataServicer(pb_grpc.MetadataServiceServicer):
 
     @_unary
     def MarkOwnerLost(self, request: Any, context: grpc.ServicerContext) -> Any:
-        return pb.MarkOwnerLostResponse(lost=self.state.mark_owner_lost(ShardId(request.owner)))
+        lost = self.state.mark_owner_lost(ShardId(request.owner), list(request.witnesses))
+        return pb.MarkOwnerLostResponse(lost=lost or 0, stale=lost is None)
 
     @_unary
     def Confirm(self, request: Any, context: grpc.ServicerContext) -> Any:

@@ -297,3 +297,55 @@ def test_a_reap_buries_a_tiers_copies_in_a_fixed_order() -> None:
     buried = [e.object_id for e in st.events_since(seq, limit=10_000)
               if e.object_id in set(copies)]
     assert buried == copies[::-1]
+
+
+# -- loss reports with witnesses (the data plane's, fenced by what the failed call named) --
+
+def _witnesses(handles: list[Handle]) -> list[int]:
+    return [int(h.object_id) for h in handles]
+
+
+def test_a_loss_report_about_a_replaced_incarnation_is_ignored() -> None:
+    """Ray reports a crashed call's failure once the restarted shard is up: by then its new
+    incarnation has registered (ending the old one). The report names the old handles; it
+    must not end the successor and what it vouched for."""
+    st, hashes, _ = _state()
+    old = _handles(st, hashes)
+    inc = st.register_owner(S1, pools_for(st.layout, 256))  # the restarted shard
+    # the old records linger, dead, until the reaper gets to them: the report may come first
+    assert all(int(h.object_id) in st.objects for h in old)
+    new = prompt_hashes(st.spec, 4, seed=9)
+    ids = commit_prefix(st, new, owner=S1)  # what the successor holds
+    assert st.mark_owner_lost(S1, _witnesses(old)) is None
+    st.heartbeat(S1, inc)  # still current: no UnknownOwner
+    assert all(not st._dead(st.objects[o]) for o in ids.values())
+    assert st.lookup(LookupRequest(new)).usable_tokens > 0
+    assert st.stats()["events"]["stale_loss_report"] == 1  # type: ignore[index]
+
+
+def test_a_loss_report_about_the_current_incarnation_declares_it() -> None:
+    st, hashes, ids = _state()
+    handles = _handles(st, hashes)
+    evicted = handles[0]
+    st.evict(evicted.object_id)  # one witness gone meanwhile: another still proves it
+    held = st.mark_owner_lost(S1, _witnesses(handles[:3]))
+    assert held is not None and 0 < held < len(ids)  # what the evict left it
+    with pytest.raises(UnknownOwner):
+        st.heartbeat(S1, 2)
+    assert st.lookup(LookupRequest(hashes)).usable_tokens == 0
+
+
+def test_a_disk_copy_at_rest_witnesses_its_tier() -> None:
+    st = CacheState(default_spec())
+    st.register_owner(S0, pools_for(st.layout, 256))
+    st.register_owner(S1, pools_for(st.layout, 256))
+    ids = commit_prefix(st, prompt_hashes(st.spec, 4), owner=S0)
+    oid = next(o for o in ids.values() if st.objects[o].kind is Kind.COMPRESSED)
+    disk = st.begin_offload(oid, S1)
+    st.transition(disk.object_id, Event.OFFLOAD_COMMITTED)
+    rec = st.objects[disk.object_id]
+    witness = [int(rec.object_id)]
+    assert st.mark_owner_lost(S0, witness) is None  # not S0's: it proves nothing about S0
+    assert st.mark_owner_lost(S1, witness) is not None  # the tier that holds it: declared
+    with pytest.raises(UnknownOwner):
+        st.begin_offload(oid, S1)

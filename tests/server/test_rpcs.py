@@ -36,6 +36,19 @@ def test_owner_lifecycle(client: MetadataClient) -> None:
     assert client.lookup(LookupRequest(hashes(4))).usable_tokens == 0
 
 
+def test_a_loss_report_with_stale_witnesses_is_ignored_over_the_wire(
+        client: MetadataClient) -> None:
+    register(client, "s0")
+    ids = list(commit_remote(client, hashes(4)).values())
+    inc = register(client, "s0")  # a restarted shard: the old incarnation ended with it
+    assert client.mark_owner_lost("s0", ids[:2]) is None  # about the old one: ignored
+    client.heartbeat("s0", inc)  # the successor is still current
+    mine = list(commit_remote(client, hashes(4, seed=5)).values())
+    assert client.mark_owner_lost("s0", mine[:1]) == len(mine)  # about it: declared
+    with pytest.raises(E.UnknownOwner):
+        client.heartbeat("s0", inc)
+
+
 def test_allocate_is_idempotent_and_commit_makes_a_hit(client: MetadataClient) -> None:
     register(client)
     hs = hashes(8)

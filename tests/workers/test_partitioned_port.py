@@ -135,6 +135,29 @@ def test_heartbeat_names_the_partitions_that_forgot_the_owner() -> None:
     assert parts[0].state.owners[OWNER].incarnation == 1  # the others never re-registered
 
 
+def _committed(meta: PartitionedMetadata, w: Any, seed: int) -> list[int]:
+    hashes = w.prompt(2, seed=seed)
+    alloc = meta.allocate(hashes, [AllocRequest(0, "c4")], OWNER)
+    oid = alloc[0].handle.object_id
+    meta.transition_many([ObjectTransitions(oid, [Event.WRITE_DONE], [Params()])])
+    return [int(oid)]
+
+
+def test_a_stale_loss_report_ends_the_successor_in_no_partition(w: Any) -> None:
+    """The witness's partition judges the report; the others (which cannot) follow it."""
+    parts = _parts(3)
+    meta = PartitionedMetadata(parts)
+    meta.register_owner(OWNER, pools_for(LAYOUT, 9))
+    old = _committed(meta, w, 1)
+    inc = meta.register_owner(OWNER, pools_for(LAYOUT, 9))  # the restarted shard
+    assert meta.mark_owner_lost(OWNER, old) is None
+    meta.heartbeat(OWNER, inc)  # current in every partition
+    assert all(p.state.owners[OWNER].alive for p in parts)
+    mine = _committed(meta, w, 2)
+    assert meta.mark_owner_lost(OWNER, mine) == 1  # current: declared in every partition
+    assert not any(p.state.owners[OWNER].alive for p in parts)
+
+
 def test_a_partition_down_fails_its_calls_and_not_the_others(w: Any) -> None:
     parts = _parts(2)
     flaky = Down(parts[1])

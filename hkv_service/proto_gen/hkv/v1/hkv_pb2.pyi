@@ -247,16 +247,20 @@ class HeartbeatResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class MarkOwnerLostRequest(_message.Message):
-    __slots__ = ("owner",)
+    __slots__ = ("owner", "witnesses")
     OWNER_FIELD_NUMBER: _ClassVar[int]
+    WITNESSES_FIELD_NUMBER: _ClassVar[int]
     owner: str
-    def __init__(self, owner: _Optional[str] = ...) -> None: ...
+    witnesses: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, owner: _Optional[str] = ..., witnesses: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class MarkOwnerLostResponse(_message.Message):
-    __slots__ = ("lost",)
+    __slots__ = ("lost", "stale")
     LOST_FIELD_NUMBER: _ClassVar[int]
+    STALE_FIELD_NUMBER: _ClassVar[int]
     lost: int
-    def __init__(self, lost: _Optional[int] = ...) -> None: ...
+    stale: bool
+    def __init__(self, lost: _Optional[int] = ..., stale: _Optional[bool] = ...) -> None: ...
 
 class ObjectReport(_message.Message):
     __slots__ = ("block_hash", "parent_hash", "depth", "column", "state", "block", "generation", "version", "lo", "hi")
