@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any, TypeVar
 
 import numpy as np
@@ -182,7 +183,7 @@ class DataPlane:
         loaded: dict[int, Handle] = {}
         failures: list[ItemResult] = []
         for sid, ref in refs.items():
-            res = self._get(sid, ref, [h for h in match.load if h.shard == sid])
+            res = self._get(sid, ref, (h for h in match.load if h.shard == sid))
             if res is None:
                 continue
             for item in res:
@@ -409,22 +410,23 @@ class DataPlane:
             batch = HandleBatch.of([handles[i] for i in idx])  # one array, not N pickled handles
             refs[sid] = link.submit(method, batch, **args, **kwargs)
         for sid, ref in refs.items():
-            res = self._get(sid, ref, [handles[i] for i in groups[sid][:WITNESSES]])
+            res = self._get(sid, ref, (handles[i] for i in groups[sid]))
             for j, i in enumerate(groups[sid]):
                 out[i] = res[j] if res is not None else ItemResult(
                     Outcome.UNAVAILABLE, f"shard {sid} died or timed out: recompute")
         return out
 
-    def _get(self, shard: str, ref: Pending, handles: Sequence[Handle]) -> Any:
+    def _get(self, shard: str, ref: Pending, handles: Iterable[Handle]) -> Any:
         """The call's result within the deadline; a dead or silent shard is marked lost
-        (None), with ``handles`` (the call's) as witnesses of which incarnation failed: Ray
-        reports a crashed call's failure once the restarted shard is up, and the report must
-        not end the successor (``CacheState.mark_owner_lost``)."""
+        (None), with the first of ``handles`` (the call's; only read on a failure) as
+        witnesses of which incarnation failed: Ray reports a crashed call's failure once the
+        restarted shard is up, and the report must not end the successor
+        (``CacheState.mark_owner_lost``)."""
         try:
             return ref.result(self.timeout_s)
         except ShardUnavailable as exc:
             log.warning("shard %s unavailable (%s); marking it lost", shard, exc.why)
-            seen = [int(h.object_id) for h in handles[:WITNESSES]]
+            seen = [int(h.object_id) for h in islice(handles, WITNESSES)]
             self._quietly(lambda: self.meta.mark_owner_lost(ShardId(shard), seen))
             return None
 

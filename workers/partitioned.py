@@ -229,7 +229,9 @@ class PartitionedMetadata:
         """Witnesses go to the partitions that hold them, which judge whether the report is
         current (``CacheState.mark_owner_lost``); if one finds it so, every other partition
         is told too; if all find it stale, none is (a partition without a witness cannot
-        tell, and its registration of the owner's successor must not be ended)."""
+        tell, and its registration of the owner's successor must not be ended). A successor
+        that registered with some partitions before a current report reached them is ended
+        there; it registers again (``ShardActor._register``, or its next heartbeat)."""
         if not witnesses:
             return sum(n or 0 for _, n in self._raising(
                 self._each(lambda _i, p: p.mark_owner_lost(owner))))
