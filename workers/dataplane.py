@@ -235,22 +235,26 @@ class DataPlane:
             return report
         fresh = self._note_allocations(slots, allocs, report)
         existing = {s: a for s, a in zip(slots, allocs, strict=True) if a.existing}
-        self._write(block_hashes, self._plan(slots, fresh, existing, data, report), data,
-                    report)
+        first, second, stale = self._plan(slots, fresh, existing, data, report)
+        second += self._replace(block_hashes, stale, owner, report)
+        self._write(block_hashes, first + second, data, report)
         return report
 
     def _plan(self, slots: list[Slot], fresh: list[Slot], existing: Mapping[Slot, Allocation],
-              data: dict[Slot, tuple[Any, Commit]], report: WriteReport) -> list[Slot]:
+              data: dict[Slot, tuple[Any, Commit]], report: WriteReport
+              ) -> tuple[list[Slot], list[Slot], dict[Slot, Allocation]]:
         """The slots to write, in the order their commits are reported: the fresh KV, SWA and
         tail blocks, then the indexers, each synced to its KV's version as this call leaves it
         (a fresh KV's is its content version, known before it lands). Indexers are synced to
-        the KV written in this call: the fresh ones, and existing ones left unsynced or synced
-        to a version that moved on (their KV was evicted and rewritten with other bytes),
-        which would otherwise stay INDEXER_STALE until evicted."""
+        the KV written in this call: the fresh ones, and (third) existing ones left unsynced
+        or synced to a version that moved on (their KV was evicted and rewritten with other
+        bytes), which would otherwise stay INDEXER_STALE until evicted: those are replaced by
+        fresh objects (:meth:`_replace`), never rewritten in place."""
         first = [s for s in fresh if self._kind(s) is not Kind.INDEXER]
         versions = {s: data[s][1].merged().version for s in first
                     if self._kind(s) is Kind.COMPRESSED}
-        second = []
+        second: list[Slot] = []
+        stale: dict[Slot, Allocation] = {}
         for s in slots:
             if self._kind(s) is not Kind.INDEXER:
                 continue
@@ -267,8 +271,36 @@ class DataPlane:
             arr, _ = data[s]
             data[s] = (arr, Commit((Event.WRITE_DONE, Event.INDEXER_SYNC),
                                    (None, Params(version=version))))
-            second.append(s)
-        return first + second
+            if old is None:
+                second.append(s)
+            else:
+                stale[s] = old
+        return first, second, stale
+
+    def _replace(self, hashes: Sequence[BlockHash], stale: Mapping[Slot, Allocation],
+                 owner: ShardId | None, report: WriteReport) -> list[Slot]:
+        """Fresh objects for the ``stale`` ones (copy-on-write: each old one is retired
+        before a byte is written, refused while a reader holds it); the slots to write."""
+        if not stale:
+            return []
+        slots = sorted(stale)
+        reqs = [AllocRequest(d, c, replace=int(stale[(d, c)].handle.object_id)) for d, c in slots]
+        try:
+            allocs = self.meta.allocate(hashes, reqs, owner)
+        except HkvError as exc:
+            for slot in slots:
+                report.failed[slot] = ItemResult(Outcome.FAILED, str(exc))
+            return []
+        out = []
+        for slot, a in zip(slots, allocs, strict=True):
+            report.handles[slot] = a.handle
+            if a.existing:  # still there: a reader holds it (or a writer just made it)
+                report.failed[slot] = ItemResult(
+                    Outcome.FAILED, f"{slot[1]!r} at depth {slot[0]} is held by a reader "
+                    "(lease or graph capture): not replaced; a later write replaces it")
+            else:
+                out.append(slot)
+        return out
 
     def _kind(self, slot: Slot) -> Kind:
         return self.layout.columns[self.layout.by_name[slot[1]]].kind

@@ -173,10 +173,13 @@ class BlockPool:
         of the block is zeroed and reads return exactly these bytes. The caller checked that
         the size is its object's (``Layout.object_bytes``).
 
-        Idempotent: writing the same generation and bytes twice is harmless. Raises StaleWrite
-        for a generation older than the block's, or a different object at the same generation.
-        An empty block (never written, or ``forget``-ten) is never readable, whatever its
-        generation.
+        One set of bytes per object: a write naming the object that already holds the block
+        (same generation and id) must bring the very same bytes (a retry: nothing changes),
+        else it raises StaleWrite and the block keeps them. A reader, a lease, a re-confirm
+        or a tag may name that object, so its bytes never change; a rewrite goes to a fresh
+        object (``AllocRequest.replace``). Raises StaleWrite too for a generation older than
+        the block's, or a different object at the same generation. An empty block (never
+        written, or ``forget``-ten) is never readable, whatever its generation.
         """
         self._check_block(block)
         src = _as_bytes(data)
@@ -192,10 +195,27 @@ class BlockPool:
                 f"{self.name!r} block {block} is at generation {current} (object {holder}); "
                 f"write for generation {generation} (object {object_id}) is stale"
             )
+        if generation == current and holder == object_id != _EMPTY:
+            if self._holds(block, src):
+                return  # a retry of the same write: its bytes are there
+            raise StaleWrite(
+                f"{self.name!r} block {block} holds object {object_id}'s bytes already; an "
+                "object's bytes never change (a rewrite goes to a fresh object)")
         self.generation[block] = generation  # claim first: a racing reader now sees stale
         self.object_id[block] = object_id
         self.length[block] = src.size
         self._copy_in(block, src)
+
+    def _holds(self, block: int, src: Bytes) -> bool:
+        """Whether ``block`` holds exactly ``src`` (the bytes its occupant wrote)."""
+        if int(self.length[block]) != src.size:
+            return False
+        self._ready[block].wait()
+        if self._host is not None:
+            return bool(np.array_equal(self._host[block, : src.size], src))
+        start = block * self.stride
+        held = self.tensor[start : start + src.size].to("cpu").numpy()
+        return bool(np.array_equal(held, src))
 
     def _copy_in(self, block: int, src: Bytes) -> None:
         if self._host is not None:

@@ -214,7 +214,7 @@ class MetadataClient:
         req = pb.AllocateRequest(block_hashes=block_hashes, owner=owner or "",
                                  first_block=first_block)
         for r in requests:
-            req.slots.add(depth=r.depth, column=r.column)
+            req.slots.add(depth=r.depth, column=r.column, replace=r.replace)
         return codec.decode_allocations(self._call("Allocate", req, idempotent=True))
 
     def transition_many(self, items: Sequence[ObjectTransitions | TransitionItem]

@@ -134,6 +134,12 @@ class StateConfig:
 class AllocRequest:
     depth: int  # hash block index of the entry (the block ends at (depth+1)*H)
     column: str  # group name, or "<group>.tail"
+    # Copy-on-write: the id of the object the caller saw in this slot and means to replace
+    # with new bytes (0: none). If it still holds the slot it is retired first (EVICT: refused
+    # while a reader leases or a graph captures it, and then it comes back ``existing``),
+    # and a fresh object (new id, new block claim) is allocated: an object's bytes never
+    # change under whoever may still name it.
+    replace: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -466,6 +472,9 @@ class CacheState:
                 # 1,000-block prompt buried ~2,000 records in one hold: 50 ms at 1M objects)
                 self._clean(block_hashes[d - first_block]
                             for d in sorted({r.depth for r in requests}))
+            for r, c in zip(requests, cols, strict=True):
+                if r.replace:  # before the path is taken: retiring may drop an entry
+                    self._retire(block_hashes[r.depth - first_block], c, r.replace)
             entries = self._ensure_path(block_hashes, last, first_block)
             done: list[Allocation] = []
             made: list[ObjRecord] = []
@@ -486,6 +495,20 @@ class CacheState:
             if self._adopting:  # the orphans of entries its path made
                 self._adopt_some(ADOPT_SLICE)
             return done
+
+    def _retire(self, block_hash: BlockHash, col: int, object_id: int) -> None:
+        """Evict object ``object_id`` if it still holds slot ``col`` of ``block_hash``'s entry
+        (a caller replaces it with new bytes); left where it is while anything holds it."""
+        entry = self.index.get(block_hash)
+        rec = entry.mem[col] if entry is not None else None
+        if rec is None or rec.object_id != object_id:
+            return
+        try:
+            self._apply(rec, Event.EVICT, Params())
+        except IllegalTransition:
+            self.counters.events["replace_refused"] += 1
+            return
+        self.counters.events["replaced"] += 1
 
     def _allocate_one(self, entry: PrefixEntry, col: int, owner: ShardId | None,
                       made: list[ObjRecord]) -> Allocation:

@@ -27,8 +27,12 @@ _LOSS = {
 }
 
 
-def _memory_kind(ready: State, *, rewrite: bool = False) -> dict[tuple[State, Event], State]:
-    rules = {
+# An object's bytes are written once: no event commits new bytes over an object that has
+# some (a reader, a lease, a re-confirm or a tag may name them). A rewrite is a fresh object
+# (``AllocRequest.replace`` retires the old one first); WRITE_DONE is a move out of
+# ALLOCATED/WRITING only.
+def _memory_kind(ready: State) -> dict[tuple[State, Event], State]:
+    return {
         (S.ALLOCATED, E.BEGIN_WRITE): S.WRITING,
         (S.ALLOCATED, E.WRITE_DONE): ready,
         (S.WRITING, E.WRITE_DONE): ready,
@@ -38,17 +42,11 @@ def _memory_kind(ready: State, *, rewrite: bool = False) -> dict[tuple[State, Ev
         (ready, E.MARK_CORRUPT): S.CORRUPT,
         **_LOSS,
     }
-    if rewrite:
-        rules[(ready, E.WRITE_DONE)] = ready
-    return rules
 
 
 _INDEXER = {
     **_memory_kind(S.INDEXER_WRITTEN),
     (S.INDEXER_WRITTEN, E.INDEXER_SYNC): S.INDEXER_SYNCED,
-    # Keys rewritten for a KV that moved on (a stale indexer is refreshed, never re-read).
-    (S.INDEXER_WRITTEN, E.WRITE_DONE): S.INDEXER_WRITTEN,
-    (S.INDEXER_SYNCED, E.WRITE_DONE): S.INDEXER_WRITTEN,
     (S.INDEXER_SYNCED, E.INDEXER_SYNC): S.INDEXER_SYNCED,
     (S.INDEXER_SYNCED, E.EVICT): S.EVICTED,
     (S.INDEXER_SYNCED, E.LOSE): S.LOST,
@@ -61,7 +59,10 @@ _TAIL = {
     (S.ALLOCATED, E.EVICT): S.EVICTED,
     (S.TAIL_PARTIAL, E.TAIL_APPEND): S.TAIL_PARTIAL,
     (S.TAIL_PARTIAL, E.TAIL_DONE): S.TAIL_COMPLETE,
-    (S.TAIL_PARTIAL, E.LOSE): S.LOST,  # a tail being written is never evicted, only lost
+    (S.TAIL_PARTIAL, E.LOSE): S.LOST,
+    # The eviction policy never picks a tail being written (allocator._EVICTABLE); a writer
+    # that replaces a stalled one retires it (AllocRequest.replace).
+    (S.TAIL_PARTIAL, E.EVICT): S.EVICTED,
     (S.TAIL_COMPLETE, E.EVICT): S.EVICTED,
     (S.TAIL_COMPLETE, E.LOSE): S.LOST,
     (S.TAIL_COMPLETE, E.MARK_CORRUPT): S.CORRUPT,
@@ -89,7 +90,7 @@ _DISK = {
 
 TABLE: dict[Kind, dict[tuple[State, Event], State]] = {
     Kind.COMPRESSED: _memory_kind(S.COMPRESSED_READY),
-    Kind.SWA: _memory_kind(S.SWA_VALID, rewrite=True),
+    Kind.SWA: _memory_kind(S.SWA_VALID),
     Kind.INDEXER: _INDEXER,
     Kind.TAIL: _TAIL,
     Kind.DISK: _DISK,
@@ -143,8 +144,6 @@ def _swa_range(rec: ObjRecord, p: Params, ctx: TransitionContext) -> str | None:
     hi = end if p.hi is None else p.hi
     if not start <= lo <= hi <= end:
         return f"SWA range [{lo}, {hi}) must lie inside its block [{start}, {end})"
-    if rec.state is State.SWA_VALID and not (lo <= rec.lo and hi >= rec.hi):
-        return f"SWA range [{lo}, {hi}) would shrink the valid range [{rec.lo}, {rec.hi})"
     return None
 
 
@@ -167,7 +166,6 @@ PRECONDITIONS: dict[tuple[Kind, Event], Check] = {
     **{(k, Event.EVICT): _no_pins for k in Kind},
     (Kind.DISK, Event.DROP_COPY): _no_pins,  # freeing a loaded copy is an eviction too
     (Kind.INDEXER, Event.INDEXER_SYNC): _indexer_sync,
-    (Kind.INDEXER, Event.WRITE_DONE): _no_pins,  # never rewrite bytes under a reader
     (Kind.SWA, Event.WRITE_DONE): _swa_range,
     (Kind.TAIL, Event.TAIL_APPEND): _tail_append,
     (Kind.TAIL, Event.TAIL_DONE): _tail_done,

@@ -535,7 +535,9 @@ class DemoBackend:
     def _repair(self, hashes: list[BlockHash], data: Mapping[Slot, np.ndarray],
                 tail_data: Mapping[Slot, tuple[np.ndarray, int]], wr: Any
                 ) -> list[tuple[Slot, Handle]]:
-        """A later writer completes a stalled tail or an unsynced indexer with fresh bytes."""
+        """A later writer replaces a stalled tail or an unsynced indexer with a fresh object
+        of fresh bytes (``AllocRequest.replace``: the stalled one is retired first; an
+        object's bytes are never rewritten)."""
         out: list[tuple[Slot, Handle]] = []
         lay = self.layout
         for s in sorted(set(data) | set(tail_data)):
@@ -547,42 +549,58 @@ class DemoBackend:
             if col.kind not in (Kind.TAIL, Kind.INDEXER):
                 continue
             d = s[0]
-            reqs = [AllocRequest(d, s[1])]
             kv_name = lay.columns[col.indexes].name if col.indexes is not None else None
-            if kv_name is not None:
-                reqs.append(AllocRequest(d, kv_name))
+            reqs = [AllocRequest(d, s[1])] + ([AllocRequest(d, kv_name)] if kv_name else [])
             try:
                 allocs = self.meta.allocate(hashes, reqs, None)
             except HkvError:
                 continue
+            if not self._give_back_fresh(allocs):
+                continue  # the stalled object is gone meanwhile
             a = allocs[0]
-            if not a.existing:  # gone meanwhile: give the fresh blocks back
-                for x in allocs:
-                    if not x.existing:
-                        with contextlib.suppress(Exception):
-                            self.meta.evict(x.handle.object_id)
-                continue
             tag = BlockTag(hashes[d], hashes[d - 1] if d else None, d)
             if a.state is State.TAIL_PARTIAL and s in tail_data:
                 arr, n = tail_data[s]
                 commit = Commit((Event.TAIL_DONE,), (Params(tail_len=n),))
             elif a.state is State.INDEXER_WRITTEN and kv_name is not None and s in data:
-                kv = allocs[1]
-                if not kv.existing:
-                    with contextlib.suppress(Exception):
-                        self.meta.evict(kv.handle.object_id)
-                    continue
                 arr = data[s]
-                commit = Commit((Event.INDEXER_SYNC,),
-                                (Params(version=wr.versions.get((d, kv_name), kv.version)),))
+                version = wr.versions.get((d, kv_name), allocs[1].version)
+                commit = Commit((Event.WRITE_DONE, Event.INDEXER_SYNC),
+                                (None, Params(version=version)))
             else:
                 continue
-            res = self._call(a.handle, "write_blocks", [a.handle], [arr], [tag], [commit])
+            fresh = self._replacement(hashes, s, a)
+            if fresh is None:
+                continue
+            res = self._call(fresh, "write_blocks", [fresh], [arr], [tag], [commit])
             if res is not None and res[0].ok:
                 self.books.good.add(key)
-                self.books.add(key, int(a.handle.object_id), a.handle.shard)
-                out.append((s, a.handle))
+                self.books.add(key, int(fresh.object_id), fresh.shard)
+                out.append((s, fresh))
+            else:
+                with contextlib.suppress(Exception):
+                    self.meta.evict(fresh.object_id)
         return out
+
+    def _give_back_fresh(self, allocs: Sequence[Any]) -> bool:
+        """True if the slot asked first holds an object already (the one to replace); else
+        every block this allocation reserved goes back."""
+        if allocs[0].existing:
+            return True
+        for x in allocs:
+            if not x.existing:
+                with contextlib.suppress(Exception):
+                    self.meta.evict(x.handle.object_id)
+        return False
+
+    def _replacement(self, hashes: list[BlockHash], s: Slot, old: Any) -> Handle | None:
+        """A fresh object in slot ``s`` in place of ``old`` (retired first), or None."""
+        try:
+            (a,) = self.meta.allocate(hashes, [AllocRequest(
+                s[0], s[1], replace=int(old.handle.object_id))], None)
+        except HkvError:
+            return None
+        return None if a.existing else a.handle
 
     def _write_through(self, hashes: list[BlockHash], done: list[tuple[Slot, Handle]]) -> None:
         """Copy what was just written to the holding shard's disk tier; memory copies stay."""

@@ -142,7 +142,7 @@ class MetadataServicer(pb_grpc.MetadataServiceServicer):
                  if request.owner else None)
         hashes = [BlockHash(h) for h in request.block_hashes]
         validation.check_hashes(hashes, "Allocate")
-        slots = [AllocRequest(s.depth, s.column) for s in request.slots]
+        slots = [AllocRequest(s.depth, s.column, s.replace) for s in request.slots]
         allocations = self.state.allocate(hashes, slots, owner, request.first_block)
         out = pb.AllocateResponse()
         for a in allocations:

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from hkv_service.core.allocator import PoolConfig
-from hkv_service.core.errors import MisplacedHash, PositionBeyondHashes, StaleHandle, UnknownGroup
+from hkv_service.core.errors import (
+    IllegalTransition,
+    MisplacedHash,
+    PositionBeyondHashes,
+    StaleHandle,
+    UnknownGroup,
+)
 from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.ids import ShardId
 from hkv_service.core.spec import spec_from_dict
@@ -215,9 +221,29 @@ def test_stale_indexer_can_be_refreshed(state: CacheState, spec) -> None:
     (again,) = state.allocate(hs, [AllocRequest(5, "idx")])
     assert again.existing and again.version != v  # the writer can see it is stale
     assert state.lookup(LookupRequest(hs)).usable_tokens == 256
-    state.transition(again.handle.object_id, Event.WRITE_DONE)  # rewrite the keys
-    state.transition(again.handle.object_id, Event.INDEXER_SYNC, Params(version=v))
+    with pytest.raises(IllegalTransition):  # its keys are never rewritten in place...
+        state.transition(again.handle.object_id, Event.WRITE_DONE)
+    (fresh,) = state.allocate(hs, [AllocRequest(5, "idx", replace=again.handle.object_id)])
+    assert not fresh.existing and fresh.handle.object_id != again.handle.object_id
+    assert again.handle.object_id not in state.objects  # ...it is retired for a fresh one
+    state.transition(fresh.handle.object_id, Event.WRITE_DONE)
+    state.transition(fresh.handle.object_id, Event.INDEXER_SYNC, Params(version=v))
     assert state.lookup(LookupRequest(hs)).usable_tokens == 512
+
+
+def test_a_replace_leaves_a_held_object_and_names_only_the_one_seen(
+        state: CacheState, spec) -> None:
+    hs = prompt_hashes(spec, N)
+    ids = commit_prefix(state, hs)
+    idx = ids[(5, "idx")]
+    m = state.lookup(LookupRequest(hs, lease_ttl_s=5))
+    (held,) = state.allocate(hs, [AllocRequest(5, "idx", replace=idx)])
+    assert held.existing and held.handle.object_id == idx  # leased: not retired
+    state.release_lease(m.lease_id)
+    (other,) = state.allocate(hs, [AllocRequest(5, "idx", replace=idx + 1)])
+    assert other.existing and other.handle.object_id == idx  # another id: not this one
+    (fresh,) = state.allocate(hs, [AllocRequest(5, "idx", replace=idx)])
+    assert not fresh.existing
 
 
 def test_read_refused_while_load_in_flight(state: CacheState, spec) -> None:

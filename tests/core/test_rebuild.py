@@ -312,7 +312,8 @@ def test_an_empty_or_whole_block_range_is_accepted(spec: CacheSpec) -> None:
     assert _hit(new, hs, 128) == 0  # [64, 64) at depth 0 covers nothing a reader at 128 needs
     assert _hit(new, hs, 256) == 256  # the window at 256 starts at 128
     rec = next(r for r in new.objects.values() if r.kind is Kind.SWA and r.entry.depth == 0)
-    new.transition(rec.object_id, Event.WRITE_DONE, Params(lo=0, hi=64))  # rewritable
+    (fresh,) = new.allocate(hs, [AllocRequest(0, "swa", replace=rec.object_id)])  # replaceable
+    new.transition(fresh.handle.object_id, Event.WRITE_DONE, Params(lo=0, hi=64))
     assert _hit(new, hs, 128) == 128
 
 

@@ -8,6 +8,7 @@ import itertools
 
 import pytest
 
+from hkv_service.core.allocator import _EVICTABLE
 from hkv_service.core.errors import IllegalTransition, VersionConflict
 from hkv_service.core.ids import BlockHash, ObjectId, ShardId
 from hkv_service.core.records import ObjRecord, PrefixEntry, new_record
@@ -73,7 +74,18 @@ def test_every_illegal_transition_raises_and_changes_nothing(
 
 def test_table_covers_examples_from_the_reliability_matrix() -> None:
     assert (State.ON_DISK_READY, Event.TAIL_APPEND) not in TABLE[Kind.DISK]
-    assert (State.TAIL_PARTIAL, Event.EVICT) not in TABLE[Kind.TAIL]
+    # a tail being written is never the eviction policy's victim (only a writer replacing a
+    # stalled one retires it, AllocRequest.replace)
+    assert State.TAIL_PARTIAL not in _EVICTABLE
+
+
+@pytest.mark.parametrize("kind", [Kind.COMPRESSED, Kind.SWA, Kind.INDEXER, Kind.TAIL])
+def test_no_event_commits_new_bytes_over_an_object_that_has_some(kind: Kind) -> None:
+    """An object's bytes are written once (issue 35, item 1): from any state past the first
+    write no WRITE_DONE / TAIL_DONE is legal, so a rewrite can only be a fresh object."""
+    written = {s for (s, e), _ in TABLE[kind].items()
+               if e in (Event.WRITE_DONE, Event.TAIL_DONE, Event.TAIL_APPEND)}
+    assert written <= {State.ALLOCATED, State.WRITING, State.TAIL_PARTIAL}
 
 
 @pytest.mark.parametrize(
@@ -102,13 +114,13 @@ def test_indexer_sync_before_compressed_ready_is_refused() -> None:
         apply(rec, Event.INDEXER_SYNC, Params(version=1), ctx)
 
 
-def test_swa_range_never_shrinks() -> None:
+def test_an_swa_range_never_changes_once_valid() -> None:
     rec = record(Kind.SWA, State.ALLOCATED)
     apply(rec, Event.WRITE_DONE, Params(lo=0, hi=40), Ctx())
-    with pytest.raises(IllegalTransition, match="shrink"):
-        apply(rec, Event.WRITE_DONE, Params(lo=8, hi=40), Ctx())
-    apply(rec, Event.WRITE_DONE, Params(lo=0, hi=64), Ctx())
-    assert (rec.lo, rec.hi) == (0, 64)
+    for lo, hi in ((8, 40), (0, 64)):  # narrower or wider: new bytes, a fresh object
+        with pytest.raises(IllegalTransition, match="WRITE_DONE is not allowed"):
+            apply(rec, Event.WRITE_DONE, Params(lo=lo, hi=hi), Ctx())
+    assert (rec.lo, rec.hi) == (0, 40)
 
 
 def test_eviction_refused_while_leased_or_captured() -> None:

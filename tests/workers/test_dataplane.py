@@ -91,8 +91,9 @@ def test_write_prefix_resyncs_an_indexer_whose_kv_moved_on(
     system: Any, w: Any, service: Any, same_kv_bytes: bool
 ) -> None:
     """A KV evicted under a held indexer and written again: with the same bytes its content
-    version is unchanged and the indexer is left alone; with other bytes write_prefix rewrites
-    the indexer and syncs it to the new version, so the prefix is a full hit again."""
+    version is unchanged and the indexer is left alone; with other bytes write_prefix replaces
+    the indexer (a fresh object: its bytes are never rewritten) synced to the new version, so
+    the prefix is a full hit again."""
     dp, _, meta = system
     hashes, payload, match = write_and_lookup(dp, w, 2, seed=40 + same_kv_bytes)
     meta.release_lease(match.lease_id)
@@ -109,7 +110,10 @@ def test_write_prefix_resyncs_an_indexer_whose_kv_moved_on(
     rep = dp.write_prefix(hashes, {(1, "c4"): kv_bytes, (1, "idx"): new_idx})
     assert rep.ok, rep.failed
     kv_version = rep.versions[(1, "c4")]
-    assert idx.state.value == "INDEXER_SYNCED" and idx.version == kv_version
+    now = idx.entry.mem[idx.column]
+    assert now is not None and now.state.value == "INDEXER_SYNCED"
+    assert now.version == kv_version
+    assert (now is idx) == same_kv_bytes  # replaced by a fresh object for other bytes
     again = dp.meta.lookup(LookupRequest(hashes))
     assert again.usable_tokens == 128 and not again.downgrades
     out = dp.read(again, hashes)

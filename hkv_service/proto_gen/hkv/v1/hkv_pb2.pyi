@@ -305,12 +305,14 @@ class ConfirmResponse(_message.Message):
     def __init__(self, confirmed: _Optional[int] = ..., object_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AllocSlot(_message.Message):
-    __slots__ = ("depth", "column")
+    __slots__ = ("depth", "column", "replace")
     DEPTH_FIELD_NUMBER: _ClassVar[int]
     COLUMN_FIELD_NUMBER: _ClassVar[int]
+    REPLACE_FIELD_NUMBER: _ClassVar[int]
     depth: int
     column: str
-    def __init__(self, depth: _Optional[int] = ..., column: _Optional[str] = ...) -> None: ...
+    replace: int
+    def __init__(self, depth: _Optional[int] = ..., column: _Optional[str] = ..., replace: _Optional[int] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
     __slots__ = ("block_hashes", "slots", "owner", "first_block")
