@@ -248,11 +248,11 @@ class CacheState:
         self._policies: dict[int, Policy] = {c: swa_policy(i) for c, i in lanes.items()}
         hb = self.layout.hash_block
         reach = {c: -(-self.layout.columns[c].group.window // hb) for c in lanes}
-        # entries a re-confirm made before their parent's, and the complete tails whose walk
+        # entries a re-confirm made before their parent's, and the complete resume points whose walk
         # up waits at one of them, with the increment each goes on with when it is adopted
         self._orphans = Orphans()
         self._adopting: deque[PrefixEntry] = deque()  # made with orphans still to adopt
-        self._cut_walks: dict[PrefixEntry, dict[ObjRecord, int]] = {}
+        self._cut_walks: dict[PrefixEntry, dict[PrefixEntry, int]] = {}
         self._swa_steps = tuple(
             sum(1 << (SWA_LANE_BITS * i) for c, i in lanes.items() if reach[c] > step)
             for step in range(max(reach.values(), default=0)))
@@ -723,18 +723,19 @@ class CacheState:
             raise
 
     def _apply(self, rec: ObjRecord, event: Event, params: Params) -> None:
-        before = rec.state
+        point = self._resume_point_of(rec)
+        was = point and self._complete(rec.entry, rec)
         apply(rec, event, params, self)
         if rec in self.holds.captures and (rec.state in TERMINAL_STATES or event in _COPY_ENDS):
             # Policy events (EVICT, DROP_COPY) are refused while a capture holds the object, so
             # this is a fact (lost, corrupt, a failed load): a graph over it must not replay.
             self._invalidate_captures(rec)
-        if rec.kind is Kind.TAIL:
-            self._track_resume_point(rec, before)
         if rec.state in TERMINAL_STATES:
             self._detach(rec)
         elif event in _COPY_ENDS:
             self._release_copy(rec)
+        if point:
+            self._track_resume_point(rec.entry, was, self._complete(rec.entry, rec))
         self._after_change(rec)
 
     def _after_change(self, rec: ObjRecord) -> None:
@@ -795,40 +796,57 @@ class CacheState:
                 parent.children -= 1
             entry = parent
 
-    def _track_resume_point(self, rec: ObjRecord, before: State) -> None:
-        """Keep ``swa_need`` = resume points within one window after each block, per SWA
-        column and its own window (SWA policy)."""
-        delta = (rec.state is State.TAIL_COMPLETE) - (before is State.TAIL_COMPLETE)
-        if delta:
-            self._count_resume_point(rec, rec.entry, 0, delta)
+    def _resume_point_of(self, rec: ObjRecord) -> bool:
+        """``rec`` is a memory object at a resume point's entry (one ending at a multiple of
+        L): its changes may complete or break that resume point."""
+        return rec.kind is not Kind.DISK and (rec.entry.depth + 1) % self.layout.period == 0
 
-    def _count_resume_point(self, tail: ObjRecord, e: PrefixEntry, step: int,
+    def _complete(self, entry: PrefixEntry, rec: ObjRecord) -> bool:
+        """Every memory object the resume point at ``entry`` needs is ready there (its
+        COMPRESSED, INDEXER and SWA blocks, its tails): what completes a resume point, with a
+        tail or without (a spec with no overlap has none). ``rec``, one of them, first."""
+        if rec.state not in _READABLE[rec.kind] or entry.mem[rec.column] is not rec:
+            return False
+        for c in self.layout.attached[self.layout.period - 1]:
+            other = entry.mem[c]
+            if other is None or other.state not in _READABLE[other.kind]:
+                return False
+        return True
+
+    def _track_resume_point(self, entry: PrefixEntry, was: bool, now: bool) -> None:
+        """Keep ``swa_need`` = complete resume points within one window after each block, per
+        SWA column and its own window (the SWA policy keeps the blocks they need)."""
+        if now != was:
+            self._count_resume_point(entry, entry, 0, 1 if now else -1)
+
+    def _count_resume_point(self, point: PrefixEntry, e: PrefixEntry, step: int,
                             delta: int) -> None:
-        """Add ``delta`` times ``tail``'s increments to ``e`` and the entries above it, the
-        ``step``-th increment first. A re-confirm in random order makes a block's entry before
-        its parent's (an orphan, adopted when the parent's report arrives): a walk cut there
-        is remembered (``_cut_walks``) and :meth:`_entry_under` goes on with it when it adopts
-        the orphan, so a count taken back later walks exactly the entries it was added to.
-        (Stopping at the orphan for good under-counted the blocks above it, and taking the
-        count back once the parent was there went below zero, into the next column's lane.)"""
+        """Add ``delta`` times the increments of the resume point at ``point`` to ``e`` and
+        the entries above it, the ``step``-th increment first. A re-confirm in random order
+        makes a block's entry before its parent's (an orphan, adopted when the parent's
+        report arrives): a walk cut there is remembered (``_cut_walks``) and
+        :meth:`_entry_under` goes on with it when it adopts the orphan, so a count taken
+        back later walks exactly the entries it was added to. (Stopping at the orphan for
+        good under-counted the blocks above it, and taking the count back once the parent
+        was there went below zero, into the next column's lane.)"""
         steps = self._swa_steps
         while step < len(steps):
             e.swa_need += delta * steps[step]
             step += 1
             if e.parent is None:
                 if step < len(steps) and not self._starts_range(e.depth):
-                    self._cut_walk(e, tail, step if delta > 0 else None)
+                    self._cut_walk(e, point, step if delta > 0 else None)
                 return
             e = e.parent
 
-    def _cut_walk(self, orphan: PrefixEntry, tail: ObjRecord, step: int | None) -> None:
-        """``tail``'s walk waits at ``orphan`` from its ``step``-th increment on (None: it no
-        longer waits, the tail stopped being a resume point)."""
+    def _cut_walk(self, orphan: PrefixEntry, point: PrefixEntry, step: int | None) -> None:
+        """The walk of the resume point at ``point`` waits at ``orphan`` from its
+        ``step``-th increment on (None: it no longer waits, the point is no longer complete)."""
         waiting = self._cut_walks.setdefault(orphan, {})
         if step is not None:
-            waiting[tail] = step
+            waiting[point] = step
             return
-        waiting.pop(tail, None)
+        waiting.pop(point, None)
         if not waiting:
             del self._cut_walks[orphan]
 
@@ -1478,8 +1496,8 @@ class CacheState:
             self._saw_version(r.version)
         pool.owner[block] = rec
         entry.mem[col] = rec
-        if kind is _TAIL:
-            self._track_resume_point(rec, _ALLOCATED)
+        if self._resume_point_of(rec):  # (the slot was empty: the point was not complete)
+            self._track_resume_point(entry, False, self._complete(entry, rec))
         self.objects.put(rec)
         return rec  # (confirm_objects logs it and defers the entry's summary)
 
@@ -1597,8 +1615,8 @@ class CacheState:
             return
         orphan.parent = parent
         parent.children += 1
-        for tail, step in self._cut_walks.pop(orphan, {}).items():
-            self._count_resume_point(tail, parent, step, 1)
+        for point, step in self._cut_walks.pop(orphan, {}).items():
+            self._count_resume_point(point, parent, step, 1)
 
     def _check_hashes(self, hashes: Sequence[BlockHash]) -> None:
         if not hashes:

@@ -11,6 +11,7 @@ from hkv_service.core.errors import PoolExhausted
 from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.hashing import ExtraKeys, hash_blocks
 from hkv_service.core.ids import ShardId
+from hkv_service.core.spec import CacheSpec
 from hkv_service.core.state_view import AllocRequest, CacheState
 from hkv_service.core.states import Event, State
 from hkv_service.core.transitions import Params
@@ -233,3 +234,66 @@ def test_a_claim_keeps_the_greater_generation() -> None:
     assert pool.claim_at(9, 40) == 40 and pool.generation[9] == 40  # the owner's is
     assert 7 not in pool.generation and 64 not in pool.generation
     assert pool.span == 10 and pool.take() == 8 and pool.take() == 10  # 9 stepped over
+
+
+def _full_and_swa(overlap: int = 0) -> CacheSpec:
+    """Full attention + two sliding windows, H = 8 (every vLLM connector geometry has no
+    tail: its COMPRESSED group has no overlap)."""
+    from hkv_service.core.spec import spec_from_dict
+
+    abi = {"dtype": "float16", "layout": "NHD", "head_shape": [1, 8], "kernel_version": "k"}
+    full = {"name": "full", "kind": "COMPRESSED", "block_size": 64, "ratio": 1, "abi": abi}
+    if overlap:
+        full["overlap"] = overlap
+    return spec_from_dict({"model_id": "full-swa", "hash_block_size": 8, "groups": [
+        full,
+        {"name": "wide", "kind": "SWA", "block_size": 64, "window": 512, "abi": abi},
+        {"name": "narrow", "kind": "SWA", "block_size": 8, "window": 8, "abi": abi}]})
+
+
+@pytest.mark.parametrize("overlap", [0, 1])
+def test_a_resume_point_protects_its_swa_blocks_without_a_tail(clock, overlap: int) -> None:
+    """Regression (issue 35, item 2): resume points were learnt from complete tails only, so
+    in a spec without tails SWA eviction was plain LRU and a checkpoint died under churn: b's
+    first narrow allocation evicted a's narrow@7 while 14 narrow blocks no resume point needs
+    remained. A resume point is known from whatever completes it."""
+    spec = _full_and_swa(overlap)
+    st = CacheState(spec, clock=clock)
+    st.register_owner(ShardId("s0"), pools_for(st.layout, 16))
+    a = prompt_hashes(spec, 16, seed=1)
+    skip = frozenset((d, "narrow") for d in (7, 15))
+    first = commit_prefix(st, a, skip=frozenset((d, n) for d in range(16)
+                                                for n in ("full", "wide", "narrow", "full.tail")
+                                                if (d, n) not in skip))
+    ids = {**commit_prefix(st, a), **first}  # narrow@7 and @15 first, then the rest of a
+    assert st.lookup(LookupRequest(a)).usable_tokens == 128
+    b = prompt_hashes(spec, 16, seed=2)
+    commit_prefix(st, b, skip=frozenset((d, "narrow") for d in range(16)))  # full + wide
+    for d in range(12):  # b's narrow blocks, one at a time: a's unneeded ones go first
+        (n,) = st.allocate(b, [AllocRequest(d, "narrow")])
+        st.transition(n.handle.object_id, Event.WRITE_DONE)
+        for keep in (7, 15):
+            assert st.objects.get(ids[(keep, "narrow")]) is not None, (d, keep)
+    assert st.lookup(LookupRequest(a)).usable_tokens == 128
+
+
+def test_an_incomplete_resume_point_protects_nothing(clock) -> None:
+    """A resume point counts while every object it needs is ready: with the full block at
+    64 evicted, narrow@7 is no checkpoint any more and goes in its LRU turn."""
+    spec = _full_and_swa()
+    st = CacheState(spec, clock=clock)
+    st.register_owner(ShardId("s0"), pools_for(st.layout, 16))
+    a = prompt_hashes(spec, 16, seed=1)
+    ids = commit_prefix(st, a)
+    narrow = st.layout.swa_columns.index(st.layout.by_name["narrow"])
+
+    def need(depth: int) -> int:  # the narrow lane of swa_need at ``depth``
+        return st.objects[ids[(depth, "narrow")]].entry.swa_need >> (32 * narrow) & 0xFFFFFFFF
+
+    assert need(7) == need(15) == 1 and need(6) == 0
+    st.evict(ids[(7, "full")])
+    assert need(7) == 0
+    st.evict(ids[(15, "wide")])  # a count goes back exactly to zero: no lane underflows
+    assert need(15) == 0 and st.objects[ids[(15, "narrow")]].entry.swa_need == 0
+    st.allocate(prompt_hashes(spec, 16, seed=2), [AllocRequest(0, "narrow")])
+    assert st.objects.get(ids[(0, "narrow")]) is None  # the least recently used went

@@ -561,16 +561,24 @@ def test_exactly_the_reconfirmed_objects_are_reused(spec: CacheSpec, data: st.Da
 
 
 def _lanes_from_scratch(st: CacheState) -> dict[BlockHash, tuple[int, ...]]:
-    """Per entry, per SWA column, the complete tails at most a window below it (the SWA
-    eviction policy's count: a block no resume point's window reaches goes first), counted
-    from the view as it stands."""
-    hb = st.layout.hash_block
-    reach = [-(-st.layout.columns[c].group.window // hb) for c in st.layout.swa_columns]
+    """Per entry, per SWA column, the complete resume points at most a window below it (the
+    SWA eviction policy's count: a block no resume point's window reaches goes first),
+    counted from the view as it stands. A resume point is complete when every memory object
+    its entry needs is in its kind's ready state, tail or no tail."""
+    lay = st.layout
+    hb = lay.hash_block
+    reach = [-(-lay.columns[c].group.window // hb) for c in lay.swa_columns]
+    ready = {Kind.COMPRESSED: State.COMPRESSED_READY, Kind.SWA: State.SWA_VALID,
+             Kind.INDEXER: State.INDEXER_SYNCED, Kind.TAIL: State.TAIL_COMPLETE}
     out = {h: [0] * len(reach) for h, _ in st.index.items()}
-    for rec in st.objects.values():
-        if rec.kind is not Kind.TAIL or rec.state is not State.TAIL_COMPLETE:
+    for _, point in st.index.items():
+        if (point.depth + 1) * hb % lay.lcm:
             continue
-        e: PrefixEntry | None = rec.entry
+        needed = [c for c in range(len(lay.columns)) if lay.lives_at(c, point.depth)]
+        if not all((r := point.mem[c]) is not None and r.state is ready[r.kind]
+                   for c in needed):
+            continue
+        e: PrefixEntry | None = point
         k = 0
         while e is not None:
             for lane, r in enumerate(reach):
@@ -615,11 +623,12 @@ def test_resume_points_are_counted_whatever_order_reports_come_in(
     evicted = False
     for lo, hi in zip([0, *cuts], [*cuts, len(reports)], strict=True):
         new.confirm(S0, [reports[i] for i in order[lo:hi]], _inc(new))
-        complete = sorted((r for r in new.objects.values() if r.kind is Kind.TAIL),
-                          key=lambda r: r.entry.depth)
-        evict: bool = data.draw(st.booleans(), label="evict a tail before the next call")
+        complete = sorted((r for r in new.objects.values() if r.kind is not Kind.DISK
+                           and (r.entry.depth + 1) % new.layout.period == 0),
+                          key=lambda r: (r.entry.depth, r.column))
+        evict: bool = data.draw(st.booleans(), label="break a resume point before the next call")
         if complete and evict:
-            new.evict(data.draw(st.sampled_from(complete), label="tail").object_id)
+            new.evict(data.draw(st.sampled_from(complete), label="object").object_id)
             evicted = True
         assert _lanes(new) == _lanes_from_scratch(new)
     new.reap_all()  # (the orphans left to adopt in the reaper's slices)
