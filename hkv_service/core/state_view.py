@@ -83,7 +83,7 @@ from .records import (
 from .segments import DEFAULT_SEGMENT_BLOCKS, Segment, first_missing, walk_blocks
 from .spec import CacheSpec
 from .states import TERMINAL_STATES, Event, Kind, State
-from .transitions import APPLIED_FIELDS, Params, apply
+from .transitions import APPLIED_FIELDS, CORE_ONLY_EVENTS, Params, apply
 
 __all__ = [
     "MAX_TRANSITION_ITEMS",
@@ -628,6 +628,7 @@ class CacheState:
         params: Params | None = None,
         generation: int | None = None,
     ) -> TransitionResult:
+        _check_reported(event)
         with self._lock:
             rec = self._object(object_id)
             if generation is not None:
@@ -1962,6 +1963,15 @@ def _check_item(i: int, item: ObjectTransitions) -> None:
     if len(item.params) > len(item.events):
         raise InvalidInput(f"item {i}: {len(item.params)} params for {len(item.events)} "
                            "event(s); params[j] goes with events[j]")
+    for event in item.events:
+        _check_reported(event, f"item {i}: ")
+
+
+def _check_reported(event: Event, where: str = "") -> None:
+    """Refuse an event only the core's own paths cause (:data:`CORE_ONLY_EVENTS`)."""
+    if event in CORE_ONLY_EVENTS:
+        raise InvalidInput(f"{where}{event.value} is not reported: begin_load and "
+                           "begin_offload cause it, with the block and admission they reserve")
 
 
 def _params_at(item: ObjectTransitions, k: int) -> Params | None:

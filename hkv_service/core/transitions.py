@@ -17,7 +17,15 @@ from .errors import IllegalTransition, VersionConflict
 from .records import DiskRecord, ObjRecord, SwaRecord, TailRecord, VersionedRecord
 from .states import Event, Kind, State
 
-__all__ = ["APPLIED_FIELDS", "PRECONDITIONS", "TABLE", "Params", "TransitionContext", "apply"]
+__all__ = [
+    "APPLIED_FIELDS",
+    "CORE_ONLY_EVENTS",
+    "PRECONDITIONS",
+    "TABLE",
+    "Params",
+    "TransitionContext",
+    "apply",
+]
 
 S, E = State, Event
 
@@ -87,6 +95,12 @@ _DISK = {
     (S.ON_DISK_READY, E.MARK_CORRUPT): S.CORRUPT,
     (S.ON_DISK_READY, E.LOSE): S.LOST,
 }
+
+# Events only the core's own paths cause, never an owner's report: LOAD_BEGIN moves a copy at
+# rest in flight together with the block and admission ticket begin_load reserves (reported,
+# it left a copy in flight with neither, and a later LOAD_VERIFIED one "loaded" at block -1);
+# OFFLOAD_BEGIN is begin_offload making the copy. Refused where reports come in.
+CORE_ONLY_EVENTS = frozenset({Event.LOAD_BEGIN, Event.OFFLOAD_BEGIN})
 
 TABLE: dict[Kind, dict[tuple[State, Event], State]] = {
     Kind.COMPRESSED: _memory_kind(S.COMPRESSED_READY),

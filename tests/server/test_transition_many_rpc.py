@@ -103,3 +103,32 @@ def test_the_client_takes_single_event_items_too(client: MetadataClient) -> None
     with pytest.raises(E.IllegalTransition) as info:
         client.transition(oid, Event.TAIL_DONE)
     assert (info.value.state, info.value.event) == (State.COMPRESSED_READY, Event.TAIL_DONE)
+
+
+def _at_rest(port: MetadataPort, live: Live) -> ObjectId:
+    """A DISK copy at rest (ON_DISK) of a written KV."""
+    kv = allocate(port, [AllocRequest(0, "c4")], seed=9)[(0, "c4")]
+    port.transition(kv, Event.WRITE_DONE, Params(version=5))
+    disk = port.begin_offload(kv, ShardId("s0"))
+    port.transition(disk.object_id, Event.OFFLOAD_COMMITTED)
+    return disk.object_id
+
+
+@pytest.mark.parametrize("event", [Event.LOAD_BEGIN, Event.OFFLOAD_BEGIN])
+def test_an_event_only_the_core_causes_is_refused_when_reported(
+        port: MetadataPort, live: Live, event: Event) -> None:
+    """Regression (issue 35, item 3): a reported LOAD_BEGIN moved a copy at rest to
+    ON_DISK_INFLIGHT with no block and no admission ticket; a later LOAD_VERIFIED left it
+    ON_DISK_READY at block -1 and the summary raised AssertionError partway through a batch
+    (INTERNAL over gRPC, the items before it applied). Only begin_load causes it."""
+    disk = _at_rest(port, live)
+    kv = allocate(port, [AllocRequest(1, "c4")], seed=9)[(1, "c4")]
+    with pytest.raises(E.InvalidInput, match=event.value):
+        port.transition(disk, event)
+    with pytest.raises(E.InvalidInput, match=event.value):  # the whole batch, nothing applied
+        port.transition_many([ObjectTransitions(kv, (Event.WRITE_DONE,)),
+                              ObjectTransitions(disk, (event, Event.LOAD_VERIFIED))])
+    assert live.state.objects[disk].state is State.ON_DISK
+    assert live.state.objects[kv].state is State.ALLOCATED
+    loaded = port.begin_load(disk)  # the core's own path still loads it
+    assert loaded.block >= 0 and live.state.objects[disk].state is State.ON_DISK_INFLIGHT
