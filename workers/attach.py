@@ -79,7 +79,7 @@ def attach(endpoint: str, ray_address: str = "auto", *, token: str | None = None
         if not actors:
             raise RuntimeError(f"no hkv shard actors in Ray namespace {namespace!r} at "
                                f"{ray_address!r}: is `hkv up` running on that cluster?")
-        plane = DataPlane(meta, ray_links(actors), timeout_s)
+        plane = DataPlane(meta, ray_links(actors, namespace), timeout_s)
     except BaseException:
         meta.close()
         raise

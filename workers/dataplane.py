@@ -81,8 +81,9 @@ class Recompute:
 
 @dataclass(slots=True)
 class WriteReport:
-    written: int = 0
+    written: int = 0  # len(wrote)
     existing: int = 0
+    wrote: set[Slot] = field(default_factory=set)  # slots this call wrote and committed
     versions: dict[Slot, int] = field(default_factory=dict)  # KV versions of COMPRESSED
     failed: dict[Slot, ItemResult] = field(default_factory=dict)
     handles: dict[Slot, Handle] = field(default_factory=dict)
@@ -381,6 +382,7 @@ class DataPlane:
             res = outcome[i]
             if res.ok:
                 report.written += 1
+                report.wrote.add(slots[i])
                 if self._kind(slots[i]) is Kind.COMPRESSED:
                     report.versions[slots[i]] = res.version
             else:
@@ -450,16 +452,19 @@ class DataPlane:
 
     def _get(self, shard: str, ref: Pending, handles: Iterable[Handle]) -> Any:
         """The call's result within the deadline; a dead or silent shard is marked lost
-        (None), with the first of ``handles`` (the call's; only read on a failure) as
-        witnesses of which incarnation failed: Ray reports a crashed call's failure once the
-        restarted shard is up, and the report must not end the successor
+        (None). The report names the shard process the call went to (the link's
+        ``ShardUnavailable.instance``), and the first of ``handles`` (the call's; only read on
+        a failure) as witnesses for a link that does not know it: Ray reports a crashed
+        call's failure once the restarted shard is up, and a replaced actor's old handle
+        fails while its successor serves; neither report may end the successor
         (``CacheState.mark_owner_lost``)."""
         try:
             return ref.result(self.timeout_s)
         except ShardUnavailable as exc:
             log.warning("shard %s unavailable (%s); marking it lost", shard, exc.why)
             seen = [int(h.object_id) for h in islice(handles, WITNESSES)]
-            self._quietly(lambda: self.meta.mark_owner_lost(ShardId(shard), seen))
+            instance = exc.instance
+            self._quietly(lambda: self.meta.mark_owner_lost(ShardId(shard), seen, instance))
             return None
 
     @staticmethod

@@ -28,12 +28,15 @@ __all__ = ["InProcessLink", "Pending", "ShardLink", "ShardUnavailable"]
 
 
 class ShardUnavailable(Exception):
-    """The shard died, or did not answer within the deadline: recompute what it held."""
+    """The shard died, or did not answer within the deadline: recompute what it held.
+    ``instance``: the shard process the call went to (``ShardActor.instance``), 0 if the link
+    does not know it; a loss report names it, so it never ends a successor."""
 
-    def __init__(self, shard: str, why: str) -> None:
+    def __init__(self, shard: str, why: str, instance: int = 0) -> None:
         super().__init__(f"shard {shard} unavailable: {why}")
         self.shard = shard
         self.why = why
+        self.instance = instance
 
 
 class Pending(Protocol):
@@ -48,14 +51,18 @@ class ShardLink(Protocol):
 
 
 class _Future:
-    def __init__(self, shard: str, fut: Future[Any]) -> None:
-        self.shard, self.fut = shard, fut
+    def __init__(self, shard: str, fut: Future[Any], instance: int) -> None:
+        self.shard, self.fut, self.instance = shard, fut, instance
 
     def result(self, timeout_s: float) -> Any:
         try:
             return self.fut.result(timeout=timeout_s)
         except FutureTimeout:
-            raise ShardUnavailable(self.shard, f"no answer within {timeout_s:g} s") from None
+            raise ShardUnavailable(self.shard, f"no answer within {timeout_s:g} s",
+                                   self.instance) from None
+        except ShardUnavailable as exc:
+            exc.instance = self.instance
+            raise
 
 
 class InProcessLink:
@@ -72,13 +79,14 @@ class InProcessLink:
         return not self._dead.is_set()
 
     def submit(self, method: str, *args: Any, **kwargs: Any) -> Pending:
+        instance = int(getattr(self.shard, "instance", 0))  # the process this call goes to
         if self._dead.is_set():
             fut: Future[Any] = Future()
             fut.set_exception(ShardUnavailable(self.shard_id, "the shard process died"))
-            return _Future(self.shard_id, fut)
+            return _Future(self.shard_id, fut, instance)
         # serialised now, as Ray serialises a call's arguments when it is submitted
         sent = pickle.dumps((args, kwargs), protocol=5)
-        return _Future(self.shard_id, self._calls.submit(self._run, method, sent))
+        return _Future(self.shard_id, self._calls.submit(self._run, method, sent), instance)
 
     def _run(self, method: str, sent: bytes) -> Any:
         if self._dead.is_set():

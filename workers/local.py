@@ -47,17 +47,18 @@ class LocalMetadata:
     def get_spec(self) -> CacheSpec:
         return self.state.spec
 
-    def register_owner(self, owner: ShardId, pools: Mapping[str, PoolConfig]) -> int:
-        incarnation = self.state.register_owner(owner, pools)
+    def register_owner(self, owner: ShardId, pools: Mapping[str, PoolConfig],
+                       instance: int = 0) -> int:
+        incarnation = self.state.register_owner(owner, pools, instance)
         self.state.reap_all()  # a known owner coming back lost its old incarnation
         return incarnation
 
     def heartbeat(self, owner: ShardId, incarnation: int) -> None:
         self.state.heartbeat(owner, incarnation)
 
-    def mark_owner_lost(self, owner: ShardId, witnesses: Sequence[int] = ()
-                        ) -> int | None:
-        lost = self.state.mark_owner_lost(owner, witnesses)
+    def mark_owner_lost(self, owner: ShardId, witnesses: Sequence[int] = (),
+                        instance: int = 0) -> int | None:
+        lost = self.state.mark_owner_lost(owner, witnesses, instance)
         self.state.reap_all()  # in process there is no reaper thread: slices, here and now
         return lost
 

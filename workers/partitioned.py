@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -67,6 +68,8 @@ from .ports import MetadataPort
 
 __all__ = ["PartitionedMetadata", "PartitionsLost", "partition_count", "partition_of_block_of",
            "pool_ranges", "range_blocks_of"]
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -181,7 +184,7 @@ class PartitionedMetadata:
                                    "the order hkv up printed them")
 
     def register_owner(self, owner: ShardId, pools: Mapping[str, PoolConfig],
-                       partitions: frozenset[int] | None = None) -> int:
+                       instance: int = 0, partitions: frozenset[int] | None = None) -> int:
         """Register with every partition (or only ``partitions``: those that lost the owner),
         each over its own range of every pool. Returns this client's incarnation number."""
         whole = {name: cfg for name, cfg in pools.items()}
@@ -196,7 +199,8 @@ class PartitionedMetadata:
                 partitions = None  # never registered here: all of them
             which = sorted(range(self.count) if partitions is None else partitions)
             got = self._raising(self._each(
-                lambda i, p: p.register_owner(owner, pool_ranges(whole, i, self.count)), which))
+                lambda i, p: p.register_owner(owner, pool_ranges(whole, i, self.count),
+                                              instance), which))
             incs = list(prior[1]) if prior is not None else [0] * self.count
             for i, inc in got:
                 incs[i] = inc
@@ -224,27 +228,34 @@ class PartitionedMetadata:
                                  partitions=lost)
         self._raising(answers)
 
-    def mark_owner_lost(self, owner: ShardId, witnesses: Sequence[int] = ()
-                        ) -> int | None:
-        """Witnesses go to the partitions that hold them, which judge whether the report is
-        current (``CacheState.mark_owner_lost``); if one finds it so, every other partition
-        is told too; if all find it stale, none is (a partition without a witness cannot
-        tell, and its registration of the owner's successor must not be ended). A successor
-        that registered with some partitions before a current report reached them is ended
-        there; it registers again (``ShardActor._register``, or its next heartbeat)."""
-        if not witnesses:
-            return sum(n or 0 for _, n in self._raising(
-                self._each(lambda _i, p: p.mark_owner_lost(owner))))
+    def mark_owner_lost(self, owner: ShardId, witnesses: Sequence[int] = (),
+                        instance: int = 0) -> int | None:
+        """Every partition is told, whatever one of them answers (one that restarted and does
+        not know the owner yet, or is unreachable, stops none of the others).
+
+        With ``instance`` each partition judges alone (``CacheState.mark_owner_lost``: the
+        owner process registered the same instance with every partition), its witnesses
+        beside it for an owner that registered none. Without, the witnesses go to the
+        partitions that hold them, which judge whether the report is current; if one finds
+        it so, every other partition is told too; if all find it stale, none is (a partition
+        without a witness cannot tell, and its registration of the owner's successor must not
+        be ended); if none could judge, all are told. A successor that registered with some
+        partitions before a current report reached them is ended there; it registers again
+        (``ShardActor._register``, or its next heartbeat). None: stale everywhere it was
+        judged."""
         mine: dict[int, list[int]] = {}
         for oid in witnesses:
             mine.setdefault(partition_of_id(ObjectId(oid), self.count), []).append(oid)
-        judged = self._raising(self._each(lambda i, p: p.mark_owner_lost(owner, mine[i]),
-                                          sorted(mine)))
-        if all(n is None for _, n in judged):
+        if instance or not witnesses:
+            return _verdict(self._each(
+                lambda i, p: p.mark_owner_lost(owner, mine.get(i, []), instance)))
+        judged = _answered(self._each(lambda i, p: p.mark_owner_lost(owner, mine[i]),
+                                      sorted(mine)))
+        if judged and all(n is None for n in judged):
             return None
-        rest = self._raising(self._each(lambda _i, p: p.mark_owner_lost(owner),
-                                        [i for i in range(self.count) if i not in mine]))
-        return sum(n or 0 for _, n in (*judged, *rest))
+        rest = _answered(self._each(lambda _i, p: p.mark_owner_lost(owner),
+                                    [i for i in range(self.count) if i not in mine]))
+        return sum(n or 0 for n in (*judged, *rest))
 
     def confirm(self, owner: ShardId, reports: Sequence[ObjectReport], incarnation: int) -> int:
         return sum(1 for oid in self.confirm_objects(owner, reports, incarnation)
@@ -441,6 +452,25 @@ class PartitionedMetadata:
             if isinstance(r, BaseException):
                 raise r
         return answers  # type: ignore[return-value]
+
+
+def _answered(answers: list[tuple[int, int | BaseException | None]]) -> list[int | None]:
+    """The partitions' verdicts on a loss report; one that failed (it does not know the
+    owner, or is unreachable) gave none and is logged."""
+    out: list[int | None] = []
+    for i, r in answers:
+        if isinstance(r, BaseException):
+            log.info("metadata partition %d gave no verdict on a loss report: %s", i, r)
+        else:
+            out.append(r)
+    return out
+
+
+def _verdict(answers: list[tuple[int, int | BaseException | None]]) -> int | None:
+    judged = _answered(answers)
+    if judged and all(n is None for n in judged):
+        return None
+    return sum(n or 0 for n in judged)
 
 
 class _Inline(Executor):

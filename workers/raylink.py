@@ -15,11 +15,14 @@ Only this module and the launcher import Ray among ``workers``.
 from __future__ import annotations
 
 import contextlib
+import logging
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
 
 from hkv_service.core.allocator import PoolConfig
 from hkv_service.core.errors import HkvError
@@ -45,12 +48,15 @@ from .local import LocalMetadata
 
 __all__ = ["ActorMetadata", "MetadataActor", "RayLink", "ray_links", "shard_actors"]
 
+log = logging.getLogger(__name__)
+
 _UNAVAILABLE = (RayActorError, GetTimeoutError)  # ActorDiedError/ActorUnavailableError inside
+RESOLVE_EVERY_S = 1.0  # a link whose actor died for good looks its name up again at most this often
 
 
 class _RayPending:
-    def __init__(self, shard: str, ref: Any) -> None:
-        self.shard, self.ref = shard, ref
+    def __init__(self, link: RayLink, ref: Any, instance: int) -> None:
+        self.link, self.ref, self.instance = link, ref, instance
 
     def result(self, timeout_s: float) -> Any:
         try:
@@ -59,18 +65,101 @@ class _RayPending:
             # already finished or the actor is gone: nothing to cancel
             with contextlib.suppress(Exception):
                 ray.cancel(self.ref, force=True)
-            raise ShardUnavailable(self.shard, type(exc).__name__) from exc
+            self.link.failed(isinstance(exc, ActorDiedError))
+            raise ShardUnavailable(self.link.shard_id, type(exc).__name__,
+                                   self.instance) from exc
+
+
+class _Failed:
+    """A call that could not even be sent (no live actor under the shard's name)."""
+
+    def __init__(self, error: ShardUnavailable) -> None:
+        self.error = error
+
+    def result(self, timeout_s: float) -> Any:
+        raise self.error
 
 
 class RayLink:
-    """The link to a ``ShardActor`` Ray actor."""
+    """The link to a ``ShardActor`` Ray actor.
 
-    def __init__(self, shard_id: str, actor: Any) -> None:
+    It knows the shard process it talks to (``ShardActor.instance``, from a ``ping`` sent
+    ahead of the first call and again after every failure), so a failed call reports the
+    loss of that process and never of a successor. When the actor dies for good (its
+    restarts used up) the link looks its name up again in ``namespace``: ``hkv up`` places
+    a new actor under the same name, and calls go to it from then on (without this, a worker
+    attached before the replacement failed every call, and reported the new shard lost with
+    every failure, for as long as it ran)."""
+
+    def __init__(self, shard_id: str, actor: Any, namespace: str | None = None) -> None:
         self.shard_id = shard_id
         self.actor = actor
+        self.namespace = namespace
+        self._lock = threading.Lock()
+        self._instance = 0
+        self._probe: Any = None  # a ping in flight: its answer names the process
+        self._dead = False  # the actor died for good: look the name up again
+        self._resolved_at = 0.0
+        self._send_probe()
 
-    def submit(self, method: str, *args: Any, **kwargs: Any) -> _RayPending:
-        return _RayPending(self.shard_id, getattr(self.actor, method).remote(*args, **kwargs))
+    def submit(self, method: str, *args: Any, **kwargs: Any) -> _RayPending | _Failed:
+        if self._dead and not self._resolve():
+            return _Failed(ShardUnavailable(self.shard_id, "the shard actor died and no new "
+                                            "one is placed under its name yet"))
+        instance = self.instance()
+        if not instance and self._probe is None:
+            self._send_probe()
+        return _RayPending(self, getattr(self.actor, method).remote(*args, **kwargs), instance)
+
+    def instance(self) -> int:
+        """The shard process this link's calls go to, if known (0: not yet)."""
+        with self._lock:
+            probe = self._probe
+        if probe is not None and not self._instance:
+            ready, _ = ray.wait([probe], timeout=0)
+            if ready:
+                try:
+                    got = int(ray.get(probe).get("instance", 0))
+                except Exception:  # the process died before answering: still unknown
+                    got = 0
+                with self._lock:
+                    if self._probe is probe:
+                        self._instance, self._probe = got, None
+        return self._instance
+
+    def failed(self, died_for_good: bool) -> None:
+        """A call failed: the process it went to is gone (or silent); the next one is
+        another, to be learnt again. ``died_for_good``: no restart is coming under this
+        handle."""
+        with self._lock:
+            self._instance, self._probe = 0, None
+            self._dead = self._dead or (died_for_good and self.namespace is not None)
+
+    def _send_probe(self) -> None:
+        with self._lock:
+            try:
+                self._probe = self.actor.ping.remote()
+            except Exception:  # the handle is unusable: learnt after the next resolve
+                self._probe = None
+
+    def _resolve(self) -> bool:
+        """Look the shard's name up again (at most every RESOLVE_EVERY_S); True if a live
+        actor other than the dead one is there now."""
+        now = time.monotonic()
+        if now - self._resolved_at < RESOLVE_EVERY_S:
+            return False
+        self._resolved_at = now
+        try:
+            actor = ray.get_actor(self.shard_id, namespace=self.namespace)
+        except Exception:  # not placed (yet), or Ray unreachable
+            return False
+        if actor._actor_id == self.actor._actor_id:
+            return False  # the same dead actor: its name is still registered
+        with self._lock:
+            self.actor, self._dead, self._instance = actor, False, 0
+        self._send_probe()
+        log.info("shard %s: calls go to its new actor from now on", self.shard_id)
+        return True
 
 
 NAMESPACE = "hkv"  # the Ray namespace hkv up places its actors in
@@ -85,9 +174,11 @@ def shard_actors(namespace: str, names: Sequence[str] | None = None) -> dict[str
     return {n: ray.get_actor(n, namespace=namespace) for n in names}
 
 
-def ray_links(actors: Mapping[str, Any]) -> dict[str, RayLink]:
-    """One :class:`RayLink` per shard actor handle."""
-    return {sid: RayLink(sid, actor) for sid, actor in actors.items()}
+def ray_links(actors: Mapping[str, Any], namespace: str | None = NAMESPACE
+              ) -> dict[str, RayLink]:
+    """One :class:`RayLink` per shard actor handle (named in ``namespace``: a link whose actor
+    died for good finds the one placed under its name next; None: it does not look)."""
+    return {sid: RayLink(sid, actor, namespace) for sid, actor in actors.items()}
 
 
 class _StateHolder(LocalMetadata):
@@ -117,15 +208,16 @@ class ActorMetadata:
     def get_spec(self) -> CacheSpec:
         return self._call("get_spec")  # type: ignore[no-any-return]
 
-    def register_owner(self, owner: ShardId, pools: Mapping[str, PoolConfig]) -> int:
-        return int(self._call("register_owner", owner, dict(pools)))
+    def register_owner(self, owner: ShardId, pools: Mapping[str, PoolConfig],
+                       instance: int = 0) -> int:
+        return int(self._call("register_owner", owner, dict(pools), instance))
 
     def heartbeat(self, owner: ShardId, incarnation: int) -> None:
         self._call("heartbeat", owner, incarnation)
 
-    def mark_owner_lost(self, owner: ShardId, witnesses: Sequence[int] = ()
-                        ) -> int | None:
-        return self._call("mark_owner_lost", owner, list(witnesses))  # type: ignore[no-any-return]
+    def mark_owner_lost(self, owner: ShardId, witnesses: Sequence[int] = (),
+                        instance: int = 0) -> int | None:
+        return self._call("mark_owner_lost", owner, list(witnesses), instance)  # type: ignore[no-any-return]
 
     def confirm(self, owner: ShardId, reports: Sequence[ObjectReport], incarnation: int) -> int:
         return int(self._call("confirm", owner, list(reports), incarnation))

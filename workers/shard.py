@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import threading
 import time
 from collections.abc import Sequence
@@ -93,7 +94,7 @@ from .ports import (
     tag_bytes,
 )
 
-__all__ = ["PACK_BELOW", "REGISTER_ATTEMPTS", "ShardActor", "ShardConfig"]
+__all__ = ["PACK_BELOW", "REGISTER_ATTEMPTS", "ShardActor", "ShardConfig", "new_instance"]
 
 PACK_BELOW = 32 * 1024  # read spans smaller than this are packed into one buffer per call
 LOAD_CHUNK = 8  # disk loads begun, read and finished together (see ShardActor.load)
@@ -110,6 +111,11 @@ _HELD = {  # the state a block whose commit landed is vouched for in
     Kind.TAIL: State.TAIL_COMPLETE,
     Kind.INDEXER: State.INDEXER_SYNCED,
 }
+
+
+def new_instance() -> int:
+    """A shard process's own id: random, never 0, fits a proto uint64 and a Python int."""
+    return secrets.randbits(62) + 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +160,9 @@ class ShardActor:
         self._disk_ids: dict[DiskKey, ObjectId] = {}
         self._counts: dict[str, int] = {}
         self.incarnation = 0
+        # this process's own id, registered with the owner: a loss report names the process
+        # its failed call went to, never a successor (CacheState.mark_owner_lost)
+        self.instance = new_instance()
         self.confirmed = 0
         self._register()
         self._stop = threading.Event()
@@ -197,11 +206,12 @@ class ShardActor:
             held = [(g, r) for g, r in self._memory_reports() if mine.block(g, r.block)]
             self._reset_pools({(g, r.block) for g, r in held}, mine)
             if partitions is None:
-                self.incarnation = self.meta.register_owner(self.shard_id, self.pools.configs())
+                self.incarnation = self.meta.register_owner(self.shard_id, self.pools.configs(),
+                                                            self.instance)
             else:
                 assert isinstance(self.meta, PartitionedMetadata)
                 self.incarnation = self.meta.register_owner(
-                    self.shard_id, self.pools.configs(), partitions=partitions)
+                    self.shard_id, self.pools.configs(), self.instance, partitions=partitions)
             memory = self._confirm_memory(held)
             disk = self._confirm_disk(mine)
             self.confirmed = memory + disk
@@ -814,7 +824,8 @@ class ShardActor:
     # -- introspection ----------------------------------------------------------------------
 
     def ping(self) -> dict[str, Any]:
-        return {"shard_id": self.shard_id, "incarnation": self.incarnation, "pid": os.getpid(),
+        return {"shard_id": self.shard_id, "incarnation": self.incarnation,
+                "instance": self.instance, "pid": os.getpid(),
                 "node_id": self.config.node_id, "device": str(self.pools.device),
                 "time": time.time()}
 

@@ -169,8 +169,9 @@ class MetadataClient:
         resp = self._call("GetSpec", pb.GetSpecRequest(), idempotent=True)
         return spec_from_dict(json.loads(resp.spec_json))
 
-    def register_owner(self, owner: str, pools: Mapping[str, PoolConfig]) -> int:
-        req = pb.RegisterOwnerRequest(owner=owner)
+    def register_owner(self, owner: str, pools: Mapping[str, PoolConfig],
+                       instance: int = 0) -> int:
+        req = pb.RegisterOwnerRequest(owner=owner, instance=instance)
         for name, cfg in pools.items():
             req.pools[name].CopyFrom(pb.PoolConfig(num_blocks=cfg.num_blocks, stride=cfg.stride,
                                                    base_align=cfg.base_align,
@@ -181,11 +182,12 @@ class MetadataClient:
         self._call("Heartbeat", pb.HeartbeatRequest(owner=owner, incarnation=incarnation),
                    idempotent=True)
 
-    def mark_owner_lost(self, owner: str, witnesses: Sequence[int] = ()
-                        ) -> int | None:
-        """Objects ``owner`` held, declared lost; None: the witnesses showed the report
-        stale, and it was ignored (``CacheState.mark_owner_lost``)."""
-        req = pb.MarkOwnerLostRequest(owner=owner, witnesses=list(witnesses))
+    def mark_owner_lost(self, owner: str, witnesses: Sequence[int] = (),
+                        instance: int = 0) -> int | None:
+        """Objects ``owner`` held, declared lost; None: the report is about a process a
+        successor replaced, and was ignored (``CacheState.mark_owner_lost``)."""
+        req = pb.MarkOwnerLostRequest(owner=owner, witnesses=list(witnesses),
+                                      instance=instance)
         reply = self._call("MarkOwnerLost", req, idempotent=False)
         return None if reply.stale else int(reply.lost)
 

@@ -104,7 +104,7 @@ def dataplane(cfg: ConnectorConfig, spec: CacheSpec) -> DataPlane:
     if not actors:
         raise BadConnectorConfig("shards", f"no shard actors in Ray namespace "
                                  f"{cfg.ray_namespace!r} at {cfg.ray_address!r}: is hkv up?")
-    return DataPlane(metadata(cfg, spec), ray_links(actors), cfg.timeout_s)
+    return DataPlane(metadata(cfg, spec), ray_links(actors, cfg.ray_namespace), cfg.timeout_s)
 
 
 def _read(path: str | None, key: str) -> bytes | None:

@@ -35,6 +35,9 @@ class Owner:
     last_seen: float
     pools: dict[int, BlockPool] = field(default_factory=dict)
     alive: bool = True
+    # The owner process's own id (a shard picks one at start; 0: not given). A loss report
+    # names the instance its failed call went to, and only the current one's is applied.
+    instance: int = 0
     # DISK records its tier holds: a dict used as an ordered set, so a reap buries them in
     # the order they came (a set of records iterates by address: a replay of the same steps
     # reaped in another order, placed later loads on other blocks, and the stateful tests'

@@ -265,10 +265,12 @@ class CacheState:
 
     # ---- owners -------------------------------------------------------------------------
 
-    def register_owner(self, owner: ShardId, pools: Mapping[str, PoolConfig]) -> int:
+    def register_owner(self, owner: ShardId, pools: Mapping[str, PoolConfig],
+                       instance: int = 0) -> int:
         """(Re-)register an owner. A known owner coming back has lost its memory: its old
         incarnation is declared lost first (its objects are buried lazily, see :meth:`reap`).
-        Returns the new incarnation."""
+        ``instance``: the owner process's own id (the same process registering again after
+        a service restart keeps it), what loss reports name. Returns the new incarnation."""
         with self._lock:
             built: dict[int, BlockPool] = {}  # validate before touching anything
             for name, cfg in pools.items():
@@ -282,7 +284,7 @@ class CacheState:
                 self._make_room_for_owner(owner)
             self._owners_epoch += 1
             inc = next(self._incarnations)
-            self.owners[owner] = Owner(inc, self.clock(), built)
+            self.owners[owner] = Owner(inc, self.clock(), built, instance=instance)
             return inc
 
     def _make_room_for_owner(self, owner: ShardId) -> None:
@@ -321,25 +323,29 @@ class CacheState:
                 self.mark_owner_lost(s)
             return dead
 
-    def mark_owner_lost(self, owner: ShardId, witnesses: Sequence[int] = ()) -> int | None:
+    def mark_owner_lost(self, owner: ShardId, witnesses: Sequence[int] = (),
+                        instance: int = 0) -> int | None:
         """Memory of ``owner`` is gone: from now on none of its objects is a hit (O(1) here:
         the incarnation is marked dead and queued; :meth:`reap` buries its objects as LOST,
         and loaded disk copies on it as dropped, in slices). Returns how many objects it
-        held; 0 if it was lost already.
+        held; 0 if it was lost already; None if the report is stale and was ignored.
 
-        ``witnesses``: object ids of handles the failed call carried (an id is never reused;
-        a disk copy's generation changes with each load, so it is not part of the witness). The loss
-        is then declared only if one of them is still held by the owner's current
-        incarnation; else the call went to an incarnation a new registration has replaced
-        already (Ray reports a crashed call's failure once the restarted shard is up, and its
-        registration ended the old incarnation), the report is stale, and ending the new
-        incarnation with it would throw away what it just vouched for: None (ignored).
-        Without witnesses (an operator, the heartbeat expiry) the loss is declared."""
+        A data plane's report is about the process its failed call went to, and must not end
+        a successor that registered meanwhile (Ray reports a crashed call's failure once the
+        restarted shard is up; a replaced actor's old handle fails while the new one serves):
+
+        * ``instance``: the owner process the call went to. Declared only if that is the
+          owner's current registration's instance; else stale.
+        * ``witnesses`` (an owner registered without an instance, or a report that does not
+          know it): object ids of handles the failed call carried; declared only if one is
+          still held by the current incarnation. Weaker: evicted witnesses hide a real loss,
+          and a disk copy keeps its id across loads onto a successor.
+        * Neither (an operator, the heartbeat expiry): declared."""
         with self._lock:
             o = self._owner(owner)
             if not o.alive:
                 return 0
-            if witnesses and not any(self._held_now(owner, oid) for oid in witnesses):
+            if self._stale_report(owner, o, witnesses, instance):
                 self.counters.events["stale_loss_report"] += 1
                 return None
             held = sum(p.occupied() for p in o.pools.values()) + len(o.disk)
@@ -355,6 +361,12 @@ class CacheState:
                     self._bury(rec)
             self.counters.events["owner_lost"] += 1
             return held
+
+    def _stale_report(self, owner: ShardId, o: Owner, witnesses: Sequence[int],
+                      instance: int) -> bool:
+        if instance and o.instance:
+            return instance != o.instance
+        return bool(witnesses) and not any(self._held_now(owner, oid) for oid in witnesses)
 
     def _held_now(self, owner: ShardId, oid: int) -> bool:
         """Object ``oid`` is held by ``owner``'s current incarnation (its memory copy, or its

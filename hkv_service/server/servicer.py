@@ -106,7 +106,7 @@ class MetadataServicer(pb_grpc.MetadataServiceServicer):
         pools = {name: PoolConfig(p.num_blocks, p.stride, p.base_align or 4096, p.first_block)
                  for name, p in request.pools.items()}
         validation.check_pools(self.state, pools)
-        inc = self.state.register_owner(ShardId(request.owner), pools)
+        inc = self.state.register_owner(ShardId(request.owner), pools, request.instance)
         return pb.RegisterOwnerResponse(incarnation=inc)
 
     @_unary
@@ -116,7 +116,8 @@ class MetadataServicer(pb_grpc.MetadataServiceServicer):
 
     @_unary
     def MarkOwnerLost(self, request: Any, context: grpc.ServicerContext) -> Any:
-        lost = self.state.mark_owner_lost(ShardId(request.owner), list(request.witnesses))
+        lost = self.state.mark_owner_lost(ShardId(request.owner), list(request.witnesses),
+                                          request.instance)
         return pb.MarkOwnerLostResponse(lost=lost or 0, stale=lost is None)
 
     @_unary

@@ -349,3 +349,58 @@ def test_a_disk_copy_at_rest_witnesses_its_tier() -> None:
     assert st.mark_owner_lost(S1, witness) is not None  # the tier that holds it: declared
     with pytest.raises(UnknownOwner):
         st.begin_offload(oid, S1)
+
+
+# -- loss reports that name the owner's instance (issue 35, item 4) ------------------------
+
+P1, P2 = 0x1111, 0x2222  # two processes of shard S1: its instances
+
+
+def _instance_state() -> tuple[CacheState, list[BlockHash], dict[tuple[int, str], ObjectId]]:
+    st = CacheState(default_spec())
+    st.register_owner(S0, pools_for(st.layout, 256), instance=0x0F0F)
+    st.register_owner(S1, pools_for(st.layout, 256), instance=P1)
+    hashes = prompt_hashes(st.spec, BLOCKS)
+    return st, hashes, commit_prefix(st, hashes, owner=S1)
+
+
+def test_a_report_naming_the_current_instance_is_declared_whatever_was_evicted() -> None:
+    """Regression: judged by witnesses alone, a real loss whose witnesses were all evicted
+    before the report arrived was ignored, and the dead owner's other chains stayed hits
+    until its heartbeat expired."""
+    st, hashes, _ = _instance_state()
+    handles = _handles(st, hashes)[:3]
+    for h in handles:
+        st.evict(h.object_id)
+    assert st.mark_owner_lost(S1, _witnesses(handles), instance=P1) is not None
+    assert st.lookup(LookupRequest(hashes)).usable_tokens == 0
+
+
+def test_a_report_naming_an_earlier_instance_is_stale_even_if_a_witness_moved_on() -> None:
+    """Regression: a disk copy keeps its id across loads, so a stale report whose witness is
+    a copy later loaded onto the successor ended the successor."""
+    st, _, ids = _instance_state()
+    kv = next(o for o in ids.values() if st.objects[o].kind is Kind.COMPRESSED)
+    disk = st.begin_offload(kv, S0)  # S0's tier holds the copy
+    st.transition(disk.object_id, Event.OFFLOAD_COMMITTED)
+    st.begin_load(disk.object_id, S1)  # loaded onto P1
+    st.transition(disk.object_id, Event.LOAD_VERIFIED)
+    witness = [int(disk.object_id)]  # what a failed read on P1 names
+    inc = st.register_owner(S1, pools_for(st.layout, 256), instance=P2)  # P1 died
+    st.reap_all()  # the copy on P1 went back to rest; it loads onto P2, same id
+    assert st.objects[disk.object_id].state is State.ON_DISK
+    st.begin_load(disk.object_id, S1)
+    st.transition(disk.object_id, Event.LOAD_VERIFIED)
+    assert st.mark_owner_lost(S1, witness, instance=P1) is None  # about P1: stale
+    st.heartbeat(S1, inc)  # P2 is still current
+    assert st.mark_owner_lost(S1, witness, instance=P2) is not None  # about P2: declared
+    with pytest.raises(UnknownOwner):
+        st.heartbeat(S1, inc)
+
+
+def test_a_report_about_an_owner_registered_without_an_instance_goes_by_witnesses() -> None:
+    st, hashes, _ = _state()  # registered without instances (an older shard)
+    old = _handles(st, hashes)
+    st.register_owner(S1, pools_for(st.layout, 256))
+    assert st.mark_owner_lost(S1, _witnesses(old), instance=P1) is None  # witnesses judge
+    assert st.mark_owner_lost(S1, instance=P1) is not None  # nothing to judge by: declared

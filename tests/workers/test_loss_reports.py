@@ -8,11 +8,13 @@ order is forced in process: the failed call's answer is read after the successor
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
+from hkv_service.core.errors import HkvError
 from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.ids import ShardId
 from workers.dataplane import DataPlane, Recompute
@@ -99,3 +101,29 @@ def test_a_failure_of_the_current_incarnation_is_declared(system: InProcessSyste
     assert isinstance(plane.read(m, hashes), Recompute)
     assert not _owner_alive(system)
     assert plane.meta.lookup(LookupRequest(hashes)).usable_tokens == 0
+
+
+def test_a_real_loss_is_declared_though_its_witnesses_were_evicted(
+        system: InProcessSystem, w: Any) -> None:
+    """Regression (issue 35, item 4): judged by witnesses alone, a shard that died with every
+    handle of the failed call evicted meanwhile stayed alive in the view (its other chains
+    hits) until its heartbeat expired. The report names the process the call went to."""
+    plane = system.dataplane()
+    hashes = _written(plane, w)
+    other = _written(plane, w, seed=2)
+    m = plane.meta.lookup(LookupRequest(hashes))  # no lease: its objects may go
+    for h in (h for hs in m.handles.values() for h in hs):
+        with contextlib.suppress(HkvError):  # (an indexer went with its KV)
+            system.meta.evict(h.object_id)
+    system.crash_shard(SHARD)  # dead, no successor
+    assert isinstance(plane.read(m, hashes), Recompute)
+    assert not _owner_alive(system)
+    assert plane.meta.lookup(LookupRequest(other)).usable_tokens == 0
+
+
+def test_a_report_names_the_process_the_call_went_to(system: InProcessSystem, w: Any) -> None:
+    link = system.links[SHARD]
+    first = link.shard.instance
+    system.kill_shard(SHARD)
+    assert link.shard.instance not in (0, first)  # a new process, a new instance
+    assert system.parts[0].state.owners[ShardId(SHARD)].instance == link.shard.instance

@@ -224,3 +224,23 @@ def test_a_split_allocate_is_all_or_nothing_across_ranges(w: Any) -> None:
     got = meta.allocate(hs, slots)
     assert len(got) == len(slots) and not any(a.existing for a in got)
     assert all(p.state.object_count() > 0 for p in parts)
+
+
+def test_every_partition_is_told_whatever_one_answers(w: Any) -> None:
+    """Regression (issue 35, item 4): a witness partition that did not know the owner (just
+    restarted) raised UnknownOwner, and the partitions without a witness were never told.
+    With the instance every partition judges alone; one that does not know the owner, or
+    is down, stops none of the others."""
+    parts = _parts(3)
+    flaky = Down(parts[2])
+    meta = PartitionedMetadata([parts[0], parts[1], flaky])  # type: ignore[list-item]
+    meta.register_owner(OWNER, pools_for(LAYOUT, 9), instance=7)
+    mine = _committed(meta, w, 1)
+    parts[partition_of_id(mine[0], 3)].swap(  # the witness's partition restarted
+        CacheState(SPEC, StateConfig(partition=Partition(partition_of_id(mine[0], 3), 3))))
+    flaky.down = True
+    assert meta.mark_owner_lost(OWNER, mine, instance=8) is None  # another process: stale
+    assert all(p.state.owners[OWNER].alive for p in parts if OWNER in p.state.owners)
+    meta.mark_owner_lost(OWNER, mine, instance=7)  # current: every partition that can hear
+    told = [p for p in parts if OWNER in p.state.owners and p is not parts[2]]
+    assert told and not any(p.state.owners[OWNER].alive for p in told)

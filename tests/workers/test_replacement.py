@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hkv_service.core.funnel import LookupRequest
 from hkv_service.server.serve import OWNER_HEALTH_PREFIX
+from workers.dataplane import Recompute
 from workers.launcher import SystemConfig, dead_shards, reconcile_shards, start_system
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -73,10 +74,21 @@ def test_a_shard_dead_for_good_is_replaced_and_reported(tmp_path: Path, w: Any) 
         # it started cold: the old memory objects are gone, not served
         match = meta.lookup(LookupRequest(hashes, lease_ttl_s=0.0))
         assert match.usable_tokens == 0
-        # and it serves writes and reads again
-        dp = system.dataplane()
-        assert dp.write_prefix(hashes, blocks, tails).ok
+        # and it serves writes and reads again, also to a worker attached before the
+        # replacement (issue 35, item 5: its links named the dead actor, every call failed
+        # and reported the new shard lost, for as long as the worker ran)
+        owner = system.metadata()
+        lost_before = owner.stats()["events"].get("owner_lost", 0)
+        deadline = time.monotonic() + 10
+        while not dp.write_prefix(hashes, blocks, tails).ok:
+            assert time.monotonic() < deadline, "the old worker never reached the new shard"
+            time.sleep(0.2)
         assert meta.lookup(LookupRequest(hashes)).usable_tokens == 256
+        got = dp.read(meta.lookup(LookupRequest(hashes, lease_ttl_s=10.0)), hashes)
+        assert not isinstance(got, Recompute), got
+        assert owner.stats()["events"].get("owner_lost", 0) == lost_before
+        assert owner.stats()["gauges"]["owners_alive"] == 1
+        owner.close()
         meta.close()
     finally:
         system.stop()

@@ -214,7 +214,7 @@ class PoolConfig(_message.Message):
     def __init__(self, num_blocks: _Optional[int] = ..., stride: _Optional[int] = ..., base_align: _Optional[int] = ..., first_block: _Optional[int] = ...) -> None: ...
 
 class RegisterOwnerRequest(_message.Message):
-    __slots__ = ("owner", "pools")
+    __slots__ = ("owner", "pools", "instance")
     class PoolsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -224,9 +224,11 @@ class RegisterOwnerRequest(_message.Message):
         def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[PoolConfig, _Mapping]] = ...) -> None: ...
     OWNER_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
     owner: str
     pools: _containers.MessageMap[str, PoolConfig]
-    def __init__(self, owner: _Optional[str] = ..., pools: _Optional[_Mapping[str, PoolConfig]] = ...) -> None: ...
+    instance: int
+    def __init__(self, owner: _Optional[str] = ..., pools: _Optional[_Mapping[str, PoolConfig]] = ..., instance: _Optional[int] = ...) -> None: ...
 
 class RegisterOwnerResponse(_message.Message):
     __slots__ = ("incarnation",)
@@ -247,12 +249,14 @@ class HeartbeatResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class MarkOwnerLostRequest(_message.Message):
-    __slots__ = ("owner", "witnesses")
+    __slots__ = ("owner", "witnesses", "instance")
     OWNER_FIELD_NUMBER: _ClassVar[int]
     WITNESSES_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
     owner: str
     witnesses: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, owner: _Optional[str] = ..., witnesses: _Optional[_Iterable[int]] = ...) -> None: ...
+    instance: int
+    def __init__(self, owner: _Optional[str] = ..., witnesses: _Optional[_Iterable[int]] = ..., instance: _Optional[int] = ...) -> None: ...
 
 class MarkOwnerLostResponse(_message.Message):
     __slots__ = ("lost", "stale")
