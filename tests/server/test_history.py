@@ -18,7 +18,7 @@ from hkv_service.core.state_view import AllocRequest
 from hkv_service.core.states import TERMINAL_STATES, Event, Kind, State
 from hkv_service.core.transitions import TABLE, Params
 
-THREADS, OPS = 8, 120
+THREADS, OPS = 8, 200  # (no event rewrites a ready object's bytes: fewer are legal)
 EVENTS = {
     Kind.COMPRESSED: [Event.BEGIN_WRITE, Event.WRITE_DONE, Event.INDEXER_SYNC],
     Kind.SWA: [Event.WRITE_DONE, Event.BEGIN_WRITE, Event.TAIL_DONE],

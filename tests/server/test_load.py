@@ -9,6 +9,7 @@ from svc_util import Live, commit_remote, hashes, register
 from hkv_service.client import MetadataClient
 from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.states import Event
+from hkv_service.core.transitions import Params
 
 THREADS, OPS = 8, 250
 
@@ -23,10 +24,11 @@ def test_mixed_load_loses_nothing(live: Live, client: MetadataClient) -> None:
         try:
             with MetadataClient(live.endpoint) as c:
                 ids = commit_remote(c, prefixes[t])
-                swa = ids[(3, "swa")]
+                idx, kv = ids[(3, "idx")], ids[(3, "c4")]
+                version = live.state.objects[kv].version
                 for i in range(OPS):
-                    if i % 5 == 4:  # a legal re-write of a valid SWA block (same range)
-                        c.transition(swa, Event.WRITE_DONE)
+                    if i % 5 == 4:  # a legal repeat: the indexer synced again, same version
+                        c.transition(idx, Event.INDEXER_SYNC, Params(version=version))
                     else:
                         other = prefixes[(t + i) % THREADS]
                         m = c.lookup(LookupRequest(other))
@@ -50,4 +52,5 @@ def test_mixed_load_loses_nothing(live: Live, client: MetadataClient) -> None:
     assert total == sum(lookups) + THREADS
     objects_per_prefix = len(live.state.objects) // THREADS
     assert s["gauges"]["objects"] == THREADS * objects_per_prefix  # type: ignore[index]
-    assert s["transitions"]["SWA:SWA_VALID"] == THREADS * (4 + OPS // 5)  # type: ignore[index]
+    synced = s["transitions"]["INDEXER:INDEXER_SYNCED"]  # type: ignore[index]
+    assert synced == THREADS * (4 + OPS // 5)
