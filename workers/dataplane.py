@@ -93,6 +93,8 @@ class WriteReport:
         return not self.failed
 
 
+_GIVE_UP = Commit((Event.EVICT,))  # a fresh object its writer could not write or commit
+
 _OUTCOME_REASON = {
     Outcome.STALE: Reason.STALE_HANDLE,
     Outcome.LOST: Reason.OWNER_LOST,
@@ -237,9 +239,18 @@ class DataPlane:
         fresh = self._note_allocations(slots, allocs, report)
         existing = {s: a for s, a in zip(slots, allocs, strict=True) if a.existing}
         first, second, stale = self._plan(slots, fresh, existing, data, report)
-        second += self._replace(block_hashes, stale, owner, report)
-        self._write(block_hashes, first + second, data, report)
+        replaced = self._replace(block_hashes, stale, owner, report)
+        self._write(block_hashes, first + second + replaced, data, report)
+        self._give_back([report.handles[s] for s in (*fresh, *replaced) if s in report.failed])
         return report
+
+    def _give_back(self, handles: Sequence[Handle]) -> None:
+        """The objects this call allocated and could not write or commit go back (EVICT
+        from ALLOCATED: a writer gave up). Left, each held its slot as an object "already
+        there" that no later writer writes (a write whose shard died had stranded them for
+        good once stale loss reports stopped ending the live shard)."""
+        if handles:
+            self._quietly(lambda: commit_many(self.meta, [(h, _GIVE_UP) for h in handles]))
 
     def _plan(self, slots: list[Slot], fresh: list[Slot], existing: Mapping[Slot, Allocation],
               data: dict[Slot, tuple[Any, Commit]], report: WriteReport

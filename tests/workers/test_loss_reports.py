@@ -20,6 +20,7 @@ from hkv_service.core.ids import ShardId
 from workers.dataplane import DataPlane, Recompute
 from workers.inprocess import InProcessSystem
 from workers.link import Pending
+from workers.shard import ShardActor
 
 SHARD = "shard-0"
 
@@ -127,3 +128,27 @@ def test_a_report_names_the_process_the_call_went_to(system: InProcessSystem, w:
     system.kill_shard(SHARD)
     assert link.shard.instance not in (0, first)  # a new process, a new instance
     assert system.parts[0].state.owners[ShardId(SHARD)].instance == link.shard.instance
+
+
+def test_a_write_that_failed_gives_its_fresh_objects_back(
+        system: InProcessSystem, w: Any) -> None:
+    """A worker whose link still names a dead shard while its successor serves (a replaced
+    actor): the write fails, the stale report ends nothing, and the objects allocated on the
+    successor go back. Left ALLOCATED, each held its slot as "already there" and no later
+    writer wrote it (found by test_replacement once stale reports were ignored)."""
+    plane = system.dataplane()
+    system.crash_shard(SHARD)
+    successor = ShardActor(system.shard_config(SHARD))  # registered; the link names the old
+    try:
+        hashes = w.prompt(4, seed=5)
+        blocks, tails = w.prefix_payload(plane.layout, 4, seed=5)
+        assert not plane.write_prefix(hashes, blocks, tails).ok
+        assert _owner_alive(system)
+        state = system.parts[0].state
+        assert all(not any(e.mem) for e in (state.index.get(h) for h in hashes) if e)
+        system.links[SHARD].revive(successor)
+        assert plane.write_prefix(hashes, blocks, tails).ok
+        assert plane.meta.lookup(LookupRequest(hashes)).usable_tokens == 256
+    except BaseException:
+        successor.shutdown()
+        raise
