@@ -704,11 +704,10 @@ class DemoBackend:
 
     # ---- oracle and stats -------------------------------------------------------------------
 
-    def safe_prefix(self, hashes: Sequence[BlockHash], limit: int, abi_ok: bool = True) -> int:
+    def safe_prefix(self, hashes: Sequence[BlockHash], limit: int) -> int:
         """Longest LCM-aligned p <= limit whose needed blocks this backend wrote completely and
-        some live, aligned object still holds (its own books, never the funnel)."""
-        if not abi_ok:
-            return 0
+        some live, aligned object still holds (its own books, never the funnel), for a reader
+        of the spec's own kernel ABI."""
         lay = self.layout
         hb, lcm = lay.hash_block, lay.lcm
         self._sync()
