@@ -5,7 +5,8 @@ Ray cluster ``hkv up`` runs on, finds the shard actors itself, and returns a
 :class:`Worker` holding the metadata client and a :class:`~workers.dataplane.DataPlane` over
 them, plus the few rules a worker otherwise has to get right by hand (how to hash a prompt,
 where a lookup may resume). ``hkv up`` prints the ``attach(...)`` call for its system when it
-is ready.
+is ready. A metadata-service outage never raises out of a worker's lookup, read or write: it is
+a recompute (:mod:`workers.outage`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from hkv_service.core.spec import CacheSpec
 from hkv_service.core.state_view import Match
 from hkv_service.settings import TlsConfig
 
+from . import outage
 from .dataplane import DataPlane
 from .local import connect
 from .raylink import NAMESPACE, ray_links, shard_actors
@@ -53,12 +55,14 @@ class Worker:
 
     def lookup(self, tokens: Sequence[int] | np.ndarray, lease_ttl_s: float = 5.0
                ) -> tuple[list[BlockHash], Match]:
-        """The prompt's hashes and the funnel's answer for them (handles leased)."""
+        """The prompt's hashes and the funnel's answer for them (handles leased). While the
+        metadata service is out (restarting, unreachable, silent) the answer is "reuse
+        nothing", downgraded with ``outage.OUTAGE_REASON``: a recompute, never an error."""
         hashes = self.hashes(tokens)
         if not hashes:
             return hashes, Match(0, 0, ())
         req = LookupRequest(hashes, self.resume_point(tokens), lease_ttl_s=lease_ttl_s)
-        return hashes, self.meta.lookup(req)
+        return hashes, outage.lookup(self.meta, req)
 
     def close(self) -> None:
         self.meta.close()

@@ -45,6 +45,7 @@ from hkv_service.core.states import TERMINAL_STATES, Event, Kind, Reason, State
 from hkv_service.core.transitions import Params
 from hkv_service.refmodel import BlockRun
 from hkv_service.testing import flip_on_disk
+from workers import outage
 from workers.dataplane import PendingLoad, Recompute
 from workers.link import ShardUnavailable
 from workers.ports import BlockTag, Commit
@@ -319,10 +320,12 @@ class DemoBackend:
                reader_abi: Mapping[str, int] | None = None, lease: bool = True,
                wait_in_flight: bool = True) -> Lookup:
         """The funnel's answer. DISK_INFLIGHT here is mostly another worker's load under way:
-        with ``wait_in_flight`` it is waited for (twice at most) rather than recomputed."""
+        with ``wait_in_flight`` it is waited for (twice at most) rather than recomputed. While
+        the metadata service is out (another worker's service_restart) the answer is "reuse
+        nothing" with ``outage.OUTAGE_REASON``, as an inference worker's is."""
         req = LookupRequest(list(hashes), resume_tokens, dict(reader_abi) if reader_abi else None,
                             ALIGNMENT, LEASE_TTL_S if lease else 0.0)
-        m = self.meta.lookup(req)
+        m = outage.lookup(self.meta, req)
         for _ in range(2 if wait_in_flight else 0):
             if not any(d.reason is Reason.DISK_INFLIGHT for d in m.downgrades):
                 break
@@ -331,7 +334,7 @@ class DemoBackend:
                     self.meta.release_lease(m.lease_id)
             self.events["waited_for_inflight_load"] += 1
             self._stop.wait(SLOW_LOAD_S / 2)
-            m = self.meta.lookup(req)
+            m = outage.lookup(self.meta, req)
         return Lookup(m, m.usable_tokens, hashes, dict(m.handles), m.lease_id)
 
     def load(self, lk: Lookup, slow: bool = False) -> list[str]:
@@ -360,7 +363,7 @@ class DemoBackend:
                             handles=False)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            m = self.meta.lookup(req)
+            m = outage.lookup(self.meta, req)  # an outage: nothing to see, until the deadline
             if any(d.reason is Reason.DISK_INFLIGHT for d in m.downgrades):
                 return
             self._stop.wait(0.01)
@@ -719,11 +722,10 @@ class DemoBackend:
 
     # ---- oracle and stats -------------------------------------------------------------------
 
-    def safe_prefix(self, hashes: Sequence[BlockHash], limit: int, abi_ok: bool = True) -> int:
+    def safe_prefix(self, hashes: Sequence[BlockHash], limit: int) -> int:
         """Longest LCM-aligned p <= limit whose needed blocks this backend wrote completely and
-        some live, aligned object still holds (its own books, never the funnel)."""
-        if not abi_ok:
-            return 0
+        some live, aligned object still holds (its own books, never the funnel), for a reader
+        of the spec's own kernel ABI."""
         lay = self.layout
         hb, lcm = lay.hash_block, lay.lcm
         self._sync()

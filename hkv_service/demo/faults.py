@@ -1,8 +1,17 @@
-"""Named faults for the demo: parse ``--faults``, roll them with a seeded RNG, count them.
+"""Named faults for the demo: parse ``--faults``, schedule and roll them, count them.
 
 Each fault makes the bytes really wrong (zeros, old bytes, a flipped bit, a freed block) so a
 funnel that wrongly reported a hit would produce a silent error. ``EXPECTED`` names the
 downgrade (funnel reason or read-time outcome) each fault must produce.
+
+Every requested fault lands at least once a run, then the rest are drawn at the rates. A fault
+can only be injected where it has an opportunity (``OPPORTUNITY``: a disk bit flip needs a
+request that loads a disk copy, a shard kill a lookup that matched something ...). Each has a
+turn, a request drawn (seeded) from the first half of the run; from the moment the run reaches
+it the fault is *owed*, and every opportunity injects it (no draw) until one lands; after that,
+one draw at its rate per opportunity. So a requested fault is missing from a run only when no
+opportunity came after its turn; the report names it in ``faults_missing`` with what it needed
+(a run of 2 requests has evicted nothing: no disk load, no disk bit flip).
 """
 
 from __future__ import annotations
@@ -14,7 +23,8 @@ from dataclasses import dataclass, field
 
 from hkv_service.core.states import Reason
 
-__all__ = ["DEFAULT_RATES", "EXPECTED", "FaultPlan", "FaultSpecError", "parse_faults"]
+__all__ = ["DEFAULT_RATES", "EXPECTED", "OPPORTUNITY", "FaultPlan", "FaultSpecError",
+           "parse_faults"]
 
 DEFAULT_RATES: dict[str, float] = {
     "evict_race": 0.15,  # evict a matched block between lookup and read (reader has no lease)
@@ -44,6 +54,21 @@ EXPECTED: dict[str, str] = {
     "misaligned_handle": Reason.MISALIGNED.value,
 }
 
+
+# Where each fault can be injected (worker.py rolls it there, and counts it once it landed).
+OPPORTUNITY: dict[str, str] = {
+    "evict_race": "a lookup without a lease that matched a memory block",
+    "partial_tail": "a write-back of a new tail at the prompt's last resume point",
+    "stale_indexer": "a write-back of a new indexer block",
+    "slow_disk_load": "a lookup whose match loads a disk copy",
+    "disk_bitflip": "a lookup whose match loads a disk copy of a compressed or sliding-window "
+                    "block",
+    "shard_kill": "a lookup that matched something",
+    "service_restart": "a lookup that matched something",
+    "pool_pressure": "the run itself (its pools are small from the start)",
+    "abi_mismatch": "a request with a prefix that is safe to reuse",
+    "misaligned_handle": "a write-back of new blocks",
+}
 
 class FaultSpecError(ValueError):
     """A ``--faults`` value that names an unknown fault or a bad rate."""
@@ -80,25 +105,42 @@ def parse_faults(text: str | None) -> dict[str, float]:
 
 @dataclass
 class FaultPlan:
-    """Which faults are on, at what rate; a seeded, thread-safe roll; counts of injections."""
+    """Which faults are on, at what rate, and each one's turn (see the module); a seeded,
+    thread-safe roll; counts of injections. ``requests``: the run's length (turns fall in
+    its first half; 0: every fault owed from the start)."""
 
     rates: dict[str, float]
     seed: int = 0
+    requests: int = 0
     injected: Counter[str] = field(default_factory=Counter)
+    turn: dict[str, int] = field(init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _rng: random.Random = field(init=False)
+    _started: int = field(init=False, default=0)  # requests started: the run's clock
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed * 7919 + 17)
+        turns = random.Random(self.seed * 7919 + 29)  # apart: the draws do not move the turns
+        span = max(1, self.requests // 2)
+        self.turn = {name: turns.randrange(span) for name in sorted(self.rates)
+                     if self.rates[name] > 0.0}
 
     def on(self, name: str) -> bool:
         return self.rates.get(name, 0.0) > 0.0
 
+    def start(self) -> None:
+        """A request starts (the clock the turns are on)."""
+        with self._lock:
+            self._started += 1
+
     def roll(self, name: str) -> bool:
+        """Inject ``name`` at this opportunity? Yes while it is owed; else a draw at its rate."""
         rate = self.rates.get(name, 0.0)
         if rate <= 0.0:
             return False
         with self._lock:
+            if not self.injected[name] and self._started > self.turn[name]:
+                return True
             return self._rng.random() < rate
 
     def choice(self, n: int) -> int:
@@ -108,3 +150,8 @@ class FaultPlan:
     def count(self, name: str, n: int = 1) -> None:
         with self._lock:
             self.injected[name] += n
+
+    def missing(self) -> list[str]:
+        """Requested faults not injected (so far)."""
+        with self._lock:
+            return sorted(name for name in self.turn if not self.injected[name])

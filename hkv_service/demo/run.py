@@ -29,7 +29,7 @@ from hkv_service.settings import MAX_PARTITIONS
 from hkv_service.specs import default_spec
 
 from .backend import DemoBackend
-from .faults import EXPECTED, FaultPlan, FaultSpecError, parse_faults
+from .faults import EXPECTED, OPPORTUNITY, FaultPlan, FaultSpecError, parse_faults
 from .worker import Totals, Worker
 from .workload import long_prompt_workload, make_workload
 
@@ -68,6 +68,10 @@ def backend_choice(default: str = "system") -> str:
     return choice
 
 
+def pool_pressure_on(rates: dict[str, float]) -> bool:
+    return rates.get("pool_pressure", 0.0) > 0.0
+
+
 def make_backend(model: RefModel, rates: dict[str, float], note: Any = None,
                  default: str = "system", unsafe_skip_read_check: bool = False,
                  partitions: int = 1, range_blocks: int = 0) -> DemoBackend:
@@ -79,7 +83,7 @@ def make_backend(model: RefModel, rates: dict[str, float], note: Any = None,
     # asked for by name (HKV_DEMO_BACKEND): a system that cannot start is an error, never a
     # silent run on the other wiring; only the default falls back, and says so
     asked = bool(os.environ.get("HKV_DEMO_BACKEND", "").strip())
-    pool = PRESSURE_POOL if rates.get("pool_pressure", 0.0) > 0 else NORMAL_POOL
+    pool = PRESSURE_POOL if pool_pressure_on(rates) else NORMAL_POOL
     odd = rates.get("misaligned_handle", 0.0) > 0
     wiring: Wiring | None = None
     if choice == "system" and not unsafe_skip_read_check:
@@ -116,7 +120,9 @@ def run_workload(
     model = RefModel(spec)
     be = make_backend(model, rates, progress, backend, unsafe_skip_read_check, partitions,
                       range_blocks)
-    plan = FaultPlan(rates, seed)
+    plan = FaultPlan(rates, seed, requests)
+    if pool_pressure_on(rates):
+        plan.count("pool_pressure")  # it is the whole run's pools (make_backend sized them)
     wl = make_workload(requests, seed, vocab=model.config.vocab)
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // max(1, workers)))
     totals = Totals()
@@ -234,6 +240,9 @@ def _report(totals: Totals, plan: FaultPlan, st: dict[str, Any], elapsed: float,
         "fallbacks": dict(sorted(totals.fallbacks.items())),
         "transitions": transitions,
         "faults_injected": dict(sorted(plan.injected.items())),
+        "faults_missing": {name: f"needs {OPPORTUNITY[name]}: none came from its turn "
+                                 f"(request {plan.turn[name] + 1} of {totals.requests}) on"
+                           for name in plan.missing()},
         "faults_expected": expected,
         "time_s": {k: round(v, 4) for k, v in sorted(totals.time_s.items())},
         "elapsed_s": round(elapsed, 3),
@@ -262,6 +271,8 @@ def _summary(rep: dict[str, Any]) -> str:
     if rep["faults_injected"]:
         lines.append("  faults injected   " + ", ".join(f"{k}={v}" for k, v in
                                                          rep["faults_injected"].items()))
+    for name, why in rep["faults_missing"].items():
+        lines.append(f"  fault missing     {name}: {why}")
     t = rep["time_s"]
     lines.append(f"  time (s)          lookup {t.get('lookup', 0):.3f}  transfer "
                  f"{t.get('transfer', 0):.3f}  compute {t.get('compute', 0):.3f}  "
