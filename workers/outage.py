@@ -42,11 +42,9 @@ __all__ = ["OUTAGE_REASON", "is_outage", "lookup", "outage_match"]
 
 log = logging.getLogger(__name__)
 
-# Interim: core's Reason has no value of its own for "the metadata service did not answer"
-# (adding one means core/states.py and the proto's Reason enum). Until then the outage is
-# named by the Unavailable family's reason, the one the data plane already gives a party that
-# did not answer (Outcome.UNAVAILABLE); the log line says it was the metadata service.
-OUTAGE_REASON: Final = Reason.OWNER_LOST
+# The metadata service did not answer (restarting, down): a reason of its own, so the
+# fallbacks tell a service outage from a shard loss.
+OUTAGE_REASON: Final = Reason.SERVICE_UNAVAILABLE
 _OUTAGE_CODES = frozenset({"DEADLINE_EXCEEDED"})  # UNAVAILABLE arrives as Unavailable itself
 
 

@@ -76,3 +76,5 @@ class Reason(enum.StrEnum):
     STALE_HANDLE = "STALE_HANDLE"  # read time: generation moved on (TOCTOU)
     ADMISSION = "ADMISSION"  # a needed disk load was refused by the admission cap
     TOPOLOGY_CHANGED = "TOPOLOGY_CHANGED"  # a captured graph's blocks changed
+    # a worker's call could not reach the metadata service (restarting, down): recompute
+    SERVICE_UNAVAILABLE = "SERVICE_UNAVAILABLE"

@@ -72,6 +72,7 @@ class Reason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REASON_STALE_HANDLE: _ClassVar[Reason]
     REASON_ADMISSION: _ClassVar[Reason]
     REASON_TOPOLOGY_CHANGED: _ClassVar[Reason]
+    REASON_SERVICE_UNAVAILABLE: _ClassVar[Reason]
 KIND_UNSPECIFIED: Kind
 KIND_COMPRESSED: Kind
 KIND_TAIL: Kind
@@ -126,6 +127,7 @@ REASON_MISALIGNED: Reason
 REASON_STALE_HANDLE: Reason
 REASON_ADMISSION: Reason
 REASON_TOPOLOGY_CHANGED: Reason
+REASON_SERVICE_UNAVAILABLE: Reason
 
 class Handle(_message.Message):
     __slots__ = ("object_id", "generation", "shard", "column", "block", "kind", "group", "nbytes", "abi_fingerprint", "address")
