@@ -52,14 +52,13 @@ from .raylink import NAMESPACE, ray_links
 from .shard import ShardActor, ShardConfig
 
 __all__ = [
-    "System", "SystemConfig", "clear_stale_ray", "init_local_ray", "serve_argv", "start_system",
-    "worker_pythonpath",
+    "System", "SystemConfig", "clear_stale_ray", "init_local_ray", "ray_address_file",
+    "serve_argv", "start_system", "worker_pythonpath",
 ]
 
 log = logging.getLogger(__name__)
 
 _ray: Any = ray  # some ray entry points are untyped
-RAY_CURRENT = Path("/tmp/ray/ray_current_cluster")
 _HEAD_RESOURCE = "node:__internal_head__"  # ray's marker resource of the head node
 RECONCILE_EVERY_TICKS = 10  # hkv up looks for newly joined nodes every 5 s
 _LISTENING = re.compile(r"listening on (\S+):(\d+)")
@@ -280,7 +279,7 @@ def init_local_ray(attempts: int = 3, **kwargs: Any) -> None:
             ray.init(**kwargs)
             return
         except ConnectionError:
-            RAY_CURRENT.unlink(missing_ok=True)
+            ray_address_file().unlink(missing_ok=True)
         except Exception as err:  # ray raises a bare Exception for the start-up timeout
             if "timed out during startup" not in str(err) or attempt == attempts:
                 raise
@@ -289,11 +288,25 @@ def init_local_ray(attempts: int = 3, **kwargs: Any) -> None:
     ray.init(**kwargs)
 
 
-def clear_stale_ray() -> bool:
-    """Remove ``/tmp/ray/ray_current_cluster`` when the GCS it names no longer answers (a
-    killed run left it); a live cluster's file is left alone. True if one was removed."""
+def ray_address_file() -> Path:
+    """The file naming the Ray cluster last started on this machine, the one ``ray.init`` with
+    no address or ``"auto"`` joins: ``ray_current_cluster`` in Ray's temp dir, which is
+    ``$RAY_TMPDIR/ray`` (else ``$TMPDIR/ray``, else ``/tmp/ray``), not always ``/tmp/ray``."""
     try:
-        addr = RAY_CURRENT.read_text().strip()
+        from ray._common.utils import get_ray_address_file
+    except ImportError:  # another Ray: the same rule, as Ray 2.60 has it
+        base = os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp"
+        return Path(base) / "ray" / "ray_current_cluster"
+    return Path(get_ray_address_file(None))
+
+
+def clear_stale_ray() -> bool:
+    """Remove Ray's address file (:func:`ray_address_file`) when the GCS it names no longer
+    answers (a killed run left it); a live cluster's file is left alone. True if one was
+    removed."""
+    pointer = ray_address_file()
+    try:
+        addr = pointer.read_text().strip()
     except OSError:
         return False
     host, _, port = addr.rpartition(":")
@@ -302,7 +315,7 @@ def clear_stale_ray() -> bool:
             return False
     except (OSError, ValueError):
         pass
-    RAY_CURRENT.unlink(missing_ok=True)
+    pointer.unlink(missing_ok=True)
     return True
 
 
