@@ -421,6 +421,19 @@ class SystemSettings(ServiceSettings):
     disk_budget_bytes: int = setting(1 << 30, "byte budget of each node's disk tier "
                                      "(default 1 GiB)", _positive)
     shards_per_node: int = setting(1, "shard actors per node (default 1)", _positive)
+    service_restarts: int = setting(5, "restarts of a metadata service that exited that hkv "
+                                    "up makes within --restart-window-s; one more death "
+                                    "within it (a crash loop) stops hkv up with exit 1 "
+                                    "(default 5)", _positive)
+    shard_replacements: int = setting(5, "new actors hkv up places for one shard that died "
+                                      "for good (its Ray restarts used up) within "
+                                      "--restart-window-s; past them its node goes without "
+                                      "that shard until the window has room (default 5)",
+                                      _positive)
+    restart_window_s: float = setting(600.0, "the time window of --service-restarts and "
+                                      "--shard-replacements, in seconds: deaths further apart "
+                                      "are restarted however many there are (default 600)",
+                                      _above_zero)
     service_replicas: int = setting(1, "metadata partitions, each its own service (a `hkv "
                                     "serve` process, or a Ray actor with --address) on "
                                     "consecutive ports from --port (and --metrics-port); a "

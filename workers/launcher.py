@@ -46,6 +46,7 @@ from hkv_service.settings import (
     is_loopback,
 )
 
+from .budget import RestartBudget
 from .dataplane import DataPlane
 from .local import connect
 from .raylink import NAMESPACE, ray_links
@@ -85,8 +86,23 @@ class System:
     token: str | None = None
     tls: TlsConfig | None = None  # what this side's clients use to reach the service
     replaced: dict[str, int] = field(default_factory=dict)  # shard id -> times replaced
-    service_restarts: int = 0
+    service_restarts: int = 0  # restarts made so far (the budget below bounds their rate)
     inputs: ServiceInputs | None = None  # what the service actors are started with again
+    clock: Callable[[], float] = time.monotonic  # what the restart budgets are spent on
+    service_budget: RestartBudget = field(init=False)  # --service-restarts/--restart-window-s
+    shard_budgets: dict[str, RestartBudget] = field(default_factory=dict)  # shard id -> its
+    held: set[str] = field(default_factory=set)  # dead shards left unreplaced: a crash loop
+
+    def __post_init__(self) -> None:
+        self.service_budget = RestartBudget(self.config.service_restarts,
+                                            self.config.restart_window_s)
+
+    def shard_budget(self, sid: str) -> RestartBudget:
+        """The replacement budget of shard ``sid`` (--shard-replacements/--restart-window-s)."""
+        if sid not in self.shard_budgets:
+            self.shard_budgets[sid] = RestartBudget(self.config.shard_replacements,
+                                                    self.config.restart_window_s)
+        return self.shard_budgets[sid]
 
     @property
     def service(self) -> subprocess.Popen[str] | None:
@@ -621,8 +637,20 @@ def reconcile_shards(system: System, emit: Emit) -> None:
     """Replace shards that died for good (a new actor of the same name on the same node: a new
     incarnation, empty pools, the node's disk tier re-confirmed), and place shards on nodes
     that joined after start-up (KubeRay workers come up after the head); called periodically
-    by ``hkv up``."""
+    by ``hkv up``. A shard whose replacements within the window are used up (a crash loop) is
+    left dead in ``system.shards``, which keeps its node from getting another, until the
+    window has room again; it is reported once."""
     for sid in dead_shards(system):
+        if not system.shard_budget(sid).spend(system.clock()):
+            if sid not in system.held:
+                system.held.add(sid)
+                emit(f"shard {sid} died for good again after "
+                     f"{system.config.shard_replacements} replacement(s) within "
+                     f"{system.config.restart_window_s:g} s (--shard-replacements, "
+                     "--restart-window-s): a crash loop; not replacing it until the window "
+                     "has room")
+            continue
+        system.held.discard(sid)
         system.shards.pop(sid, None)
         system.replaced[sid] = system.replaced.get(sid, 0) + 1
         emit(f"shard {sid} died for good (restarts used up); placing a new one")
