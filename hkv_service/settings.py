@@ -415,7 +415,8 @@ class SystemSettings(ServiceSettings):
     address: str | None = setting(None, "join an existing Ray cluster ('auto' or "
                                   "ray://host:port); default starts a local Ray instance")
     data_dir: str = setting("hkv-data", "folder under which each shard keeps its LMDB disk "
-                            "tier (default ./hkv-data)", _not_empty)
+                            "tier (shard-KEY-K: hkv up started again finds the tiers there "
+                            "and keeps their names; default ./hkv-data)", _not_empty)
     blocks_per_group: int = setting(256, "blocks each shard allocates per cache group "
                                     "(default 256)", _positive)
     disk_budget_bytes: int = setting(1 << 30, "byte budget of each node's disk tier "

@@ -49,7 +49,8 @@ from hkv_service.settings import (
 from .budget import RestartBudget
 from .dataplane import DataPlane
 from .local import connect
-from .raylink import NAMESPACE, ray_links
+from .nodekey import assign_keys, tier_keys
+from .raylink import NAMESPACE, SHARD_PREFIX, ray_links
 from .shard import ShardActor, ShardConfig
 
 __all__ = [
@@ -92,6 +93,7 @@ class System:
     service_budget: RestartBudget = field(init=False)  # --service-restarts/--restart-window-s
     shard_budgets: dict[str, RestartBudget] = field(default_factory=dict)  # shard id -> its
     held: set[str] = field(default_factory=set)  # dead shards left unreplaced: a crash loop
+    node_keys: dict[str, str] = field(default_factory=dict)  # node id -> its disk tiers' key
 
     def __post_init__(self) -> None:
         self.service_budget = RestartBudget(self.config.service_restarts,
@@ -250,7 +252,8 @@ def start_system(config: SystemConfig, emit: Emit | None = None,
             which = "" if config.service_replicas == 1 else \
                 f" partition {i}/{config.service_replicas}"
             say(f"metadata service{which}{pid} listening on {b}{via}")
-        system.shards = place_shards(config, system.endpoint, creds.token, tls=creds.tls)
+        system.shards = place_shards(config, system.endpoint, creds.token, tls=creds.tls,
+                                     keys=system.node_keys)
         say(f"{len(system.shards)} shard(s) up: {', '.join(sorted(system.shards))}")
     except BaseException:
         system.stop()
@@ -568,18 +571,24 @@ def shard_actor_class(max_restarts: int = 1, max_task_retries: int = 0) -> Any:
 
 def place_shards(config: SystemConfig, endpoint: str, token: str | None = None,
                  metadata: Any = None, existing: Mapping[str, Any] | None = None,
-                 tls: TlsConfig | None = None) -> dict[str, Any]:
-    """One shard per alive node (``shards_per_node`` each), pinned there by node affinity;
-    nodes in ``existing`` are skipped, so calling it again places shards on nodes that joined
-    since. ``metadata`` overrides the endpoint (e.g. a MetadataActor handle in tests);
-    ``token`` and ``tls`` are how shards reach the service (``System.token``/``tls``)."""
+                 tls: TlsConfig | None = None, keys: dict[str, str] | None = None
+                 ) -> dict[str, Any]:
+    """One shard per alive node (``shards_per_node`` each), pinned there by node affinity,
+    named ``shard-<key>-<k>`` after the node's disk key (:func:`node_keys`: its disk tier is
+    ``DATA_DIR/<name>``, found again by every run); shards in ``existing`` are skipped, so
+    calling it again places shards on nodes that joined since. ``keys``: node id -> key, kept
+    by the caller across calls (``System.node_keys``), updated here. ``metadata`` overrides
+    the endpoint (e.g. a MetadataActor handle in tests); ``token`` and ``tls`` are how shards
+    reach the service (``System.token``/``tls``)."""
     cls = shard_actor_class(config.max_restarts)
     shards: dict[str, Any] = {}
     data_dir = str(Path(config.data_dir).resolve())
     cap = AdmissionCap(config.max_inflight_objects, config.max_inflight_bytes)
-    for node in _shard_nodes(config):
+    nodes = _shard_nodes(config)
+    keys = node_keys(nodes, data_dir, config.start_timeout_s, keys)
+    for node in nodes:
         for k in range(config.shards_per_node):
-            sid = f"shard-{node['NodeID'][:8]}-{k}"
+            sid = f"{SHARD_PREFIX}{keys[node['NodeID']]}-{k}"
             if existing is not None and sid in existing:
                 continue
             cfg = ShardConfig(sid, metadata if metadata is not None else endpoint, data_dir,
@@ -592,6 +601,28 @@ def place_shards(config: SystemConfig, endpoint: str, token: str | None = None,
                                       scheduling_strategy=strategy).remote(cfg)
     ray.get([a.ping.remote() for a in shards.values()], timeout=config.start_timeout_s)
     return shards
+
+
+_tier_keys_task: Any = ray.remote(num_cpus=0)(tier_keys)  # runs on the node it is pinned to
+
+
+def node_keys(nodes: list[dict[str, Any]], data_dir: str, timeout_s: float,
+              known: dict[str, str] | None = None) -> dict[str, str]:
+    """Node id -> the key its shards' disk tiers are named after (:mod:`workers.nodekey`):
+    the keys found in the node's data dir, read by a Ray task pinned there, divided among
+    ``nodes`` (one each; a new key where none is left). ``known`` is updated in place: only
+    nodes new to it are asked; nodes no longer in ``nodes`` are forgotten, so one that comes
+    back (a new Ray node id, the same disk) finds its key again."""
+    keys = known if known is not None else {}
+    alive = {n["NodeID"] for n in nodes}
+    for gone in [n for n in keys if n not in alive]:
+        del keys[gone]
+    todo = [n["NodeID"] for n in nodes if n["NodeID"] not in keys]
+    pin = [NodeAffinitySchedulingStrategy(n, soft=False) for n in todo]
+    refs = [_tier_keys_task.options(scheduling_strategy=p).remote(data_dir) for p in pin]
+    found = ray.get(refs, timeout=timeout_s)
+    keys.update(assign_keys(zip(todo, found, strict=True), taken=keys.values()))
+    return keys
 
 
 def _shard_nodes(config: SystemConfig) -> list[dict[str, Any]]:
@@ -656,7 +687,7 @@ def reconcile_shards(system: System, emit: Emit) -> None:
         emit(f"shard {sid} died for good (restarts used up); placing a new one")
     try:
         added = place_shards(system.config, system.endpoint, system.token,
-                             existing=system.shards, tls=system.tls)
+                             existing=system.shards, tls=system.tls, keys=system.node_keys)
     except Exception as exc:  # a node that failed to take a shard: try next time
         emit(f"could not place a shard ({type(exc).__name__}: {exc}); trying again")
         return
