@@ -415,12 +415,26 @@ class SystemSettings(ServiceSettings):
     address: str | None = setting(None, "join an existing Ray cluster ('auto' or "
                                   "ray://host:port); default starts a local Ray instance")
     data_dir: str = setting("hkv-data", "folder under which each shard keeps its LMDB disk "
-                            "tier (default ./hkv-data)", _not_empty)
+                            "tier (shard-KEY-K: hkv up started again finds the tiers there "
+                            "and keeps their names; default ./hkv-data)", _not_empty)
     blocks_per_group: int = setting(256, "blocks each shard allocates per cache group "
                                     "(default 256)", _positive)
     disk_budget_bytes: int = setting(1 << 30, "byte budget of each node's disk tier "
                                      "(default 1 GiB)", _positive)
     shards_per_node: int = setting(1, "shard actors per node (default 1)", _positive)
+    service_restarts: int = setting(5, "restarts of a metadata service that exited that hkv "
+                                    "up makes within --restart-window-s; one more death "
+                                    "within it (a crash loop) stops hkv up with exit 1 "
+                                    "(default 5)", _positive)
+    shard_replacements: int = setting(5, "new actors hkv up places for one shard that died "
+                                      "for good (its Ray restarts used up) within "
+                                      "--restart-window-s; past them its node goes without "
+                                      "that shard until the window has room (default 5)",
+                                      _positive)
+    restart_window_s: float = setting(600.0, "the time window of --service-restarts and "
+                                      "--shard-replacements, in seconds: deaths further apart "
+                                      "are restarted however many there are (default 600)",
+                                      _above_zero)
     service_replicas: int = setting(1, "metadata partitions, each its own service (a `hkv "
                                     "serve` process, or a Ray actor with --address) on "
                                     "consecutive ports from --port (and --metrics-port); a "

@@ -21,6 +21,7 @@ import contextlib
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -113,9 +114,6 @@ class _StopSignals:
                 signal.signal(sig, self)
 
 
-SERVICE_RESTARTS = 5  # a metadata service that keeps dying is a bug to report, not to hide
-
-
 def _gcs_address() -> str:
     """The Ray address a worker joins (``ray.init(address=...)``) to reach the shards."""
     import ray
@@ -135,8 +133,10 @@ def _shutdown_ray() -> None:
 
 
 def _wait(system: System, stop: _StopSignals, say: Emit) -> int:
-    """0 once a signal asks to stop. A metadata service that exits on its own is started
-    again on its port (the shards rejoin it), up to SERVICE_RESTARTS times; 1 after that."""
+    """0 once a signal asks to stop. A metadata service that exits on its own (its process, or
+    its actor under --address) is started again on its port and the shards rejoin it, every
+    time, as long as the restart budget allows (``--service-restarts`` within
+    ``--restart-window-s``); a death past it is a crash loop: 1, with a sentence."""
     from workers.launcher import RECONCILE_EVERY_TICKS, dead_service_actors, reconcile_shards
 
     ticks = 0
@@ -145,36 +145,47 @@ def _wait(system: System, stop: _StopSignals, say: Emit) -> int:
         for i, proc in enumerate(system.services):
             if proc.poll() is None:
                 continue
-            code = proc.returncode
-            if system.service_restarts >= SERVICE_RESTARTS:
-                sys.stderr.write(f"hkv up: error: the metadata service exited (code {code}) "
-                                 f"after {SERVICE_RESTARTS} restarts; giving up\n")
-                return 1
             which = "" if len(system.services) == 1 else f" partition {i}"
-            say(f"metadata service{which} exited (code {code}); starting it again "
-                f"({system.service_restarts + 1}/{SERVICE_RESTARTS})")
-            try:
-                system.restart_service(say, partition=i)
-            except Exception as exc:
-                sys.stderr.write(f"hkv up: error: could not restart the metadata service: "
-                                 f"{exc}\n")
+            if not _may_restart(system, f"metadata service{which} exited (code "
+                                        f"{proc.returncode})", say):
                 return 1
+            _attempt(say, system.restart_service, say, partition=i)
         ticks += 1
         if ticks % RECONCILE_EVERY_TICKS == 0:
             for i in dead_service_actors(system) if system.service_actors else []:
-                if system.service_restarts >= SERVICE_RESTARTS:
-                    sys.stderr.write(f"hkv up: error: a metadata service actor died after "
-                                     f"{SERVICE_RESTARTS} restarts; giving up\n")
+                if not _may_restart(system, f"metadata service actor of partition {i} died",
+                                    say):
                     return 1
-                say(f"metadata service actor of partition {i} died; starting it again")
-                try:
-                    system.restart_service_actor(i, say)
-                except Exception as exc:
-                    sys.stderr.write(f"hkv up: error: could not restart the metadata service "
-                                     f"actor: {exc}\n")
-                    return 1
+                _attempt(say, system.restart_service_actor, i, say)
             reconcile_shards(system, say)
     return 0
+
+
+def _may_restart(system: System, what: str, say: Emit) -> bool:
+    """Spend one restart of the service's budget on ``what`` happened and say so; False, with
+    the sentence on stderr, when the budget of the window is spent: a crash loop."""
+    config, now = system.config, system.clock()
+    limits = (f"--service-restarts {config.service_restarts} --restart-window-s "
+              f"{config.restart_window_s:g}")
+    if not system.service_budget.spend(now):
+        sys.stderr.write(f"hkv up: error: {what} after {config.service_restarts} restart(s) "
+                         f"within {config.restart_window_s:g} s ({limits}): a crash loop; "
+                         "giving up\n")
+        return False
+    say(f"{what}; starting it again ({system.service_budget.used(now)}/"
+        f"{config.service_restarts} within {config.restart_window_s:g} s)")
+    return True
+
+
+def _attempt(say: Emit, restart: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+    """Run a restart; one that fails is said and left to the next tick, which finds the
+    service dead again and spends the budget again (a service that cannot start is a crash
+    loop too)."""
+    try:
+        restart(*args, **kwargs)
+    except Exception as exc:
+        say(f"could not restart the metadata service ({type(exc).__name__}: {exc}); trying "
+            "again")
 
 
 def _printer() -> Emit:

@@ -11,4 +11,6 @@ workers' data-plane client, and the launcher behind ``hkv up``.
     link       ShardLink: the seam to a shard (in-process link; raylink: the Ray link)
     inprocess  InProcessSystem: the real parts wired in one process
     launcher   start_system / System.stop (the CLI half, run_up, is hkv_service.up)
+    budget     RestartBudget: restarts per time window (hkv up's service and shards)
+    nodekey    the name of a node's disk tiers: the one its data dir holds (stable across runs)
 """

@@ -1,7 +1,8 @@
 """An inference worker's one entry point to a running hkv: ``attach(endpoint, ray_address)``.
 
 It connects to the metadata service (gRPC, with the token/TLS the service wants), joins the
-Ray cluster ``hkv up`` runs on, finds the shard actors itself, and returns a
+Ray cluster ``hkv up`` runs on (:func:`join_ray`: the cluster going away does not end the
+worker), finds the shard actors itself, and returns a
 :class:`Worker` holding the metadata client and a :class:`~workers.dataplane.DataPlane` over
 them, plus the few rules a worker otherwise has to get right by hand (how to hash a prompt,
 where a lookup may resume). ``hkv up`` prints the ``attach(...)`` call for its system when it
@@ -11,7 +12,9 @@ a recompute (:mod:`workers.outage`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import os
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +34,7 @@ from .dataplane import DataPlane
 from .local import connect
 from .raylink import NAMESPACE, ray_links, shard_actors
 
-__all__ = ["Worker", "attach"]
+__all__ = ["GCS_LOSS_TOLERANCE_S", "GCS_RECONNECT_ENV", "Worker", "attach", "join_ray"]
 
 
 @dataclass
@@ -76,9 +79,7 @@ def attach(endpoint: str, ray_address: str = "auto", *, token: str | None = None
     meta: Any = connect(endpoint, token, timeout_s, tls)  # HOST:PORT, or partitions: H:P0,H:P1
     try:
         spec = meta.get_spec()
-        if not ray.is_initialized():
-            _token_auth_if_available()
-            ray.init(address=ray_address, namespace=namespace, log_to_driver=False)
+        join_ray(ray_address, namespace)
         actors: dict[str, Any] = shard_actors(namespace)
         if not actors:
             raise RuntimeError(f"no hkv shard actors in Ray namespace {namespace!r} at "
@@ -88,6 +89,45 @@ def attach(endpoint: str, ray_address: str = "auto", *, token: str | None = None
         meta.close()
         raise
     return Worker(meta, plane, spec, Layout(spec))
+
+
+# Ray ends a process whose GCS stays unreachable this long: "Failed to connect to GCS within
+# 60 seconds ... The program will terminate" (std::_Exit in its GCS client, no Python
+# exception; Ray's default is 60 s). hkv up takes its local Ray down when it stops, so an
+# engine that joined it would die with hkv. Ray reads the value from this variable when
+# ray.init builds the core worker (a cluster's own _system_config still wins). 30 days, not
+# more: the raylet multiplies it by 1000 in 32 bits, past 4,294,967 s it wraps.
+GCS_RECONNECT_ENV = "RAY_gcs_rpc_server_reconnect_timeout_s"
+GCS_LOSS_TOLERANCE_S = 30 * 24 * 3600
+
+
+def join_ray(address: str | None = "auto", namespace: str = NAMESPACE) -> None:
+    """Join the Ray cluster at ``address`` as a client of hkv (``attach``, the vLLM
+    connector): with Ray's token where a local ``hkv up`` runs Ray with token auth, without
+    the cluster's worker logs, and such that the cluster's GCS going away (``hkv up`` stopped)
+    does not end this process: its hkv calls fail then, and it recomputes. A process already
+    in Ray is left as it is (its settings were fixed when it joined)."""
+    if ray.is_initialized():
+        return
+    _token_auth_if_available()
+    with _gcs_loss_tolerated(address):
+        ray.init(address=address, namespace=namespace, log_to_driver=False)
+
+
+@contextlib.contextmanager
+def _gcs_loss_tolerated(address: str | None) -> Iterator[None]:
+    """:data:`GCS_RECONNECT_ENV` set for ``ray.init`` only: processes started later (an
+    engine's own workers) do not inherit it. Kept as it is when the user set it, and left
+    unset when ``ray.init`` may start a cluster here (no address, ``"local"``): its GCS and
+    raylet would inherit it."""
+    if GCS_RECONNECT_ENV in os.environ or address in (None, "local"):
+        yield
+        return
+    os.environ[GCS_RECONNECT_ENV] = str(GCS_LOSS_TOLERANCE_S)
+    try:
+        yield
+    finally:
+        os.environ.pop(GCS_RECONNECT_ENV, None)
 
 
 def _token_auth_if_available() -> None:

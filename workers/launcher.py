@@ -46,20 +46,21 @@ from hkv_service.settings import (
     is_loopback,
 )
 
+from .budget import RestartBudget
 from .dataplane import DataPlane
 from .local import connect
-from .raylink import NAMESPACE, ray_links
+from .nodekey import assign_keys, tier_keys
+from .raylink import NAMESPACE, SHARD_PREFIX, ray_links
 from .shard import ShardActor, ShardConfig
 
 __all__ = [
-    "System", "SystemConfig", "clear_stale_ray", "init_local_ray", "serve_argv", "start_system",
-    "worker_pythonpath",
+    "System", "SystemConfig", "clear_stale_ray", "init_local_ray", "ray_address_file",
+    "serve_argv", "start_system", "worker_pythonpath",
 ]
 
 log = logging.getLogger(__name__)
 
 _ray: Any = ray  # some ray entry points are untyped
-RAY_CURRENT = Path("/tmp/ray/ray_current_cluster")
 _HEAD_RESOURCE = "node:__internal_head__"  # ray's marker resource of the head node
 RECONCILE_EVERY_TICKS = 10  # hkv up looks for newly joined nodes every 5 s
 _LISTENING = re.compile(r"listening on (\S+):(\d+)")
@@ -86,8 +87,24 @@ class System:
     token: str | None = None
     tls: TlsConfig | None = None  # what this side's clients use to reach the service
     replaced: dict[str, int] = field(default_factory=dict)  # shard id -> times replaced
-    service_restarts: int = 0
+    service_restarts: int = 0  # restarts made so far (the budget below bounds their rate)
     inputs: ServiceInputs | None = None  # what the service actors are started with again
+    clock: Callable[[], float] = time.monotonic  # what the restart budgets are spent on
+    service_budget: RestartBudget = field(init=False)  # --service-restarts/--restart-window-s
+    shard_budgets: dict[str, RestartBudget] = field(default_factory=dict)  # shard id -> its
+    held: set[str] = field(default_factory=set)  # dead shards left unreplaced: a crash loop
+    node_keys: dict[str, str] = field(default_factory=dict)  # node id -> its disk tiers' key
+
+    def __post_init__(self) -> None:
+        self.service_budget = RestartBudget(self.config.service_restarts,
+                                            self.config.restart_window_s)
+
+    def shard_budget(self, sid: str) -> RestartBudget:
+        """The replacement budget of shard ``sid`` (--shard-replacements/--restart-window-s)."""
+        if sid not in self.shard_budgets:
+            self.shard_budgets[sid] = RestartBudget(self.config.shard_replacements,
+                                                    self.config.restart_window_s)
+        return self.shard_budgets[sid]
 
     @property
     def service(self) -> subprocess.Popen[str] | None:
@@ -235,7 +252,8 @@ def start_system(config: SystemConfig, emit: Emit | None = None,
             which = "" if config.service_replicas == 1 else \
                 f" partition {i}/{config.service_replicas}"
             say(f"metadata service{which}{pid} listening on {b}{via}")
-        system.shards = place_shards(config, system.endpoint, creds.token, tls=creds.tls)
+        system.shards = place_shards(config, system.endpoint, creds.token, tls=creds.tls,
+                                     keys=system.node_keys)
         say(f"{len(system.shards)} shard(s) up: {', '.join(sorted(system.shards))}")
     except BaseException:
         system.stop()
@@ -280,7 +298,7 @@ def init_local_ray(attempts: int = 3, **kwargs: Any) -> None:
             ray.init(**kwargs)
             return
         except ConnectionError:
-            RAY_CURRENT.unlink(missing_ok=True)
+            ray_address_file().unlink(missing_ok=True)
         except Exception as err:  # ray raises a bare Exception for the start-up timeout
             if "timed out during startup" not in str(err) or attempt == attempts:
                 raise
@@ -289,11 +307,25 @@ def init_local_ray(attempts: int = 3, **kwargs: Any) -> None:
     ray.init(**kwargs)
 
 
-def clear_stale_ray() -> bool:
-    """Remove ``/tmp/ray/ray_current_cluster`` when the GCS it names no longer answers (a
-    killed run left it); a live cluster's file is left alone. True if one was removed."""
+def ray_address_file() -> Path:
+    """The file naming the Ray cluster last started on this machine, the one ``ray.init`` with
+    no address or ``"auto"`` joins: ``ray_current_cluster`` in Ray's temp dir, which is
+    ``$RAY_TMPDIR/ray`` (else ``$TMPDIR/ray``, else ``/tmp/ray``), not always ``/tmp/ray``."""
     try:
-        addr = RAY_CURRENT.read_text().strip()
+        from ray._common.utils import get_ray_address_file
+    except ImportError:  # another Ray: the same rule, as Ray 2.60 has it
+        base = os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp"
+        return Path(base) / "ray" / "ray_current_cluster"
+    return Path(get_ray_address_file(None))
+
+
+def clear_stale_ray() -> bool:
+    """Remove Ray's address file (:func:`ray_address_file`) when the GCS it names no longer
+    answers (a killed run left it); a live cluster's file is left alone. True if one was
+    removed."""
+    pointer = ray_address_file()
+    try:
+        addr = pointer.read_text().strip()
     except OSError:
         return False
     host, _, port = addr.rpartition(":")
@@ -302,7 +334,7 @@ def clear_stale_ray() -> bool:
             return False
     except (OSError, ValueError):
         pass
-    RAY_CURRENT.unlink(missing_ok=True)
+    pointer.unlink(missing_ok=True)
     return True
 
 
@@ -539,18 +571,24 @@ def shard_actor_class(max_restarts: int = 1, max_task_retries: int = 0) -> Any:
 
 def place_shards(config: SystemConfig, endpoint: str, token: str | None = None,
                  metadata: Any = None, existing: Mapping[str, Any] | None = None,
-                 tls: TlsConfig | None = None) -> dict[str, Any]:
-    """One shard per alive node (``shards_per_node`` each), pinned there by node affinity;
-    nodes in ``existing`` are skipped, so calling it again places shards on nodes that joined
-    since. ``metadata`` overrides the endpoint (e.g. a MetadataActor handle in tests);
-    ``token`` and ``tls`` are how shards reach the service (``System.token``/``tls``)."""
+                 tls: TlsConfig | None = None, keys: dict[str, str] | None = None
+                 ) -> dict[str, Any]:
+    """One shard per alive node (``shards_per_node`` each), pinned there by node affinity,
+    named ``shard-<key>-<k>`` after the node's disk key (:func:`node_keys`: its disk tier is
+    ``DATA_DIR/<name>``, found again by every run); shards in ``existing`` are skipped, so
+    calling it again places shards on nodes that joined since. ``keys``: node id -> key, kept
+    by the caller across calls (``System.node_keys``), updated here. ``metadata`` overrides
+    the endpoint (e.g. a MetadataActor handle in tests); ``token`` and ``tls`` are how shards
+    reach the service (``System.token``/``tls``)."""
     cls = shard_actor_class(config.max_restarts)
     shards: dict[str, Any] = {}
     data_dir = str(Path(config.data_dir).resolve())
     cap = AdmissionCap(config.max_inflight_objects, config.max_inflight_bytes)
-    for node in _shard_nodes(config):
+    nodes = _shard_nodes(config)
+    keys = node_keys(nodes, data_dir, config.start_timeout_s, keys)
+    for node in nodes:
         for k in range(config.shards_per_node):
-            sid = f"shard-{node['NodeID'][:8]}-{k}"
+            sid = f"{SHARD_PREFIX}{keys[node['NodeID']]}-{k}"
             if existing is not None and sid in existing:
                 continue
             cfg = ShardConfig(sid, metadata if metadata is not None else endpoint, data_dir,
@@ -563,6 +601,28 @@ def place_shards(config: SystemConfig, endpoint: str, token: str | None = None,
                                       scheduling_strategy=strategy).remote(cfg)
     ray.get([a.ping.remote() for a in shards.values()], timeout=config.start_timeout_s)
     return shards
+
+
+_tier_keys_task: Any = ray.remote(num_cpus=0)(tier_keys)  # runs on the node it is pinned to
+
+
+def node_keys(nodes: list[dict[str, Any]], data_dir: str, timeout_s: float,
+              known: dict[str, str] | None = None) -> dict[str, str]:
+    """Node id -> the key its shards' disk tiers are named after (:mod:`workers.nodekey`):
+    the keys found in the node's data dir, read by a Ray task pinned there, divided among
+    ``nodes`` (one each; a new key where none is left). ``known`` is updated in place: only
+    nodes new to it are asked; nodes no longer in ``nodes`` are forgotten, so one that comes
+    back (a new Ray node id, the same disk) finds its key again."""
+    keys = known if known is not None else {}
+    alive = {n["NodeID"] for n in nodes}
+    for gone in [n for n in keys if n not in alive]:
+        del keys[gone]
+    todo = [n["NodeID"] for n in nodes if n["NodeID"] not in keys]
+    pin = [NodeAffinitySchedulingStrategy(n, soft=False) for n in todo]
+    refs = [_tier_keys_task.options(scheduling_strategy=p).remote(data_dir) for p in pin]
+    found = ray.get(refs, timeout=timeout_s)
+    keys.update(assign_keys(zip(todo, found, strict=True), taken=keys.values()))
+    return keys
 
 
 def _shard_nodes(config: SystemConfig) -> list[dict[str, Any]]:
@@ -608,14 +668,26 @@ def reconcile_shards(system: System, emit: Emit) -> None:
     """Replace shards that died for good (a new actor of the same name on the same node: a new
     incarnation, empty pools, the node's disk tier re-confirmed), and place shards on nodes
     that joined after start-up (KubeRay workers come up after the head); called periodically
-    by ``hkv up``."""
+    by ``hkv up``. A shard whose replacements within the window are used up (a crash loop) is
+    left dead in ``system.shards``, which keeps its node from getting another, until the
+    window has room again; it is reported once."""
     for sid in dead_shards(system):
+        if not system.shard_budget(sid).spend(system.clock()):
+            if sid not in system.held:
+                system.held.add(sid)
+                emit(f"shard {sid} died for good again after "
+                     f"{system.config.shard_replacements} replacement(s) within "
+                     f"{system.config.restart_window_s:g} s (--shard-replacements, "
+                     "--restart-window-s): a crash loop; not replacing it until the window "
+                     "has room")
+            continue
+        system.held.discard(sid)
         system.shards.pop(sid, None)
         system.replaced[sid] = system.replaced.get(sid, 0) + 1
         emit(f"shard {sid} died for good (restarts used up); placing a new one")
     try:
         added = place_shards(system.config, system.endpoint, system.token,
-                             existing=system.shards, tls=system.tls)
+                             existing=system.shards, tls=system.tls, keys=system.node_keys)
     except Exception as exc:  # a node that failed to take a shard: try next time
         emit(f"could not place a shard ({type(exc).__name__}: {exc}); trying again")
         return

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -22,6 +23,7 @@ from hkv_service.core.errors import HkvError
 from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.partitions import partition_of_root
 from workers.attach import attach
+from workers.launcher import clear_stale_ray
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -75,6 +77,26 @@ def test_hkv_up_serves_and_stops_cleanly(tmp_path: Path, w: Any) -> None:
         if _group_pids(proc.pid):
             os.killpg(proc.pid, signal.SIGKILL)
 
+
+
+def test_clear_stale_ray_looks_in_rays_own_temp_dir(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray keeps the address of the cluster last started here under its temp dir (RAY_TMPDIR,
+    else TMPDIR, else /tmp), not always /tmp/ray: a stale file there (a killed run's) is the
+    one ``ray.init`` would try to join, and a file under /tmp/ray belongs to someone else."""
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    pointer = tmp_path / "ray" / "ray_current_cluster"
+    pointer.parent.mkdir()
+    with socket.socket() as live:
+        live.bind(("127.0.0.1", 0))
+        live.listen()
+        pointer.write_text(f"127.0.0.1:{live.getsockname()[1]}")
+        assert not clear_stale_ray() and pointer.exists()  # its GCS answers: left alone
+    with socket.socket() as s:  # a port nobody listens on: the GCS of a killed run
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    pointer.write_text(f"127.0.0.1:{dead}")
+    assert clear_stale_ray() and not pointer.exists()
 
 @pytest.mark.parametrize("text, needle", [
     ("bogus_key: 1\n", "unknown key 'bogus_key'"),

@@ -37,13 +37,15 @@ def _await_health(endpoint: str, service: str, want: int, timeout_s: float = 30.
     raise AssertionError(f"health of {service}: {got}, not {want}")
 
 
-def test_a_shard_dead_for_good_is_replaced_and_reported(tmp_path: Path, w: Any) -> None:
+def test_a_shard_dead_for_good_is_replaced_and_reported(tmp_path: Path, w: Any,
+                                                        clock: Any) -> None:
     w.clear_stale_ray()
     config = SystemConfig(port=0, data_dir=str(tmp_path / "hkv-data"), blocks_per_group=16,
                           disk_budget_bytes=16 << 20, max_restarts=0, device="cpu",
-                          heartbeat_timeout_s=4.0)
+                          heartbeat_timeout_s=4.0, shard_replacements=1, restart_window_s=60.0)
     said: list[str] = []
     system = start_system(config, said.append)
+    system.clock = clock  # the replacement budget's: stepped by the test
     try:
         (sid, actor), = system.shards.items()
         first = ray.get(actor.ping.remote(), timeout=30)
@@ -90,5 +92,27 @@ def test_a_shard_dead_for_good_is_replaced_and_reported(tmp_path: Path, w: Any) 
         assert owner.stats()["gauges"]["owners_alive"] == 1
         owner.close()
         meta.close()
+
+        # Dead for good again within the window (--shard-replacements 1): a crash loop. It is
+        # not replaced, said once, and its node gets no other shard, until the window has room.
+        _kill_for_good(system, sid)
+        said.clear()
+        reconcile_shards(system, said.append)
+        reconcile_shards(system, said.append)
+        assert system.replaced == {sid: 1} and sid in dead_shards(system)
+        assert len([m for m in said if "crash loop" in m and sid in m]) == 1, said
+        assert not any("placed" in m for m in said), said
+        clock.advance(60.0)
+        reconcile_shards(system, said.append)
+        assert system.replaced == {sid: 2} and dead_shards(system) == []
+        _await_health(system.endpoint, health, SERVING)
     finally:
         system.stop()
+
+
+def _kill_for_good(system: Any, sid: str) -> None:
+    ray.kill(system.shards[sid], no_restart=True)
+    deadline = time.monotonic() + 30  # ray.kill returns before the actor is gone
+    while dead_shards(system) != [sid] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert dead_shards(system) == [sid]

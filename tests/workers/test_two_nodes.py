@@ -20,7 +20,7 @@ from hkv_service.core.state_view import CacheState
 from hkv_service.server.app import ServerConfig, build_service
 from hkv_service.specs import default_spec
 from workers.dataplane import DataPlane
-from workers.launcher import SystemConfig, place_shards
+from workers.launcher import SystemConfig, node_keys, place_shards
 from workers.local import LocalMetadata
 from workers.raylink import ray_links
 
@@ -65,6 +65,12 @@ def test_one_shard_per_node_and_cross_node_read(cluster: Cluster, tmp_path: Path
         shards = place_shards(cfg, endpoint)
         nodes = {ray.get(a.ping.remote())["node_id"]: sid for sid, a in shards.items()}
         assert len(shards) == 2 and len(nodes) == 2  # one shard on each node
+        # The nodes share one data dir: each gets a disk tier of its own, and placed again
+        # (a restarted hkv up: new node ids) they divide the same two tiers between them.
+        keys = {sid.split("-")[1] for sid in shards}
+        assert len(keys) == 2 and {p.name for p in tmp_path.iterdir()} == set(shards)
+        alive = [n for n in ray.nodes() if n["Alive"]]
+        assert set(node_keys(alive, str(tmp_path), 60.0).values()) == keys
         holder = sorted(shards)[0]
         dp = DataPlane(LocalMetadata(state), ray_links(shards))
         hashes = w.prompt(2, seed=7)
@@ -100,7 +106,7 @@ def test_nodes_joining_later_get_shards_and_head_is_left_out(cluster: Cluster,
     system = System(cfg, f"127.0.0.1:{svc.port}")
     node = None
     try:
-        system.shards = place_shards(cfg, system.endpoint)
+        system.shards = place_shards(cfg, system.endpoint, keys=system.node_keys)
         assert len(system.shards) == 1  # the one worker; the head runs the service
         node = cluster.add_node(num_cpus=1)
         cluster.wait_for_nodes()
