@@ -91,15 +91,12 @@ def metadata(cfg: ConnectorConfig, spec: CacheSpec) -> MetadataPort:
 def dataplane(cfg: ConnectorConfig, spec: CacheSpec) -> DataPlane:
     if cfg.system is not None:
         return _inprocess(cfg.system, spec).dataplane(timeout_s=cfg.timeout_s)
-    import ray
 
-    from workers.attach import _token_auth_if_available
+    from workers.attach import join_ray
     from workers.raylink import ray_links, shard_actors
 
-    if not ray.is_initialized():
-        # A local `hkv up` runs Ray with token auth on: join with its token, as attach() does.
-        _token_auth_if_available()
-        ray.init(address=cfg.ray_address, namespace=cfg.ray_namespace, log_to_driver=False)
+    # with Ray's token, and such that hkv's Ray going away never ends the engine (it recomputes)
+    join_ray(cfg.ray_address, cfg.ray_namespace)
     actors = shard_actors(cfg.ray_namespace, cfg.shards or None)
     if not actors:
         raise BadConnectorConfig("shards", f"no shard actors in Ray namespace "

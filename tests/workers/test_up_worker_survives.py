@@ -11,8 +11,8 @@ call) joins with that timeout raised for the worker process.
 The worker here is a fresh process, as a real one is: it attaches, writes a prompt, holds a
 lookup's hit, and waits; ``hkv up`` is stopped (SIGTERM: its service, shards and Ray go); for
 longer than Ray's timeout the worker keeps calling hkv, and every call fails the documented
-way: a lookup raises ``Unavailable`` (an ``HkvError``), a read of the held hit is a
-``Recompute``, a write reports every block failed. Slow: it waits out Ray's 60 s.
+way: a lookup answers "reuse nothing" with the reason SERVICE_UNAVAILABLE, a read of the held
+hit is a ``Recompute``, a write reports every block failed. Slow: it waits out Ray's 60 s.
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ start, until = time.monotonic(), float(sys.argv[3])
 while time.monotonic() - start < until:
     at = time.monotonic() - start
     try:
-        hkv.lookup(prompt)
-        lookup = "answered"
+        _, m = hkv.lookup(prompt)
+        lookup = ",".join(d.reason.value for d in m.downgrades) if not m.usable_tokens else "hit"
     except HkvError as err:
         lookup = type(err).__name__
     got = hkv.plane.read(held, hashes)
@@ -111,7 +111,7 @@ def test_a_worker_outlives_hkv_up_and_recomputes(tmp_path: Path, w: Any) -> None
         calls = [ln.split() for ln in lines if ln.startswith("CALLS ")]
         assert int(calls[-1][1].removeprefix("at=")) > RAY_KILL_S, out  # still calling then
         assert {tuple(c[2:]) for c in calls} == {
-            ("lookup=Unavailable", "read=Recompute", "write=failed")}, out
+            ("lookup=SERVICE_UNAVAILABLE", "read=Recompute", "write=failed")}, out
     finally:
         if worker is not None and worker.poll() is None:
             worker.kill()
