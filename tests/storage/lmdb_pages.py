@@ -74,3 +74,60 @@ def garble_page(path: Path, pgno: int, seed: int, keep_header: bool) -> None:
     with path.open("r+b") as f:
         f.seek(pgno * psize + keep)
         f.write(junk)
+
+
+
+def leaf_pages(data: bytes, root: int) -> list[int]:
+    """The leaf pages of the tree under ``root``, following its branch pages' child page
+    numbers (branch node: lo u16, hi u16, flags u16 = the page number's bits 32..47)."""
+    psize = meta(data).psize
+    stack, leaves = [root], []
+    while stack:
+        pgno = stack.pop()
+        _, _, flags = _PAGE.unpack_from(data, pgno * psize)
+        if flags != P_BRANCH:
+            leaves.append(pgno)
+            continue
+        lower = struct.unpack_from("<H", data, pgno * psize + 12)[0]
+        for i in range((lower - 16) // 2):
+            at = pgno * psize + struct.unpack_from("<H", data, pgno * psize + 16 + 2 * i)[0]
+            lo, hi, top = struct.unpack_from("<HHH", data, at)
+            stack.append(lo | hi << 16 | top << 32)
+    return leaves
+
+
+def leaf_keys(data: bytes, tree: bytes) -> list[tuple[int, bytes]]:
+    """(file offset, key) of every key in the leaf pages of sub-database ``tree``, read
+    through each page's node offsets (a page's free space holds stale copies of nodes)."""
+    psize = meta(data).psize
+    keys = []
+    for pgno in leaf_pages(data, db_root(data, tree)):
+        base = pgno * psize
+        lower = struct.unpack_from("<H", data, base + 12)[0]
+        for i in range((lower - 16) // 2):
+            node = base + struct.unpack_from("<H", data, base + 16 + 2 * i)[0]
+            ksize = struct.unpack_from("<H", data, node + 6)[0]
+            keys.append((node + 8, data[node + 8 : node + 8 + ksize]))
+    return keys
+
+
+def key_offset(data: bytes, tree: bytes, tail: bytes) -> int:
+    """The file offset of the one key of sub-database ``tree`` that ends with ``tail`` (a
+    record key; in lru, the key is a tick and then the record key)."""
+    found = [at for at, key in leaf_keys(data, tree) if key.endswith(tail)]
+    assert len(found) == 1, f"{len(found)} keys in {tree!r} end with {tail.hex()}"
+    return found[0]
+
+
+def repoint_child(path: Path, tree: bytes, index: int, target: int) -> None:
+    """Make entry ``index`` of the root branch page of sub-database ``tree`` name page
+    ``target`` (LMDB takes it for the child it descends to)."""
+    data = path.read_bytes()
+    psize = meta(data).psize
+    root = db_root(data, tree)
+    base = root * psize
+    assert _PAGE.unpack_from(data, base)[2] == P_BRANCH, f"the root of {tree!r} is a leaf"
+    node = base + struct.unpack_from("<H", data, base + 16 + 2 * index)[0]
+    with path.open("r+b") as f:
+        f.seek(node)
+        f.write(struct.pack("<HHH", target & 0xFFFF, (target >> 16) & 0xFFFF, target >> 32))

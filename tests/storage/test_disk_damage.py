@@ -13,6 +13,7 @@ truncated file) runs in a child process, whose exit status the test checks.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import struct
@@ -196,6 +197,18 @@ def test_garbage_over_a_btree_root_starts_cold(damaged_copy: Path, h: Any, tree:
     _assert_started_cold(_run(h, OPEN_CHILD, str(damaged_copy)), damaged_copy)
 
 
+def test_a_page_that_crashes_lmdbs_walk_starts_cold(damaged_copy: Path, h: Any) -> None:
+    """A branch entry naming its own page: LMDB's cursor takes it for the next leaf and fails
+    its assertion IS_LEAF(mp), which aborts the process (issue 35: the shard crash-looped).
+    The walk runs in a child process first: the child dies, the tier starts cold."""
+    data = damaged_copy / "data.mdb"
+    root = lmdb_pages.db_root(data.read_bytes(), b"records")
+    lmdb_pages.repoint_child(data, b"records", 1, root)
+    _assert_started_cold(_run(h, OPEN_CHILD, str(damaged_copy)), damaged_copy)
+    reason = (_set_aside(damaged_copy)[0] / "REASON").read_text()
+    assert "SIGABRT" in reason and "IS_LEAF" in reason, reason
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_random_garbage_pages_never_crash_or_serve_wrong_bytes(
     damaged_copy: Path, h: Any, seed: int
@@ -216,6 +229,28 @@ def test_random_garbage_pages_never_crash_or_serve_wrong_bytes(
     assert out["reopened_clean"], out
     lost = RECORDS - len(range(0, RECORDS, 7)) - out["served"]
     assert lost == 0 or out["damaged"] == 1 or out["corruption"] >= 1, out
+
+
+@pytest.mark.parametrize("tree", ["records", "index", "lru"])
+def test_a_key_out_of_order_in_its_page_sets_the_environment_aside(
+    damaged_copy: Path, h: Any, tree: str
+) -> None:
+    """One bit flipped in a key leaves it out of order in its leaf page: a cursor walks it, a
+    binary search misses it (and may miss its neighbours). Reads stayed right, but the
+    repair at open deletes by key, missed it, and left the records, index and lru holding
+    different key sets (issue 35, after heavy damage). Such a tree cannot be repaired by
+    key: it is set aside like a page of garbage, and check_integrity holds. The child's walk
+    finds it: a key walked that a lookup misses."""
+    data = damaged_copy / "data.mdb"
+    at = lmdb_pages.key_offset(data.read_bytes(), tree.encode(), _key(30).to_bytes())
+    h.flip_bit(data, at, 7)  # the first byte's top bit (a key's or an lru tick's): now last
+    with DiskTier(damaged_copy, 64 << 20, AdmissionCap()) as tier:
+        assert tier.check_integrity() == []
+        assert tier.stats().damaged_envs == 1
+        for i in range(RECORDS):
+            with contextlib.suppress(NotOnDisk, CorruptEntry):
+                assert tier.get(_key(i)) == _payload(i)
+    assert [p.name.endswith("-damaged") for p in _set_aside(damaged_copy)] == [True]
 
 
 # -- damage met by a transaction while the tier runs ------------------------------------
