@@ -27,7 +27,8 @@ import numpy as np
 import pytest
 
 from hkv_service.core.admission import AdmissionCap
-from storage import CorruptEntry, DiskKey, DiskTier, NotOnDisk
+from storage import CorruptEntry, DiskKey, DiskTier, NotOnDisk, lmdb_store
+from storage.envprobe import ChildWalk
 from storage.lmdb_store import DB_NAMES
 from storage.record import HEADER
 
@@ -231,16 +232,21 @@ def test_random_garbage_pages_never_crash_or_serve_wrong_bytes(
     assert lost == 0 or out["damaged"] == 1 or out["corruption"] >= 1, out
 
 
+@pytest.mark.parametrize("child_walk", [True, False], ids=["child", "no-child"])
 @pytest.mark.parametrize("tree", ["records", "index", "lru"])
 def test_a_key_out_of_order_in_its_page_sets_the_environment_aside(
-    damaged_copy: Path, h: Any, tree: str
+    damaged_copy: Path, h: Any, tree: str, child_walk: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """One bit flipped in a key leaves it out of order in its leaf page: a cursor walks it, a
     binary search misses it (and may miss its neighbours). Reads stayed right, but the
     repair at open deletes by key, missed it, and left the records, index and lru holding
     different key sets (issue 35, after heavy damage). Such a tree cannot be repaired by
     key: it is set aside like a page of garbage, and check_integrity holds. The child's walk
-    finds it: a key walked that a lookup misses."""
+    finds it (a key walked that a lookup misses); without the child (it could not run), the
+    repair finds it (a delete that misses a key the audit walked)."""
+    if not child_walk:
+        monkeypatch.setattr(lmdb_store, "walk_in_child",
+                            lambda path: ChildWalk(False, 0.0, error="OSError", text="test"))
     data = damaged_copy / "data.mdb"
     at = lmdb_pages.key_offset(data.read_bytes(), tree.encode(), _key(30).to_bytes())
     h.flip_bit(data, at, 7)  # the first byte's top bit (a key's or an lru tick's): now last
