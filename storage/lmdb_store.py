@@ -21,18 +21,20 @@ transactions hold a shared gate and growth takes it exclusively) and retry once.
 ``map_size_max`` the write fails with :class:`~storage.errors.DiskFull`.
 
 Damage: LMDB maps ``data.mdb`` and trusts it. Before mapping, the file is checked against its
-meta pages (:mod:`storage.envcheck`: a truncated file would kill the process with SIGBUS), and
-LMDB walks every B-tree and looks every key up in a child process (:mod:`storage.envprobe`: a
-page of garbage can make LMDB read past the file's end or fail an assertion, which kills the
+meta pages (:mod:`storage.envcheck`: a truncated file would kill the process with SIGBUS),
+every page reachable from them against LMDB's invariants (:mod:`storage.pagecheck`: the
+free-page list and the node and overflow sizes that writes rely on, which no LMDB read checks),
+and LMDB walks every B-tree and looks every key up in a child process (:mod:`storage.envprobe`:
+a page of garbage can make LMDB read past the file's end or fail an assertion, which kills the
 process that walks; a key out of order cannot be found, so not repaired). Only then is the
 environment opened here, where the main database must list exactly the tier's sub-databases
-(the walk runs here instead when no child could be started). A damaged environment is
-closed, its files are moved to ``<dir>/set-aside/<UTC stamp>-damaged/`` beside a ``REASON``
-file (only the newest :data:`KEEP_SET_ASIDE` such folders are kept: each may be as large as
-the tier, and a cache's damaged copy is worth less than the room it takes), a warning is
-logged, it is counted in :attr:`DiskStore.set_aside`, and an empty environment replaces it.
-The same happens when a transaction meets damage later (:data:`DAMAGE_ERRORS`): the store
-resets itself (:meth:`DiskStore.reset`, at most once per environment) and raises
+(the walk runs here instead when no child could be started). A damaged environment is closed,
+its files are moved to ``<dir>/set-aside/<UTC stamp>-damaged/`` beside a ``REASON`` file (only
+the newest :data:`KEEP_SET_ASIDE` such folders are kept: each may be as large as the tier, and
+a cache's damaged copy is worth less than the room it takes), a warning is logged, it is
+counted in :attr:`DiskStore.set_aside`, and an empty environment replaces it. The same happens
+when a transaction meets damage later (:data:`DAMAGE_ERRORS`): the store resets itself
+(:meth:`DiskStore.reset`, at most once per environment) and raises
 :class:`~storage.errors.StoreDamaged`, which the tier turns into a miss or a retry.
 
 Errors: LMDB exceptions are translated in exactly one place, :func:`translate`.
@@ -60,6 +62,7 @@ from hkv_service.core.errors import HkvError
 from .envcheck import data_file_problem
 from .envprobe import ChildWalk, walk_in_child
 from .errors import DiskFull, StorageFailure, StoreDamaged
+from .pagecheck import tree_problem
 
 __all__ = ["DAMAGE_ERRORS", "DB_NAMES", "DiskStore", "SetAside", "StoreConfig", "translate"]
 
@@ -256,11 +259,12 @@ class DiskStore:
 
     def _damage_before_open(self) -> str | None:
         """Why the environment on disk must not be opened in this process, or None: its data
-        file against its meta pages, then LMDB's own walk of it in a child process (a crash
-        there ends the child, see :mod:`storage.envprobe`)."""
+        file against its meta pages, every page reachable from them against LMDB's
+        invariants (:mod:`storage.pagecheck`), then LMDB's own walk of it in a child process
+        (a crash there ends the child, see :mod:`storage.envprobe`)."""
         data = self.path / "data.mdb"
         try:
-            problem = data_file_problem(data)
+            problem = data_file_problem(data) or tree_problem(data)
         except OSError as exc:
             raise StorageFailure(f"cannot read the disk tier's data file: {exc}") from exc
         if problem is not None or not data.exists():

@@ -126,6 +126,22 @@ def _check(out: dict[str, Any], path: Path, seed: int) -> None:
         assert (folder / "data.mdb").is_file() and (folder / "REASON").read_text().strip()
 
 
+def test_garbage_over_the_free_page_db_is_found_before_any_write(
+    pristine: Path, tmp_path: Path, h: Any
+) -> None:
+    """LMDB's free-page DB is read by writes only, and no LMDB walk reaches it: garbage over
+    its root passed the open, then the first put died of SIGBUS, at every restart. The page
+    check reads it at open: set aside, counted, and the writes go to the fresh tier."""
+    copy = tmp_path / "disk"
+    shutil.copytree(pristine, copy)
+    data = copy / "data.mdb"
+    lmdb_pages.garble_page(data, lmdb_pages.meta(data.read_bytes()).free_root, 7, True)
+    done = h.run_child(CHILD, str(copy), str(RECORDS), timeout=300)
+    assert done.returncode == 0, f"died ({done.returncode}): {done.stderr[-2000:]}"
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["damaged"] == out["damaged_end"] == 1 and out["kept"], out
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 def test_heavy_bit_flips_never_crash_the_open(pristine: Path, tmp_path: Path, h: Any,
                                               seed: int) -> None:
