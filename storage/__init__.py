@@ -10,6 +10,10 @@ Layers, each its own module::
       lmdb_store          one LMDB env per owner: sync mode, map growth, error translation,
                           damage found at open or while running -> set aside, start cold
         envcheck          data.mdb against its meta pages before LMDB maps it (no SIGBUS)
+        pagecheck         every page reachable from them against LMDB's invariants, the
+                          free-page list included (no LMDB; writes rely on what reads skip)
+        envprobe          LMDB's walk of the environment in a child process (envwalk), so a
+                          crash on a damaged page ends the child, not the shard
 """
 
 from __future__ import annotations

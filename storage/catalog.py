@@ -358,35 +358,39 @@ class Catalog:
                     return _no_key(name, k)
         return None
 
-    def repair(self, txn: lmdb.Transaction, found: Audit, now_ns: int) -> None:
+    def repair(self, txn: lmdb.Transaction, found: Audit, now_ns: int) -> int:
         """Fix what :meth:`audit` found: quarantine entries that fail and payloads without
         an entry, drop entries without a payload, rebuild lru and used_bytes from the
-        verified entries."""
+        verified entries. Returns how many keys the audit walked that a delete did not find
+        (nonzero: keys out of order in their pages; what is left is not sound, see tier)."""
         dbs = self._dbs
+        missed = 0
         for key, reason in found.corrupt.items():
             header = bytes(txn.get(key, db=dbs["index"]) or b"")
             payload = txn.get(key, db=dbs["records"])
             value = header + (bytes(payload[:QUARANTINE_KEEP]) if payload is not None else b"")
             txn.delete(key, db=dbs["records"])
-            txn.delete(key, db=dbs["index"])
+            missed += not txn.delete(key, db=dbs["index"])
             kept = reason.encode() + b"\0" + value[:QUARANTINE_KEEP]
             txn.put(key + _TICK.pack(now_ns), kept, db=dbs["quarantine"])
         for key in found.orphans:
             payload = txn.get(key, db=dbs["records"])
             kept = b"no_index\0" + bytes(payload[:QUARANTINE_KEEP] if payload else b"")
-            txn.delete(key, db=dbs["records"])
+            missed += not txn.delete(key, db=dbs["records"])
             txn.put(key + _TICK.pack(now_ns), kept, db=dbs["quarantine"])
         for key in found.hollow:
-            txn.delete(key, db=dbs["index"])
-        self._rebuild_lru(txn)
+            missed += not txn.delete(key, db=dbs["index"])
+        missed += self._rebuild_lru(txn)
         self.recount(txn)
+        return missed
 
-    def _rebuild_lru(self, txn: lmdb.Transaction) -> None:
-        """Make lru exactly {entry's last use + key} over the verified entries."""
+    def _rebuild_lru(self, txn: lmdb.Transaction) -> int:
+        """Make lru exactly {entry's last use + key} over the verified entries; returns how
+        many stale lru keys a delete did not find."""
         wanted = {self.lru_key(key, entry) for key, entry in self.index_items(txn).items()
                   if entry is not None}
         have = set(self.lru_keys(txn))
-        for lru_key in have - wanted:
-            txn.delete(lru_key, db=self._dbs["lru"])
+        missed = sum(not txn.delete(lru_key, db=self._dbs["lru"]) for lru_key in have - wanted)
         for lru_key in wanted - have:
             txn.put(lru_key, b"", db=self._dbs["lru"])
+        return missed

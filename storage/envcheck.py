@@ -27,7 +27,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["LmdbMeta", "data_file_problem", "read_metas"]
+__all__ = ["DbRecord", "LmdbMeta", "chosen_meta", "data_file_problem", "read_metas"]
 
 MAGIC = 0xBEEFC0DE
 DATA_VERSION = 1
@@ -41,16 +41,33 @@ MIN_PSIZE, MAX_PSIZE = 512, 1 << 16
 
 
 @dataclass(frozen=True, slots=True)
+class DbRecord:
+    """An ``MDB_db``: a B-tree's flags, depth, page and entry counts and root page."""
+
+    flags: int
+    depth: int
+    branch_pages: int
+    leaf_pages: int
+    overflow_pages: int
+    entries: int
+    root: int  # P_INVALID: the tree is empty
+
+
+@dataclass(frozen=True, slots=True)
 class LmdbMeta:
-    """One meta page, the fields the check needs."""
+    """One meta page, the fields the checks need."""
 
     flags: int  # of its page header
     magic: int
     version: int
     psize: int
-    roots: tuple[int, int]  # free-page DB, main DB
+    dbs: tuple[DbRecord, DbRecord]  # free-page DB, main DB
     last_pg: int
     txnid: int
+
+    @property
+    def roots(self) -> tuple[int, int]:
+        return self.dbs[0].root, self.dbs[1].root
 
     @property
     def needed_bytes(self) -> int:
@@ -64,8 +81,8 @@ def _parse(raw: bytes, at: int) -> LmdbMeta | None:
     _, _, flags = _PAGE.unpack_from(raw, at)
     fields = _META.unpack_from(raw, at + _PAGE.size)
     magic, version, psize = fields[0], fields[1], fields[4]
-    roots = (fields[11], fields[19])
-    return LmdbMeta(flags, magic, version, psize, roots, fields[20], fields[21])
+    dbs = (DbRecord(*fields[5:12]), DbRecord(*fields[13:20]))  # less each md_pad
+    return LmdbMeta(flags, magic, version, psize, dbs, fields[20], fields[21])
 
 
 def read_metas(data: Path) -> tuple[int, list[LmdbMeta | None]]:
@@ -97,6 +114,11 @@ def _meta_problem(index: int, meta: LmdbMeta | None) -> str | None:
     return None
 
 
+def chosen_meta(metas: list[LmdbMeta | None]) -> LmdbMeta:
+    """The meta page LMDB uses: of the valid two, the one with the larger txnid."""
+    return max((m for m in metas if m is not None), key=lambda m: m.txnid)
+
+
 def data_file_problem(data: Path) -> str | None:
     """Why the LMDB data file ``data`` must not be mapped, or None when it may be (or is
     absent: LMDB creates it). Reads at most two small chunks of the file."""
@@ -109,7 +131,7 @@ def data_file_problem(data: Path) -> str | None:
         problem = _meta_problem(index, meta)
         if problem is not None:
             return f"data.mdb ({size} bytes): {problem}"
-    latest = max((m for m in metas if m is not None), key=lambda m: m.txnid)
+    latest = chosen_meta(metas)
     if size < latest.needed_bytes:
         return (f"data.mdb is truncated: {size} bytes, but its meta page (txn {latest.txnid}) "
                 f"uses pages 0..{latest.last_pg} of {latest.psize} bytes, "

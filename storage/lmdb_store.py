@@ -21,15 +21,20 @@ transactions hold a shared gate and growth takes it exclusively) and retry once.
 ``map_size_max`` the write fails with :class:`~storage.errors.DiskFull`.
 
 Damage: LMDB maps ``data.mdb`` and trusts it. Before mapping, the file is checked against its
-meta pages (:mod:`storage.envcheck`: a truncated file would kill the process with SIGBUS);
-after opening, the main database must list exactly the tier's sub-databases and one walk over
-every B-tree (leaf and branch pages, overflow page numbers) must pass. A damaged environment is
-closed, its files are moved to ``<dir>/set-aside/<UTC stamp>-damaged/`` beside a ``REASON``
-file (only the newest :data:`KEEP_SET_ASIDE` such folders are kept: each may be as large as
-the tier, and a cache's damaged copy is worth less than the room it takes), a warning is
-logged, it is counted in :attr:`DiskStore.set_aside`, and an empty environment replaces it.
-The same happens when a transaction meets damage later (:data:`DAMAGE_ERRORS`): the store
-resets itself (:meth:`DiskStore.reset`, at most once per environment) and raises
+meta pages (:mod:`storage.envcheck`: a truncated file would kill the process with SIGBUS),
+every page reachable from them against LMDB's invariants (:mod:`storage.pagecheck`: the
+free-page list and the node and overflow sizes that writes rely on, which no LMDB read checks),
+and LMDB walks every B-tree and looks every key up in a child process (:mod:`storage.envprobe`:
+a page of garbage can make LMDB read past the file's end or fail an assertion, which kills the
+process that walks; a key out of order cannot be found, so not repaired). Only then is the
+environment opened here, where the main database must list exactly the tier's sub-databases
+(the walk runs here instead when no child could be started). A damaged environment is closed,
+its files are moved to ``<dir>/set-aside/<UTC stamp>-damaged/`` beside a ``REASON`` file (only
+the newest :data:`KEEP_SET_ASIDE` such folders are kept: each may be as large as the tier, and
+a cache's damaged copy is worth less than the room it takes), a warning is logged, it is
+counted in :attr:`DiskStore.set_aside`, and an empty environment replaces it. The same happens
+when a transaction meets damage later (:data:`DAMAGE_ERRORS`): the store resets itself
+(:meth:`DiskStore.reset`, at most once per environment) and raises
 :class:`~storage.errors.StoreDamaged`, which the tier turns into a miss or a retry.
 
 Errors: LMDB exceptions are translated in exactly one place, :func:`translate`.
@@ -55,7 +60,9 @@ import lmdb
 from hkv_service.core.errors import HkvError
 
 from .envcheck import data_file_problem
+from .envprobe import ChildWalk, walk_in_child
 from .errors import DiskFull, StorageFailure, StoreDamaged
+from .pagecheck import tree_problem
 
 __all__ = ["DAMAGE_ERRORS", "DB_NAMES", "DiskStore", "SetAside", "StoreConfig", "translate"]
 
@@ -232,6 +239,7 @@ class DiskStore:
         self.dbs: dict[str, Any] = {}
         self.generation = 0  # bumped by every reset
         self.set_aside: list[SetAside] = []
+        self.open_walk: ChildWalk | None = None  # the child's walk before the first open
         self._on_create = on_create
         self._open_checked()
 
@@ -239,21 +247,35 @@ class DiskStore:
 
     def _open_checked(self) -> None:
         """Open the environment, or an empty one in its place when it is damaged."""
-        try:
-            problem = data_file_problem(self.path / "data.mdb")
-        except OSError as exc:
-            raise StorageFailure(f"cannot read the disk tier's data file: {exc}") from exc
+        problem = self._damage_before_open()
         if problem is not None:
             self._move_aside(problem, "damaged")
+        walked = problem is None and self.open_walk is not None and self.open_walk.clean
         try:
-            self._open_env()
+            self._open_env(walk=not walked)  # the child's walk was this walk, and more
         except StoreDamaged as exc:
             self._move_aside(exc.reason, "damaged")
             self._open_env()
 
-    def _open_env(self) -> None:
-        """Open (creating when absent) the environment and its sub-databases and walk every
-        B-tree once. Damage raises StoreDamaged, with the environment closed."""
+    def _damage_before_open(self) -> str | None:
+        """Why the environment on disk must not be opened in this process, or None: its data
+        file against its meta pages, every page reachable from them against LMDB's
+        invariants (:mod:`storage.pagecheck`), then LMDB's own walk of it in a child process
+        (a crash there ends the child, see :mod:`storage.envprobe`)."""
+        data = self.path / "data.mdb"
+        try:
+            problem = data_file_problem(data) or tree_problem(data)
+        except OSError as exc:
+            raise StorageFailure(f"cannot read the disk tier's data file: {exc}") from exc
+        if problem is not None or not data.exists():
+            return problem
+        self.open_walk = walk_in_child(self.path)
+        return _walk_damage(self.open_walk, self.path)
+
+    def _open_env(self, walk: bool = True) -> None:
+        """Open (creating when absent) the environment and its sub-databases and, with
+        ``walk``, walk every B-tree once. Damage raises StoreDamaged, with the environment
+        closed."""
         with translate(writing=False, generation=self.generation):
             env = lmdb.open(
                 str(self.path), map_size=self.config.map_size_initial, max_dbs=len(DB_NAMES),
@@ -264,7 +286,8 @@ class DiskStore:
             with translate(writing=False, generation=self.generation):
                 self.stale_readers_cleared = env.reader_check()
                 dbs = _open_dbs(env, self.generation, self._on_create)
-                _walk(env, dbs)
+                if walk:
+                    _walk(env, dbs)
                 self._map_size = int(env.info()["map_size"])
         except BaseException:
             env.close()
@@ -403,6 +426,23 @@ class DiskStore:
             return  # never touch a parent's environment from a forked child
         with self._write_lock, self._gate.exclusive():
             self.env.close()
+
+
+def _walk_damage(walk: ChildWalk, path: Path) -> str | None:
+    """The damage a child's walk shows, or None. A child that died of a signal or ran out of
+    time while walking, or met an LMDB error of :data:`DAMAGE_ERRORS`, shows damage; one
+    that could not run at all (no process, no lmdb) shows nothing, and the open goes on in
+    this process as it did before there was a child."""
+    if walk.clean:
+        return None
+    error = getattr(lmdb, walk.error, None) if walk.error else None
+    met_damage = isinstance(error, type) and issubclass(error, DAMAGE_ERRORS)
+    if walk.started and (walk.signal is not None or walk.timed_out or walk.damage is not None
+                         or met_damage):
+        return walk.describe()
+    log.warning("disk tier at %s: could not walk the environment in a child process (%s); "
+                "walking it in this process", path, walk.describe())
+    return None
 
 
 def _open_dbs(env: lmdb.Environment, generation: int,

@@ -28,7 +28,9 @@ Theory of operation.
 * Damage: opening checks the environment (:mod:`storage.lmdb_store`) and audits the catalog
   (:meth:`Catalog.audit`): index entries that fail their checksum are quarantined and
   counted, lru and the byte counter are rebuilt from the verified entries, and a key no
-  writer of ours makes (a page of garbage) sets the environment aside like any other damage.
+  writer of ours makes (a page of garbage) sets the environment aside like any other damage;
+  so does a repair whose delete misses a key the audit walked (a key out of order in its
+  page: the child's walk at open finds those first, this holds when no child could run).
   A store of another record format is set aside as "retired" (never read: its bytes would
   all fail verification, and its objects can be recomputed). An environment found damaged
   while running is replaced by an empty one; the call that met it gets a miss (CorruptEntry
@@ -207,7 +209,12 @@ class DiskTier:
             raise StoreDamaged(found.damage, found.damage, generation)
         if found.clean:
             return
-        self._store.write(lambda txn: self._catalog.repair(txn, found, time.time_ns()))
+        missed = self._store.write(lambda txn: self._catalog.repair(txn, found, time.time_ns()))
+        if missed:  # keys a cursor walks but a search misses: a repair by key cannot finish
+            damage = (f"the repair at open could not find {missed} keys its audit walked "
+                      "(out of order in their pages)")
+            self._store.reset(damage, "damaged", generation)
+            raise StoreDamaged(damage, damage, generation)
         bad = len(found.corrupt) + len(found.orphans) + len(found.hollow)
         self._bump(corruption=bad, quarantined=len(found.corrupt) + len(found.orphans))
         log.warning("disk tier at %s: %d records failed verification at open and were "

@@ -1799,6 +1799,12 @@ class CacheState:
         with self._lock:
             return owner in self.owners
 
+    def note_event(self, event: str) -> None:
+        """Count one occurrence of ``event``, met by the service outside the state (an
+        undecodable request): it shows in ``stats()["events"]`` beside the state's own."""
+        with self._lock:
+            self.counters.events[event] += 1
+
     def stats(self) -> dict[str, object]:
         with self._lock:
             adm = self.admission.stats()

@@ -8,8 +8,10 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -28,13 +30,14 @@ from .auth import (
     TokenInterceptor,
     server_credentials,
 )
-from .servicer import MetadataServicer, undecodable_abort
+from .servicer import MetadataServicer
 
 __all__ = ["SERVICE_NAME", "ServerConfig", "Service", "build_service", "create_server"]
 
 SERVICE_NAME = hkv_pb2.DESCRIPTOR.services_by_name["MetadataService"].full_name
 MAX_RECEIVE_BYTES = 64 << 20
 MAX_SEND_BYTES = 64 << 20
+Parse = Callable[[Any, str, bytes, grpc.ServicerContext], Any]  # MetadataServicer.parse
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +94,7 @@ def _add_servicer(servicer: MetadataServicer, server: grpc.Server) -> None:
     capture = _Capture()
     hkv_pb2_grpc.add_MetadataServiceServicer_to_server(  # type: ignore[no-untyped-call]
         servicer, capture)
-    handlers = {name: _decoding(name, h) for name, h in capture.handlers.items()}
+    handlers = {name: _decoding(name, h, servicer.parse) for name, h in capture.handlers.items()}
     # Lookup takes the request's bytes and answers bytes (servicer.py says why).
     handlers["Lookup"] = grpc.unary_unary_rpc_method_handler(
         servicer.LookupRaw, response_serializer=_as_is)
@@ -102,10 +105,11 @@ def _add_servicer(servicer: MetadataServicer, server: grpc.Server) -> None:
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
-def _decoding(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """``handler`` taking the request's bytes and parsing them itself
-    (``servicer.undecodable_abort``): INVALID_ARGUMENT and one log line for bytes that are
-    not its message. Request-streaming handlers are replaced whole (see above)."""
+def _decoding(method: str, handler: grpc.RpcMethodHandler, parse: Parse
+              ) -> grpc.RpcMethodHandler:
+    """``handler`` taking the request's bytes and parsing them with ``parse``
+    (``MetadataServicer.parse``: INVALID_ARGUMENT, counted, for bytes that are not its
+    message). Request-streaming handlers are replaced whole (see above)."""
     decode = handler.request_deserializer
     message = getattr(decode, "__self__", None)  # the generated Message.FromString
     if message is None or handler.request_streaming:
@@ -113,12 +117,12 @@ def _decoding(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHand
     if handler.unary_unary is not None:
         unary = handler.unary_unary
         return grpc.unary_unary_rpc_method_handler(
-            lambda raw, ctx: unary(undecodable_abort(message, method, raw, ctx), ctx),
+            lambda raw, ctx: unary(parse(message, method, raw, ctx), ctx),
             response_serializer=handler.response_serializer)
     assert handler.unary_stream is not None
     stream = handler.unary_stream
     return grpc.unary_stream_rpc_method_handler(
-        lambda raw, ctx: stream(undecodable_abort(message, method, raw, ctx), ctx),
+        lambda raw, ctx: stream(parse(message, method, raw, ctx), ctx),
         response_serializer=handler.response_serializer)
 
 

@@ -23,6 +23,7 @@ from hkv_service.core.allocator import PoolConfig
 from hkv_service.core.errors import HkvError, IllegalTransition, InvalidInput
 from hkv_service.core.ids import BlockHash, CaptureId, LeaseId, ObjectId, ShardId
 from hkv_service.core.state_view import AllocRequest, CacheState, Match
+from hkv_service.core.throttle import Throttle
 from hkv_service.proto_gen.hkv.v1 import hkv_pb2 as pb
 from hkv_service.proto_gen.hkv.v1 import hkv_pb2_grpc as pb_grpc
 
@@ -32,22 +33,10 @@ from .status_map import map_error
 
 log = logging.getLogger(__name__)
 
+__all__ = ["UNDECODABLE", "UNDECODABLE_LOG_S", "MetadataServicer"]
 
-def undecodable_abort(message: Any, method: str, raw: bytes, context: grpc.ServicerContext
-                      ) -> Any:
-    """``message`` parsed from ``raw``; bytes that are no such message end the call with
-    INVALID_ARGUMENT and one log line (grpcio's own deserializer logs a traceback per call
-    and answers INTERNAL)."""
-    try:
-        return message.FromString(raw)
-    except DecodeError:
-        log.warning("%s: undecodable request (%d bytes) from %s: INVALID_ARGUMENT", method,
-                    len(raw), context.peer())
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                      f"cannot decode the {method} request: not a valid hkv.v1 "
-                      f"{message.DESCRIPTOR.name}")
-
-__all__ = ["MetadataServicer"]
+UNDECODABLE = "undecodable_request"  # its count in stats()["events"], and its log throttle key
+UNDECODABLE_LOG_S = 10.0  # one WARNING line per this long at most; the count is exact
 
 F = TypeVar("F", bound=Callable[..., Any])
 WATCH_POLL_S = 0.02
@@ -85,6 +74,30 @@ class MetadataServicer(pb_grpc.MetadataServiceServicer):
         self.state = state
         self.stopping = stopping or threading.Event()
         self.replies = ReplyCache()
+        self.log_throttle = Throttle(UNDECODABLE_LOG_S, state.clock)
+
+    def parse(self, message: Any, method: str, raw: bytes, context: grpc.ServicerContext
+              ) -> Any:
+        """``message`` parsed from ``raw``. Bytes that are no such message end the call with
+        INVALID_ARGUMENT (grpcio's own deserializer logs a traceback per call and answers
+        INTERNAL); each is counted in ``stats()["events"]``, and logged at most once per
+        :data:`UNDECODABLE_LOG_S` (a fuzzer or a client of another protocol sends thousands)."""
+        try:
+            return message.FromString(raw)
+        except DecodeError:
+            self._undecodable(method, len(raw), context.peer())
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"cannot decode the {method} request: not a valid hkv.v1 "
+                          f"{message.DESCRIPTOR.name}")
+
+    def _undecodable(self, method: str, nbytes: int, peer: str) -> None:
+        self.state.note_event(UNDECODABLE)
+        logged = self.log_throttle.note(UNDECODABLE)
+        if logged is not None:
+            log.warning("%s: undecodable request (%d bytes) from %s: INVALID_ARGUMENT (%d more "
+                        "since the last such line; at most one line per %g s, all counted in "
+                        "stats events %s)", method, nbytes, peer, logged.held_back,
+                        UNDECODABLE_LOG_S, UNDECODABLE)
 
     # ---- spec and owners ----------------------------------------------------------------
 
@@ -237,7 +250,7 @@ class MetadataServicer(pb_grpc.MetadataServiceServicer):
             if self.state.replay(memo):
                 return reply
             self.replies.discard(raw)  # something on the path changed: look it up afresh
-        request = undecodable_abort(pb.LookupBatchRequest, "Lookup", raw, context)
+        request = self.parse(pb.LookupBatchRequest, "Lookup", raw, context)
         matches = self._lookups(request.requests)
         reply = codec.batch_reply(matches)
         if len(matches) == 1 and matches[0].memo is not None and matches[0].repeatable:
@@ -250,7 +263,7 @@ class MetadataServicer(pb_grpc.MetadataServiceServicer):
         bytes end the stream with INVALID_ARGUMENT, as every method answers them."""
         for raw in raw_iterator:
             yield self._stream_batch(
-                undecodable_abort(pb.LookupStreamRequest, "LookupStream", raw, context))
+                self.parse(pb.LookupStreamRequest, "LookupStream", raw, context))
 
     def _stream_batch(self, request: Any) -> bytes:
         """A serialized LookupStreamResponse: the tag, then the matches or the error."""

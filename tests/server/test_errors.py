@@ -10,7 +10,7 @@ from typing import Any
 
 import grpc
 import pytest
-from svc_util import Live, commit_remote, hashes, register
+from svc_util import Live, commit_remote, hashes, register, start_live
 
 from hkv_service.client import MetadataClient
 from hkv_service.core import errors as E
@@ -349,15 +349,30 @@ def test_storage_errors_reach_the_client_with_their_code() -> None:
         lv.service.stop(0).wait()
 
 
-def test_an_undecodable_request_is_one_log_line_and_invalid_argument(
+class SteppedClock:
+    """The service's clock (CacheState.clock), moved by the test: no wall-clock waits."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _undecodable_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "undecodable request" in r.getMessage()]
+
+
+def test_an_undecodable_request_is_invalid_argument_and_a_throttled_log_line(
         caplog: pytest.LogCaptureFixture) -> None:
     """Regression (issue 17, item 8): grpcio's deserializer logged a traceback per call and
-    answered INTERNAL."""
+    answered INTERNAL. Now INVALID_ARGUMENT, no traceback, and (issue 35, item 8) one line
+    per interval for every method together."""
     import logging
 
     from hkv_service.server.app import ServerConfig, build_service
 
-    svc = build_service(ServerConfig(port=0), CacheState(default_spec()))
+    svc = build_service(ServerConfig(port=0), CacheState(default_spec(), clock=SteppedClock()))
     svc.server.start()
     try:
         with grpc.insecure_channel(f"127.0.0.1:{svc.port}") as ch, \
@@ -370,8 +385,59 @@ def test_an_undecodable_request_is_one_log_line_and_invalid_argument(
                 assert "cannot decode" in (err.value.details() or "")
     finally:
         svc.stop(0).wait(10)
-    lines = [r for r in caplog.records if "undecodable" in r.getMessage()]
-    assert len(lines) == 3 and not any(r.exc_info for r in caplog.records)
+    assert len(_undecodable_lines(caplog)) == 1 and not any(r.exc_info for r in caplog.records)
+    assert svc.state.stats()["events"] == {"undecodable_request": 3}
+
+
+def test_a_burst_of_undecodable_requests_is_counted_and_logs_once_per_interval(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 35, item 8: 2,700 fuzzed calls wrote 909 WARNING lines. A burst over every
+    method, unary and streaming, writes one line per interval; the next line says how many
+    were held back; Stats and the Prometheus counter count every one of them."""
+    import logging
+
+    from prometheus_client import generate_latest
+
+    from hkv_service.server.metrics import make_registry
+    from hkv_service.server.servicer import UNDECODABLE_LOG_S
+
+    clock = SteppedClock()
+    svc = start_live(state=CacheState(default_spec(), clock=clock)).service
+    methods = [m.name for m in pb.DESCRIPTOR.services_by_name["MetadataService"].methods]
+    sent = 0
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{svc.port}") as ch, \
+                MetadataClient(f"127.0.0.1:{svc.port}") as client, \
+                caplog.at_level(logging.WARNING):
+            for step in range(3):  # three intervals, a burst in each
+                for _ in range(10):
+                    for method in methods:
+                        _send_undecodable(ch, method)
+                        sent += 1
+                lines = _undecodable_lines(caplog)
+                assert len(lines) == step + 1, lines
+                clock.now += UNDECODABLE_LOG_S
+            held = len(methods) * 10 - 1  # each line after the first: the last burst, but one
+            assert [f"({n} more since the last such line" in line
+                    for n, line in zip([0, held, held], lines, strict=True)] == [True] * 3
+            events = client.stats()["events"]
+    finally:
+        svc.stop(0).wait(10)
+    assert events["undecodable_request"] == sent == 3 * 10 * len(methods)  # type: ignore[index]
+    metrics = generate_latest(make_registry(svc.state)).decode()
+    assert f'hkv_events_total{{event="undecodable_request"}} {float(sent)}' in metrics
+
+
+def _send_undecodable(ch: grpc.Channel, method: str) -> None:
+    path = f"/hkv.v1.MetadataService/{method}"
+    with pytest.raises(grpc.RpcError) as err:
+        if method == "LookupStream":
+            list(ch.stream_stream(path)(iter([b"\xff" * 11]), timeout=10))
+        elif method == "Watch":
+            list(ch.unary_stream(path)(b"\xff" * 11, timeout=10))
+        else:
+            ch.unary_unary(path)(b"\xff" * 11, timeout=10)
+    assert err.value.code() is C.INVALID_ARGUMENT, (method, err.value.code())
 
 
 def test_a_refused_call_leaves_no_garbage_cycle(live: Live, client: MetadataClient) -> None:
