@@ -14,6 +14,8 @@ is a disk hit (``needs_load``) and its read returns the same bytes.
 
 from __future__ import annotations
 
+import importlib.util
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -44,6 +46,11 @@ for d in range(len(hashes)):
         else:
             blocks[(d, col.name)] = data
         want[(col.name, d)] = data.tobytes()
+if sys.argv[3] == "cold":  # a damaged tier was set aside: nothing to reuse, writes go on
+    _, match = hkv.lookup(tokens)
+    wrote = hkv.plane.write_prefix(hashes, blocks, tails)
+    print(f"RESULT usable={match.usable_tokens} written={wrote.written} ok={wrote.ok}")
+    sys.exit(0)
 if sys.argv[3] == "write":
     assert hkv.plane.write_prefix(hashes, blocks, tails).ok
     _, match = hkv.lookup(tokens)
@@ -59,6 +66,16 @@ same = all([a.tobytes() for a in arrays] == [
     for col, arrays in got.items())
 print(f"RESULT usable={match.usable_tokens} needs_load={match.needs_load} same={same}")
 """
+
+
+def _storage_helper(name: str) -> Any:
+    """tests/storage's LMDB page helpers (test folders are not packages)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tests" / "storage" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(name, mod)  # dataclasses look their module up while made
+    spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
 
 
 def _worker(endpoint: str, ray_address: str, mode: str) -> str:
@@ -84,3 +101,40 @@ def test_a_restarted_hkv_up_finds_its_disk_tier_again(tmp_path: Path, w: Any) ->
     assert results == ["RESULT usable=256 needs_load=True same=True"] * 2, results
     tiers = sorted(p.name for p in data.iterdir() if p.is_dir())
     assert len(tiers) == 1 and tiers[0].startswith("shard-"), tiers  # one, used by both
+
+
+def test_a_tier_damaged_at_rest_starts_cold_under_hkv_up(tmp_path: Path, w: Any) -> None:
+    """Issue 35 item 7 through a real ``hkv up``: the shard's ``data.mdb`` gets heavy damage at
+    rest (256 random bit flips past the meta pages, and garbage over a B-tree page with its
+    header kept, which LMDB follows: SIGBUS or an assertion in the old open, and a shard that
+    crash-looped). Started again on that data dir, the shard starts cold: the tier is set
+    aside (counted), the prompt is a miss, and writes go to the fresh tier."""
+    lmdb_pages = _storage_helper("lmdb_pages")
+    data = tmp_path / "data"
+    w.clear_stale_ray()
+    up = Up(tmp_path, data)
+    try:
+        endpoint, ray_address = up.ready()
+        assert _worker(endpoint, ray_address, "write").startswith("RESULT usable=256")
+    finally:
+        assert up.stop() == 0, up.text()
+    (tier,) = [p for p in data.iterdir() if p.is_dir()]
+    mdb = next(tier.rglob("data.mdb"))
+    pages = lmdb_pages.tree_pages(mdb.read_bytes())
+    lmdb_pages.garble_page(mdb, pages[len(pages) // 2], seed=3, keep_header=True)
+    raw = bytearray(mdb.read_bytes())
+    rng = random.Random(3)
+    first = 2 * lmdb_pages.meta(bytes(raw)).psize  # past the two meta pages
+    for _ in range(256):
+        raw[rng.randrange(first, len(raw))] ^= 1 << rng.randrange(8)
+    mdb.write_bytes(bytes(raw))
+    w.clear_stale_ray()
+    up = Up(tmp_path, data)
+    try:
+        endpoint, ray_address = up.ready()
+        got = _worker(endpoint, ray_address, "cold")
+    finally:
+        assert up.stop() == 0, up.text()
+    assert got == "RESULT usable=0 written=16 ok=True", (got, up.text()[-3000:])
+    aside = list(tier.rglob("set-aside/*-damaged"))
+    assert len(aside) == 1 and (aside[0] / "REASON").read_text().strip(), aside
