@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.engine.arg_utils import EngineArgs
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.core.kv_cache_utils import (
     generate_scheduler_kv_cache_config,
     get_kv_cache_configs,
@@ -37,7 +38,9 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
+    KVCacheConfig,
     KVCacheSpec,
+    MambaSpec,
     MLAAttentionSpec,
     SlidingWindowMLASpec,
     SlidingWindowSpec,
@@ -138,6 +141,44 @@ def reference_specs() -> dict[str, KVCacheSpec]:
         "model.layers.2.attn.swa": SlidingWindowMLASpec(
             block_size=64, num_kv_heads=1, head_size=8, dtype=F32, sliding_window=128),
     }
+
+
+def nemotron_h_specs(block_size: int = 160) -> dict[str, KVCacheSpec]:
+    """A tiny Nemotron-H's layers (``M*M-``: Mamba2, attention, Mamba2, MLP) as vLLM 0.32.0
+    specs them on CPU with prefix caching on (measured by ``qwen3next_facts.py family``):
+    conv state (3, 384) bf16 then SSM state (8, 32, 64) fp32, 67,840 bytes, padded to the
+    attention page; Mamba2 exports in-chunk checkpoints (one checkpoint block). That model
+    fails at its first prefill on this CPU, so tests use these specs without a model."""
+    attn = FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=64,
+                             dtype=torch.bfloat16)
+    mamba = MambaSpec(block_size=block_size, shapes=((3, 384), (8, 32, 64)),
+                      dtypes=(torch.bfloat16, F32), page_size_padded=attn.page_size_bytes,
+                      mamba_type=MambaAttentionBackendEnum.MAMBA2, mamba_cache_mode="align",
+                      num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=1)
+    return {"model.layers.0.mixer": mamba, "model.layers.1.mixer.attn": attn,
+            "model.layers.2.mixer": mamba}
+
+
+def recurrent_scheduler(model: Path, specs: dict[str, KVCacheSpec], block_size: int = 160,
+                        chunk: int = 320, retention: int | None = 0,
+                        transfer: KVTransferConfig | None = None
+                        ) -> tuple[VllmConfig, KVCacheConfig, Scheduler]:
+    """vLLM's Scheduler over ``specs`` in Mamba "align" mode (what the engine sets for a
+    hybrid model with prefix caching), prefill chunks of ``chunk`` tokens, the given
+    ``prefix_cache_retention_interval``; no model, no worker."""
+    cfg = EngineArgs(model=str(model), skip_tokenizer_init=True, enforce_eager=True,
+                     block_size=block_size, max_model_len=2048, max_num_batched_tokens=chunk,
+                     kv_transfer_config=transfer, enable_prefix_caching=True,
+                     prefix_cache_retention_interval=retention).create_engine_config()
+    cfg.cache_config.kv_cache_layout = "LBHNC"  # what the engine core would resolve
+    cfg.cache_config.mamba_cache_mode = "align"  # the hybrid model's config hook sets these
+    cfg.cache_config.mamba_block_size = block_size
+    kvc = get_kv_cache_configs(cfg, [specs], [64 << 20])[0]
+    cfg.cache_config.num_gpu_blocks = kvc.num_blocks
+    sb, hb = resolve_kv_cache_block_sizes(kvc, cfg)
+    sched = Scheduler(cfg, generate_scheduler_kv_cache_config([kvc]),
+                      StructuredOutputManager(cfg), block_size=sb, hash_block_size=hb)
+    return cfg, kvc, sched
 
 
 def prompt(n: int, seed: int) -> list[int]:
