@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
+    from hkv_service.core.api import StateConfig
     from hkv_service.core.spec import CacheSpec
-    from hkv_service.core.state_view import StateConfig
 
 __all__ = [
     "DEFAULT_PORT", "DEFAULT_SEGMENT_BLOCKS", "ClientSettings", "Credentials", "ServiceInputs",
@@ -370,7 +370,7 @@ class ServiceSettings(_Settings):
         from hkv_service.core.errors import InvalidInput, SpecError
         from hkv_service.core.layout import Layout
         from hkv_service.core.partitions import check_range_blocks
-        from hkv_service.core.state_view import segment_blocks_for
+        from hkv_service.core.segments import segment_blocks_for
         from hkv_service.specs import resolve_spec
 
         token = _token(self.auth_token_file, "--auth-token-file")
@@ -391,9 +391,8 @@ class ServiceSettings(_Settings):
         return ServiceInputs(spec, token, cert, key, ca)
 
     def state_config(self) -> StateConfig:
-        from hkv_service.core.admission import AdmissionCap
+        from hkv_service.core.api import AdmissionCap, StateConfig
         from hkv_service.core.partitions import Partition
-        from hkv_service.core.state_view import StateConfig
 
         return StateConfig(
             admission=AdmissionCap(self.max_inflight_objects, self.max_inflight_bytes),

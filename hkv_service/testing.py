@@ -14,14 +14,13 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from .core.allocator import PoolConfig
+from .core.api import AllocRequest, Params, PoolConfig
 from .core.hashing import ExtraKeys, hash_blocks
 from .core.ids import BlockHash, ObjectId, ShardId
 from .core.layout import Layout
 from .core.spec import CacheSpec
-from .core.state_view import AllocRequest, CacheState
+from .core.state_view import CacheState
 from .core.states import Event, Kind
-from .core.transitions import Params
 
 __all__ = ["commit_prefix", "pools_for", "prompt_hashes"]
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from hkv_service.core.api import Handle, ObjectTransitions, Params, TransitionResult
 from hkv_service.core.errors import (
     AdmissionRefused,
     FailedPrecondition,
@@ -23,10 +24,7 @@ from hkv_service.core.errors import (
     StaleHandle,
 )
 from hkv_service.core.ids import ObjectId
-from hkv_service.core.records import Handle
-from hkv_service.core.state_view import ObjectTransitions, TransitionResult
 from hkv_service.core.states import Event, State
-from hkv_service.core.transitions import Params
 from storage import DiskFull, NotOnDisk
 
 from .ports import Commit, ItemResult, MetadataPort, Outcome

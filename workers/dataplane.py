@@ -33,15 +33,13 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from hkv_service.core.api import Allocation, AllocRequest, Handle, Match, Params
 from hkv_service.core.errors import HkvError, UnknownGroup, WrongSize
 from hkv_service.core.hashing import content_version
 from hkv_service.core.ids import BlockHash, ShardId
 from hkv_service.core.layout import Layout
 from hkv_service.core.partitions import range_anchor, route_key
-from hkv_service.core.records import Handle
-from hkv_service.core.state_view import Allocation, AllocRequest, Match
 from hkv_service.core.states import Event, Kind, Reason, State
-from hkv_service.core.transitions import Params
 
 from .commits import commit_many
 from .link import Pending, ShardLink, ShardUnavailable

@@ -22,10 +22,10 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from hkv_service.core.admission import AdmissionCap
+from hkv_service.core.api import AdmissionCap, StateConfig, TransitionEvent
 from hkv_service.core.partitions import Partition
 from hkv_service.core.spec import CacheSpec
-from hkv_service.core.state_view import CacheState, StateConfig, TransitionEvent
+from hkv_service.core.state_view import CacheState
 
 from .dataplane import DataPlane
 from .link import InProcessLink

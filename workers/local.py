@@ -12,24 +12,24 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from hkv_service.core.allocator import PoolConfig
-from hkv_service.core.errors import HkvError
-from hkv_service.core.funnel import LookupRequest
-from hkv_service.core.ids import BlockHash, LeaseId, ObjectId, ShardId
-from hkv_service.core.records import Handle
-from hkv_service.core.spec import CacheSpec
-from hkv_service.core.state_view import (
+from hkv_service.core.api import (
     Allocation,
     AllocRequest,
-    CacheState,
+    Handle,
+    LookupRequest,
     Match,
     ObjectReport,
     ObjectTransitions,
+    Params,
+    PoolConfig,
     TransitionEvent,
     TransitionResult,
 )
+from hkv_service.core.errors import HkvError
+from hkv_service.core.ids import BlockHash, LeaseId, ObjectId, ShardId
+from hkv_service.core.spec import CacheSpec
+from hkv_service.core.state_view import CacheState
 from hkv_service.core.states import Event
-from hkv_service.core.transitions import Params
 from hkv_service.settings import TlsConfig
 
 from .partitioned import PartitionedMetadata

@@ -35,9 +35,19 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, TypeVar
 
-from hkv_service.core.allocator import PoolConfig
+from hkv_service.core.api import (
+    Allocation,
+    AllocRequest,
+    Handle,
+    LookupRequest,
+    Match,
+    ObjectReport,
+    ObjectTransitions,
+    Params,
+    PoolConfig,
+    TransitionResult,
+)
 from hkv_service.core.errors import HkvError, InvalidInput, UnknownOwner
-from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.ids import BlockHash, LeaseId, ObjectId, ShardId
 from hkv_service.core.layout import Layout
 from hkv_service.core.partitions import (
@@ -50,18 +60,8 @@ from hkv_service.core.partitions import (
     partition_of_route,
     ranges,
 )
-from hkv_service.core.records import Handle
 from hkv_service.core.spec import CacheSpec
-from hkv_service.core.state_view import (
-    Allocation,
-    AllocRequest,
-    Match,
-    ObjectReport,
-    ObjectTransitions,
-    TransitionResult,
-)
 from hkv_service.core.states import Event
-from hkv_service.core.transitions import Params
 
 from . import split
 from .ports import MetadataPort

@@ -26,23 +26,23 @@ from typing import Any, Protocol, overload, runtime_checkable
 
 import numpy as np
 
-from hkv_service.core.allocator import PoolConfig
-from hkv_service.core.errors import HkvError
-from hkv_service.core.funnel import LookupRequest
-from hkv_service.core.ids import BlockHash, LeaseId, ObjectId, ShardId
-from hkv_service.core.layout import Layout
-from hkv_service.core.records import Handle
-from hkv_service.core.spec import CacheSpec
-from hkv_service.core.state_view import (
+from hkv_service.core.api import (
     Allocation,
     AllocRequest,
+    Handle,
+    LookupRequest,
     Match,
     ObjectReport,
     ObjectTransitions,
+    Params,
+    PoolConfig,
     TransitionResult,
 )
+from hkv_service.core.errors import HkvError
+from hkv_service.core.ids import BlockHash, LeaseId, ObjectId, ShardId
+from hkv_service.core.layout import Layout
+from hkv_service.core.spec import CacheSpec
 from hkv_service.core.states import Event, Kind
-from hkv_service.core.transitions import Params
 
 __all__ = [
     "TAG",

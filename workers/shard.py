@@ -49,23 +49,17 @@ from typing import Any
 
 import numpy as np
 
-from hkv_service.core.admission import AdmissionCap
-from hkv_service.core.allocator import PoolConfig
+from hkv_service.core.api import AdmissionCap, Handle, ObjectReport, Params, PoolConfig
 from hkv_service.core.errors import (
     HkvError,
     UnknownOwner,
     WrongSize,
 )
 from hkv_service.core.ids import BlockHash, ObjectId, ShardId
+from hkv_service.core.inputs import check_report
 from hkv_service.core.layout import Layout
 from hkv_service.core.partitions import partition_of_id, partition_of_route
-from hkv_service.core.records import Handle
-from hkv_service.core.state_view import (
-    ObjectReport,
-    check_report,
-)
 from hkv_service.core.states import Event, Kind, State
-from hkv_service.core.transitions import Params
 from hkv_service.settings import TlsConfig
 from storage import CorruptEntry, DiskKey, DiskTier, NotOnDisk
 

@@ -110,16 +110,21 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from ..core.allocator import PoolConfig
+from ..core.api import (
+    AllocRequest,
+    Handle,
+    LookupRequest,
+    ObjectReport,
+    Params,
+    PoolConfig,
+    StateConfig,
+)
 from ..core.errors import HkvError
-from ..core.funnel import LookupRequest
 from ..core.hashing import content_version
 from ..core.ids import BlockHash, ObjectId, PackedHashes, ShardId
 from ..core.layout import Layout
-from ..core.records import Handle
-from ..core.state_view import AllocRequest, CacheState, ObjectReport, StateConfig
+from ..core.state_view import CacheState
 from ..core.states import Event, Kind, State
-from ..core.transitions import Params
 from ..server import gcpolicy
 from ..server.serve import REAP_YIELD_S
 from ..specs import default_spec

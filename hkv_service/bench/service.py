@@ -62,9 +62,9 @@ from typing import Any
 import grpc
 
 from ..client import MetadataClient
-from ..core.funnel import LookupRequest
+from ..core.api import LookupRequest, StateConfig
 from ..core.ids import BlockHash, ShardId
-from ..core.state_view import CacheState, StateConfig
+from ..core.state_view import CacheState
 from ..proto_gen.hkv.v1 import hkv_pb2 as pb
 from ..server.app import ServerConfig, Service, build_service
 from ..server.codec import encode_lookup

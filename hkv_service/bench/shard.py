@@ -35,10 +35,9 @@ import numpy as np
 import ray
 import torch
 
-from hkv_service.core.admission import AdmissionCap
+from hkv_service.core.api import AdmissionCap, AllocRequest, StateConfig
 from hkv_service.core.ids import BlockHash
 from hkv_service.core.spec import spec_from_dict
-from hkv_service.core.state_view import AllocRequest, StateConfig
 from workers.pool import HandleBatch
 
 __all__ = ["run"]

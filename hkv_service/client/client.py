@@ -19,28 +19,28 @@ from typing import Any
 
 import grpc
 
-from hkv_service.core.allocator import PoolConfig
+from hkv_service.core.api import (
+    Allocation,
+    AllocRequest,
+    Handle,
+    LookupRequest,
+    Match,
+    ObjectReport,
+    ObjectTransitions,
+    Params,
+    PoolConfig,
+    TransitionEvent,
+    TransitionResult,
+)
 from hkv_service.core.errors import (
     AdmissionRefused,
     FailedPrecondition,
     HkvError,
     IllegalTransition,
 )
-from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.ids import BlockHash, CaptureId, LeaseId, ObjectId, ShardId
-from hkv_service.core.records import Handle
 from hkv_service.core.spec import CacheSpec, spec_from_dict
-from hkv_service.core.state_view import (
-    Allocation,
-    AllocRequest,
-    Match,
-    ObjectReport,
-    ObjectTransitions,
-    TransitionEvent,
-    TransitionResult,
-)
 from hkv_service.core.states import Event
-from hkv_service.core.transitions import Params
 from hkv_service.proto_gen.hkv.v1 import hkv_pb2 as pb
 from hkv_service.proto_gen.hkv.v1 import hkv_pb2_grpc as pb_grpc
 from hkv_service.server import codec

@@ -19,7 +19,7 @@ next walk) drops the entry's memos, so a memo never outlives the state it was co
 
 A walk that stops at a hash the index lacks answers what a lookup of the hashes before it
 would (a plain miss adds no downgrade), so new questions over one cached document share the
-document's memo (``CacheState._prefix_memo`` says why finding the stop by bisection is sound).
+document's memo (``Lookups._prefix_memo`` says why finding the stop by bisection is sound).
 
 A memo is made on the second lookup of the same key (a prefix looked up once never pays for
 the registration), and the table is bounded by count and bytes (least recently used first).

@@ -55,7 +55,7 @@ class PrefixIndex:
         return self.part_of(h)[h]
 
     def __setitem__(self, h: BlockHash, entry: PrefixEntry) -> None:
-        self.parts[h[0]][h] = entry  # (keys are checked 16-byte hashes: _check_hashes)
+        self.parts[h[0]][h] = entry  # (keys are checked 16-byte hashes: inputs.check_hashes)
 
     def __delitem__(self, h: BlockHash) -> None:
         del self.part_of(h)[h]
@@ -90,13 +90,13 @@ class Orphans:
     """Entries made before their parent's: a re-confirm in random order reports a block
     before the block above it (a chain's report names its parent's hash, whose entry is not
     there yet). Each waits for the entry of that hash (its ``awaits``), which adopts it when
-    it is made (``CacheState._entry_under``): else it stayed parentless for good once no
+    it is made (``PrefixTree.entry_under``): else it stayed parentless for good once no
     later report named it, and what walks up the parents (the SWA policy's resume-point
     counts) stopped short there, and its parent, counting no child, could be dropped under
     it. A hash most often has one orphan waiting (a chain), kept bare; siblings in a dict.
     (A re-confirm of one owner of eight leaves ~90% of its entries waiting: the parents are
     the other owners'.) Those that wait for an entry made are adopted a slice per lock
-    hold (``CacheState.ADOPT_SLICE``, ``_adopt_some``): all at once, 50k children of one
+    hold (``tree.ADOPT_SLICE``, ``PrefixTree.adopt_some``): all at once, 50k children of one
     root held the lock 13 ms (ad-hoc), so a root with hundreds of thousands would have held
     it past the 50 ms pause target."""
 

@@ -35,14 +35,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from hkv_service.core.api import AllocRequest, Handle, LookupRequest, Match, Params
 from hkv_service.core.errors import HkvError
-from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.ids import BlockHash, LeaseId, ObjectId, ShardId
 from hkv_service.core.layout import Column, Layout
-from hkv_service.core.records import Handle
-from hkv_service.core.state_view import AllocRequest, Match
 from hkv_service.core.states import TERMINAL_STATES, Event, Kind, Reason, State
-from hkv_service.core.transitions import Params
 from hkv_service.refmodel import BlockRun
 from hkv_service.testing import flip_on_disk
 from workers.dataplane import PendingLoad, Recompute

@@ -31,10 +31,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hkv_service.core.admission import AdmissionCap
+from hkv_service.core.api import AdmissionCap, StateConfig, TransitionEvent
 from hkv_service.core.layout import Layout
 from hkv_service.core.spec import CacheSpec
-from hkv_service.core.state_view import StateConfig, TransitionEvent
 from workers.dataplane import DataPlane
 from workers.inprocess import ODD_PAD, ODD_SHARD, InProcessConfig, InProcessSystem
 from workers.ports import MetadataPort

@@ -19,10 +19,10 @@ from typing import Any, NoReturn, TypeVar
 import grpc
 from google.protobuf.message import DecodeError
 
-from hkv_service.core.allocator import PoolConfig
+from hkv_service.core.api import AllocRequest, Match, PoolConfig
 from hkv_service.core.errors import HkvError, IllegalTransition, InvalidInput
 from hkv_service.core.ids import BlockHash, CaptureId, LeaseId, ObjectId, ShardId
-from hkv_service.core.state_view import AllocRequest, CacheState, Match
+from hkv_service.core.state_view import CacheState
 from hkv_service.proto_gen.hkv.v1 import hkv_pb2 as pb
 from hkv_service.proto_gen.hkv.v1 import hkv_pb2_grpc as pb_grpc
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from hkv_service.core.allocator import PoolConfig
+from hkv_service.core.api import LookupRequest, PoolConfig
 from hkv_service.core.errors import BadHash, InvalidInput, UnknownGroup, UnknownOwner
-from hkv_service.core.funnel import LookupRequest, validate_request
+from hkv_service.core.funnel import validate_request
 from hkv_service.core.ids import BLOCK_HASH_BYTES, ShardId
 from hkv_service.core.state_view import CacheState
 

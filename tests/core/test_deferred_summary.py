@@ -20,11 +20,10 @@ from collections.abc import Sequence
 import pytest
 
 from hkv_service.core import contracts, segments
+from hkv_service.core.api import LookupRequest, Match, ObjectReport
 from hkv_service.core.contracts import F_PENDING
-from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.ids import BlockHash, PackedHashes, ShardId
-from hkv_service.core.match import Match
-from hkv_service.core.state_view import CacheState, ObjectReport
+from hkv_service.core.state_view import CacheState
 from hkv_service.specs import default_spec
 from hkv_service.testing import commit_prefix, pools_for, prompt_hashes
 
@@ -88,7 +87,7 @@ def test_confirmed_entries_wait_for_a_walk_and_then_answer_as_before() -> None:
     walked = [new.index[h] for hs in prompts for h in hs]
     for e in walked:  # each summarised once, by the walk, as summarise would now
         flags, gate = e.flags, e.gate
-        contracts.summarise(e, lay, new._align_of)
+        contracts.summarise(e, lay, new._tables.align_of)
         assert (flags, gate) == (e.flags, e.gate) and not flags & F_PENDING
 
 
@@ -127,5 +126,5 @@ def test_a_walk_that_cannot_summarise_stops_at_a_pending_entry(by_runs: bool) ->
     entries, _ = segments.walk(new.index, data, len(hs), 1, size, new.layout)  # no alignments
     assert entries == []
     assert new.index[hs[0]].flags == F_PENDING  # left as it was
-    entries, _ = segments.walk(new.index, data, len(hs), 1, size, new.layout, new._align_of)
+    entries, _ = segments.walk(new.index, data, len(hs), 1, size, new.layout, new._tables.align_of)
     assert [e.block_hash for e in entries] == hs

@@ -6,7 +6,13 @@ import sys
 
 import pytest
 
-from hkv_service.core.admission import AdmissionCap
+from hkv_service.core.api import (
+    AdmissionCap,
+    AllocRequest,
+    LookupRequest,
+    ObjectReport,
+    StateConfig,
+)
 from hkv_service.core.errors import (
     AdmissionRefused,
     IllegalTransition,
@@ -15,9 +21,8 @@ from hkv_service.core.errors import (
     UnknownObject,
     UnknownOwner,
 )
-from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.ids import ObjectId, ShardId
-from hkv_service.core.state_view import AllocRequest, CacheState, ObjectReport, StateConfig
+from hkv_service.core.state_view import CacheState
 from hkv_service.core.states import Event, Kind, Reason, State
 from hkv_service.testing import commit_prefix, pools_for, prompt_hashes
 
@@ -126,8 +131,8 @@ def test_a_kv_rewritten_with_the_same_bytes_keeps_its_indexer(
     """Content versions: the KV evicted under a held indexer and written again with the very
     same bytes has the very same version, so the indexer is still in sync; other bytes make
     it INDEXER_STALE. Content versions never move the view's own counter."""
+    from hkv_service.core.api import Params
     from hkv_service.core.hashing import CONTENT_VERSION_BASE, content_version
-    from hkv_service.core.transitions import Params
 
     hs = prompt_hashes(spec, 8)
     ids = commit_prefix(state, hs)

@@ -77,7 +77,7 @@ def test_every_fault_over_two_partitions_on_the_system(system_env: None) -> None
 
 
 def test_merged_events_renumber_and_a_reset_starts_over() -> None:
-    from hkv_service.core.state_view import TransitionEvent
+    from hkv_service.core.api import TransitionEvent
     from hkv_service.core.states import Kind, State
 
     def ev(seq: int, oid: int) -> TransitionEvent:

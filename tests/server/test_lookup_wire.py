@@ -9,10 +9,10 @@ import pytest
 from svc_util import Live, commit_remote, hashes, register
 
 from hkv_service.client import MetadataClient
-from hkv_service.core.funnel import LookupRequest
+from hkv_service.core.api import LookupRequest, Match
 from hkv_service.core.ids import PackedHashes, ShardId
 from hkv_service.core.memo import Memo
-from hkv_service.core.state_view import CacheState, Match
+from hkv_service.core.state_view import CacheState
 from hkv_service.proto_gen.hkv.v1 import hkv_pb2 as pb
 from hkv_service.server import codec
 from hkv_service.server.replies import ReplyCache

@@ -21,9 +21,8 @@ from svc_util import ROOT, Proc, commit_remote, hashes, register, serve_cmd, sta
 
 from hkv_service.cli import build_parser
 from hkv_service.client import MetadataClient, RetryPolicy, RpcFailed, TlsConfig
+from hkv_service.core.api import LookupRequest, ObjectReport
 from hkv_service.core.errors import Unavailable
-from hkv_service.core.funnel import LookupRequest
-from hkv_service.core.state_view import ObjectReport
 from hkv_service.core.states import State
 
 
@@ -323,7 +322,7 @@ def test_restart_rebuilds_only_from_confirmed_objects(procs: list[Proc]) -> None
 
 def test_lookup_memo_flag_sizes_or_turns_off_the_memo() -> None:
     from hkv_service.cli import build_parser
-    from hkv_service.core.funnel import LookupRequest as Req
+    from hkv_service.core.api import LookupRequest as Req
     from hkv_service.core.state_view import CacheState
     from hkv_service.settings import ServiceSettings
     from hkv_service.specs import default_spec

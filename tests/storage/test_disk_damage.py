@@ -25,7 +25,7 @@ import lmdb_pages
 import numpy as np
 import pytest
 
-from hkv_service.core.admission import AdmissionCap
+from hkv_service.core.api import AdmissionCap
 from storage import CorruptEntry, DiskKey, DiskTier, NotOnDisk
 from storage.lmdb_store import DB_NAMES
 from storage.record import HEADER

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import ray
 
+from hkv_service.core.api import StateConfig
 from hkv_service.core.hashing import ExtraKeys, hash_blocks
 from hkv_service.core.ids import BlockHash
 from hkv_service.core.layout import Layout
-from hkv_service.core.state_view import StateConfig
 from hkv_service.specs import default_spec
 from workers.inprocess import InProcessConfig, InProcessSystem
 from workers.launcher import clear_stale_ray, init_local_ray, worker_pythonpath

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import workers.shard as shard_mod
+from hkv_service.core.api import AllocRequest, Handle, StateConfig
 from hkv_service.core.ids import ShardId
-from hkv_service.core.records import Handle
-from hkv_service.core.state_view import AllocRequest, CacheState, StateConfig
+from hkv_service.core.state_view import CacheState
 from hkv_service.core.states import Event
 from hkv_service.specs import default_spec
 from workers.local import LocalMetadata

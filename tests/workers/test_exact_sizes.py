@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
+from hkv_service.core.api import AllocRequest, Params, StateConfig
 from hkv_service.core.ids import BlockHash, ShardId
-from hkv_service.core.state_view import AllocRequest, CacheState, StateConfig
+from hkv_service.core.state_view import CacheState
 from hkv_service.core.states import Event, State
-from hkv_service.core.transitions import Params
 from hkv_service.specs import default_spec
 from workers.local import LocalMetadata
 from workers.pool import BlockPool

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import torch
 
+from hkv_service.core.api import AllocRequest
 from hkv_service.core.ids import ShardId
-from hkv_service.core.state_view import AllocRequest, CacheState
+from hkv_service.core.state_view import CacheState
 from hkv_service.core.states import Event, State
 from hkv_service.specs import default_spec
 from workers.local import LocalMetadata

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import ray
 
+from hkv_service.core.api import LookupRequest
 from hkv_service.core.errors import HkvError
-from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.partitions import partition_of_root
 from workers.attach import attach
 

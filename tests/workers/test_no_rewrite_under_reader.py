@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hkv_service.core.funnel import LookupRequest
+from hkv_service.core.api import LookupRequest
 from hkv_service.core.states import Event, State
 from workers.dataplane import DataPlane, Recompute
 from workers.inprocess import InProcessSystem

@@ -9,10 +9,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from hkv_service.core.api import AllocRequest, LookupRequest, StateConfig
 from hkv_service.core.errors import UnknownOwner
-from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.ids import BlockHash, ShardId
-from hkv_service.core.state_view import AllocRequest, CacheState, StateConfig
+from hkv_service.core.state_view import CacheState
 from hkv_service.core.states import Event, State
 from hkv_service.specs import default_spec
 from workers.local import LocalMetadata
@@ -271,7 +271,7 @@ def test_a_shard_declared_lost_at_every_registration_gives_up_with_a_clear_error
 
 
 def test_admission_refusal_is_reported(data_dir: Path, w: Any) -> None:
-    from hkv_service.core.admission import AdmissionCap
+    from hkv_service.core.api import AdmissionCap
 
     meta = LocalMetadata(CacheState(default_spec(), StateConfig(AdmissionCap(1, 1 << 20))))
     shard = make_shard(meta, data_dir)
@@ -353,7 +353,7 @@ def test_a_load_batch_with_one_corrupt_record(meta: LocalMetadata, data_dir: Pat
 def test_loads_under_a_one_object_cap_go_one_at_a_time(data_dir: Path, w: Any) -> None:
     """A cap of one object in transit: chunks shrink to one item, so a multi-item load is
     never refused by its own earlier items."""
-    from hkv_service.core.admission import AdmissionCap
+    from hkv_service.core.api import AdmissionCap
 
     meta = LocalMetadata(CacheState(default_spec(), StateConfig(AdmissionCap(1, 1 << 20))))
     shard = make_shard(meta, data_dir, admission=AdmissionCap(1, 1 << 20))

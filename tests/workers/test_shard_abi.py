@@ -14,9 +14,10 @@ from typing import Any
 
 import numpy as np
 
+from hkv_service.core.api import AllocRequest, StateConfig
 from hkv_service.core.ids import BlockHash, ShardId
 from hkv_service.core.spec import CacheSpec
-from hkv_service.core.state_view import AllocRequest, CacheState, StateConfig
+from hkv_service.core.state_view import CacheState
 from hkv_service.core.states import Event, State
 from hkv_service.specs import default_spec
 from storage import DiskKey

@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from hkv_service.core.api import AllocRequest, Handle, StateConfig
 from hkv_service.core.ids import BlockHash, ShardId
-from hkv_service.core.records import Handle
-from hkv_service.core.state_view import AllocRequest, CacheState, StateConfig
+from hkv_service.core.state_view import CacheState
 from hkv_service.core.states import Event, State
 from hkv_service.specs import default_spec
 from storage import DiskKey

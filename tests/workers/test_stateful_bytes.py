@@ -30,15 +30,13 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
+from hkv_service.core.api import AllocRequest, LookupRequest, Params
 from hkv_service.core.errors import HkvError
-from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.hashing import ExtraKeys, hash_blocks
 from hkv_service.core.ids import BlockHash
 from hkv_service.core.layout import Layout
 from hkv_service.core.spec import CacheSpec, spec_from_dict
-from hkv_service.core.state_view import AllocRequest
 from hkv_service.core.states import Event, Kind
-from hkv_service.core.transitions import Params
 from hkv_service.specs import default_spec
 from workers.dataplane import DataPlane, Recompute
 from workers.inprocess import InProcessConfig, InProcessSystem

@@ -18,7 +18,7 @@ from typing import Any
 
 from tls_pki import Pki
 
-from hkv_service.core.funnel import LookupRequest
+from hkv_service.core.api import LookupRequest
 from workers.dataplane import Recompute
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -54,12 +54,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tls_pki import Pki
 
 from hkv_service.client import MetadataClient, RetryPolicy, TlsConfig, TransitionItem
+from hkv_service.core.api import AllocRequest, LookupRequest, Params
 from hkv_service.core.errors import AdmissionRefused, HkvError, ResourceExhausted, Unavailable
-from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.layout import Layout
-from hkv_service.core.state_view import AllocRequest
 from hkv_service.core.states import Event, Kind
-from hkv_service.core.transitions import Params
 from hkv_service.settings import ServiceSettings
 from hkv_service.specs import default_spec
 from hkv_service.testing import pools_for, prompt_hashes

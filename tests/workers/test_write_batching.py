@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from hkv_service.core.funnel import LookupRequest
+from hkv_service.core.api import LookupRequest
 from hkv_service.core.ids import ShardId
 from hkv_service.core.states import Kind, State
 from hkv_service.specs import default_spec
