@@ -24,10 +24,11 @@ from hkv_service.core.errors import (
     StaleHandle,
 )
 from hkv_service.core.ids import ObjectId
+from hkv_service.core.port import MetadataPort
 from hkv_service.core.states import Event, State
 from storage import DiskFull, NotOnDisk
 
-from .ports import Commit, ItemResult, MetadataPort, Outcome
+from .ports import Commit, ItemResult, Outcome
 
 __all__ = ["COMMIT_CHUNK", "already_done", "commit_many", "commit_one", "failure", "refused"]
 

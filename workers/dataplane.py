@@ -39,21 +39,15 @@ from hkv_service.core.hashing import content_version
 from hkv_service.core.ids import BlockHash, ShardId
 from hkv_service.core.layout import Layout
 from hkv_service.core.partitions import range_anchor, route_key
+from hkv_service.core.port import MetadataPort
 from hkv_service.core.states import Event, Kind, Reason, State
 
 from .commits import commit_many
 from .link import Pending, ShardLink, ShardUnavailable
 from .partitioned import range_blocks_of
 from .pool import HandleBatch
-from .ports import (
-    BlockTag,
-    Commit,
-    ItemResult,
-    MetadataPort,
-    Outcome,
-    commit_bytes,
-    payload_bytes,
-)
+from .ports import Commit, ItemResult, Outcome, commit_bytes, payload_bytes
+from .tags import BlockTag
 
 __all__ = ["DataPlane", "PendingLoad", "Recompute", "WriteReport"]
 

@@ -3,7 +3,7 @@
 * :class:`LocalMetadata` calls a ``CacheState`` in the same process (the in-process wiring,
   unit tests, benches). ``swap`` puts a fresh state behind it: a service restart.
 * :func:`connect` turns what a shard is given (an endpoint string or a port) into a
-  :class:`~workers.ports.MetadataPort`. The Ray actor holding a state is in
+  :class:`~hkv_service.core.port.MetadataPort`. The Ray actor holding a state is in
   :mod:`workers.raylink` (this module imports no Ray).
 """
 
@@ -27,13 +27,13 @@ from hkv_service.core.api import (
 )
 from hkv_service.core.errors import HkvError
 from hkv_service.core.ids import BlockHash, LeaseId, ObjectId, ShardId
+from hkv_service.core.port import MetadataPort
 from hkv_service.core.spec import CacheSpec
 from hkv_service.core.state_view import CacheState
 from hkv_service.core.states import Event
 from hkv_service.settings import TlsConfig
 
 from .partitioned import PartitionedMetadata
-from .ports import MetadataPort
 
 __all__ = ["LocalMetadata", "connect"]
 

@@ -2,7 +2,7 @@
 
 Each partition is a whole service (a ``hkv serve`` process, an actor, a ``LocalMetadata``)
 holding the chains whose root routes to it (:mod:`hkv_service.core.partitions`). This class
-is the :class:`~workers.ports.MetadataPort` its callers already use, so the data plane, the
+is the :class:`~hkv_service.core.port.MetadataPort` its callers already use, so the data plane, the
 shards and the connector do not change::
 
     lookup / allocate       -> the partition of block_hashes[0] (the root); with chains split
@@ -60,11 +60,11 @@ from hkv_service.core.partitions import (
     partition_of_route,
     ranges,
 )
+from hkv_service.core.port import MetadataPort
 from hkv_service.core.spec import CacheSpec
 from hkv_service.core.states import Event
 
 from . import split
-from .ports import MetadataPort
 
 __all__ = ["PartitionedMetadata", "PartitionsLost", "partition_count", "partition_of_block_of",
            "pool_ranges", "range_blocks_of"]

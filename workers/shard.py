@@ -59,6 +59,7 @@ from hkv_service.core.ids import BlockHash, ObjectId, ShardId
 from hkv_service.core.inputs import check_report
 from hkv_service.core.layout import Layout
 from hkv_service.core.partitions import partition_of_id, partition_of_route
+from hkv_service.core.port import MetadataPort
 from hkv_service.core.states import Event, Kind, State
 from hkv_service.settings import TlsConfig
 from storage import CorruptEntry, DiskKey, DiskTier, NotOnDisk
@@ -73,20 +74,8 @@ from .partitioned import (
     pool_ranges,
 )
 from .pool import BlockPool, HandleBatch, PoolSet, StaleRead, StaleWrite
-from .ports import (
-    TAG,
-    BlockTag,
-    Commit,
-    ItemResult,
-    MetadataPort,
-    Outcome,
-    PackedRead,
-    commit_bytes,
-    decode_tagged,
-    encode_tagged,
-    payload_bytes,
-    tag_bytes,
-)
+from .ports import Commit, ItemResult, Outcome, PackedRead, commit_bytes, payload_bytes
+from .tags import TAG, BlockTag, decode_tagged, encode_tagged, tag_bytes
 
 __all__ = ["PACK_BELOW", "REGISTER_ATTEMPTS", "ShardActor", "ShardConfig", "new_instance"]
 

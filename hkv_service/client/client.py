@@ -267,8 +267,8 @@ class MetadataClient:
         resp = self._call("Lookup", req, idempotent=not leased)
         return [codec.decode_match(m) for m in resp.matches]
 
-    def lookup(self, request: LookupRequest) -> Match:
-        return self.lookup_many([request])[0]
+    def lookup(self, req: LookupRequest) -> Match:
+        return self.lookup_many([req])[0]
 
     def lookup_stream(self, batches: Iterable[Sequence[LookupRequest]],
                       timeout_s: float | None = None) -> Iterator[list[Match] | HkvError]:

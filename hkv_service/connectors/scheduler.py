@@ -30,7 +30,7 @@ from hkv_service.core.api import Downgrade, LookupRequest, Match
 from hkv_service.core.hashing import ExtraKeys, hash_blocks
 from hkv_service.core.ids import BlockHash
 from hkv_service.core.layout import Layout
-from workers.ports import MetadataPort
+from hkv_service.core.port import MetadataPort
 
 from .geometry import Geometry
 from .plan import LoadJob, SaveJob, load_copies, save_items

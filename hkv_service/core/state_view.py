@@ -80,7 +80,8 @@ __all__ = ["CacheState"]
 
 
 class CacheState:
-    """The state view's facade: one lock, one short method per public call."""
+    """The state view's facade: one lock, one short method per public call. The methods
+    shared with the metadata port say what they do there (``core/port.py``)."""
 
     def __init__(
         self,

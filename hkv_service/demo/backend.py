@@ -44,7 +44,8 @@ from hkv_service.refmodel import BlockRun
 from hkv_service.testing import flip_on_disk
 from workers.dataplane import PendingLoad, Recompute
 from workers.link import ShardUnavailable
-from workers.ports import BlockTag, Commit
+from workers.ports import Commit
+from workers.tags import BlockTag
 
 from .wiring import EVENTS_BATCH, Wiring
 

@@ -33,10 +33,10 @@ from typing import Any
 
 from hkv_service.core.api import AdmissionCap, StateConfig, TransitionEvent
 from hkv_service.core.layout import Layout
+from hkv_service.core.port import MetadataPort
 from hkv_service.core.spec import CacheSpec
 from workers.dataplane import DataPlane
 from workers.inprocess import ODD_PAD, ODD_SHARD, InProcessConfig, InProcessSystem
-from workers.ports import MetadataPort
 
 __all__ = ["InProcessWiring", "SystemWiring", "Wiring"]
 

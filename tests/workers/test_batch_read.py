@@ -19,8 +19,9 @@ from hkv_service.core.states import Event
 from hkv_service.specs import default_spec
 from workers.local import LocalMetadata
 from workers.pool import HandleBatch
-from workers.ports import BlockTag, Commit, ItemResult, Outcome, PackedRead
+from workers.ports import Commit, ItemResult, Outcome, PackedRead
 from workers.shard import ShardActor, ShardConfig
+from workers.tags import BlockTag
 
 
 @pytest.fixture

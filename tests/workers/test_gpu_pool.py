@@ -20,8 +20,9 @@ from hkv_service.core.states import Event, State
 from hkv_service.specs import default_spec
 from workers.local import LocalMetadata
 from workers.pool import BlockPool, StaleRead
-from workers.ports import BlockTag, Commit
+from workers.ports import Commit
 from workers.shard import ShardActor, ShardConfig
+from workers.tags import BlockTag
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

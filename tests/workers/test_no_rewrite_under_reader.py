@@ -21,7 +21,7 @@ from hkv_service.core.states import Event, State
 from workers.dataplane import DataPlane, Recompute
 from workers.inprocess import InProcessSystem
 from workers.pool import BlockPool, StaleWrite
-from workers.ports import BlockTag
+from workers.tags import BlockTag
 
 Payload = dict[tuple[int, str], np.ndarray]
 

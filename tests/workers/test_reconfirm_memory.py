@@ -23,7 +23,8 @@ from hkv_service.specs import default_spec
 from workers.commits import commit_many
 from workers.dataplane import DataPlane, Recompute
 from workers.inprocess import InProcessConfig, InProcessSystem
-from workers.ports import BlockTag, Commit, Outcome
+from workers.ports import Commit, Outcome
+from workers.tags import BlockTag
 
 BLOCKS = 8
 

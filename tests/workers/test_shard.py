@@ -16,8 +16,9 @@ from hkv_service.core.state_view import CacheState
 from hkv_service.core.states import Event, State
 from hkv_service.specs import default_spec
 from workers.local import LocalMetadata
-from workers.ports import BlockTag, Commit, ItemResult, Outcome
+from workers.ports import Commit, ItemResult, Outcome
 from workers.shard import REGISTER_ATTEMPTS, ShardActor, ShardConfig
+from workers.tags import BlockTag
 
 
 @pytest.fixture
@@ -222,8 +223,8 @@ class LossReportRacesRegistration(LocalMetadata):
         self.losses = losses
         self.registrations = 0
 
-    def register_owner(self, owner: ShardId, pools: Any) -> int:
-        incarnation = super().register_owner(owner, pools)
+    def register_owner(self, owner: ShardId, pools: Any, instance: int = 0) -> int:
+        incarnation = super().register_owner(owner, pools, instance)
         self.registrations += 1
         if self.losses:
             self.losses -= 1

@@ -22,8 +22,9 @@ from hkv_service.core.states import Event, State
 from hkv_service.specs import default_spec
 from storage import DiskKey
 from workers.local import LocalMetadata
-from workers.ports import BlockTag, Commit
+from workers.ports import Commit
 from workers.shard import ShardActor, ShardConfig
+from workers.tags import BlockTag
 
 
 def _shard(meta: LocalMetadata, data_dir: Path) -> ShardActor:

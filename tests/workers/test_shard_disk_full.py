@@ -27,8 +27,9 @@ from hkv_service.specs import default_spec
 from storage import DiskKey
 from storage.record import HEADER
 from workers.local import LocalMetadata
-from workers.ports import TAG, BlockTag, Commit, Outcome
+from workers.ports import Commit, Outcome
 from workers.shard import ShardActor, ShardConfig
+from workers.tags import TAG, BlockTag
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 C4_RECORD = HEADER.size + TAG.size + 2048  # a c4 block on disk (random bytes stay raw)
@@ -219,7 +220,8 @@ from hkv_service.core.state_view import AllocRequest, CacheState, StateConfig
 from hkv_service.core.states import Event, State
 from hkv_service.specs import default_spec
 from workers.local import LocalMetadata
-from workers.ports import BlockTag, Commit, Outcome
+from workers.ports import Commit, Outcome
+from workers.tags import BlockTag
 from workers.shard import ShardActor, ShardConfig
 
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG from write(2), not killed

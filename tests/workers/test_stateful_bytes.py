@@ -41,7 +41,8 @@ from hkv_service.specs import default_spec
 from workers.dataplane import DataPlane, Recompute
 from workers.inprocess import InProcessConfig, InProcessSystem
 from workers.link import Pending
-from workers.ports import BlockTag, Commit
+from workers.ports import Commit
+from workers.tags import BlockTag
 
 _ABI = {"dtype": "float16", "layout": "NHD", "head_shape": [1, 8], "kernel_version": "k"}
 NO_TAILS = spec_from_dict({"model_id": "full-swa", "hash_block_size": 8, "groups": [
