@@ -49,7 +49,6 @@ class InProcessConfig:
     state: StateConfig = field(default_factory=lambda: StateConfig(heartbeat_timeout_s=30.0))
     odd_shard: bool = False  # one more shard whose pools are only 32-byte aligned
     device: str = "cpu"
-    unsafe_skip_read_check: bool = False  # TEST ONLY: see ShardConfig
     partitions: int = 1  # metadata partitions (core/partitions.py)
 
 
@@ -82,7 +81,6 @@ class InProcessSystem:
             sid, self.meta, str(self.data_dir), c.blocks_per_group, c.disk_budget_bytes,
             c.admission, heartbeat_interval_s=c.heartbeat_interval_s, device=c.device,
             node_id="in-process", pool_stride_pad=ODD_PAD if sid == ODD_SHARD else 0,
-            unsafe_skip_read_check=c.unsafe_skip_read_check,
         )
 
     def dataplane(self, timeout_s: float = 10.0) -> DataPlane:

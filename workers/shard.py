@@ -118,9 +118,6 @@ class ShardConfig:
     # Bytes of padding after every pool block. Not 0 only to make a shard whose block stride
     # is no multiple of a reader's alignment (the demo's misaligned_handle fault, tests).
     pool_stride_pad: int = 0
-    # TEST ONLY, a planted bug: read_blocks skips its generation/occupant re-check and hands
-    # out whatever the block holds. The demo's --check must then find silent errors.
-    unsafe_skip_read_check: bool = False
 
 
 class ShardActor:
@@ -506,8 +503,7 @@ class ShardActor:
                     spans[i] = ItemResult(Outcome.FAILED, f"bad handle: block {blocks[i]} is "
                                                           f"outside {pool.name!r}")
                 idx = idx[inside]
-                ok[idx] = True if self.config.unsafe_skip_read_check else \
-                    pool.readable(blocks[idx], gens[idx], oids[idx])
+                ok[idx] = pool.readable(blocks[idx], gens[idx], oids[idx])
                 self._stale(spans, pool, idx[~ok[idx]], blocks, gens, oids)
             buffers = self._take(spans, np.flatnonzero(ok), pools, slot, blocks, gens, oids)
             self._bump("reads", n)

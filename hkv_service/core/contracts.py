@@ -120,16 +120,6 @@ def column_verdict(entry: PrefixEntry, column: int, layout: Layout) -> Verdict:
     return served(entry, column, layout)[1]
 
 
-# TEST ONLY, a planted bug: layer 3 off. The funnel then reports every whole LCM block whose
-# hash is present as usable ("the hash matched") and each column serves whatever copy it has,
-# in whatever state. The demo's --check must find silent errors with it (tests/demo).
-UNSAFE_LAYER3_OFF = False
-
-
-def _any_copy(entry: PrefixEntry, column: int) -> ObjRecord | None:
-    return entry.mem[column] or (entry.disk[column] if entry.disk else None)
-
-
 Pairs = dict[int, tuple[Served, dict[int, Served]]]  # KV column -> its copies chosen together
 
 
@@ -143,10 +133,6 @@ def served(entry: PrefixEntry, column: int, layout: Layout, pairs: Pairs | None 
     (:func:`swa_cover`); this gives the best copy regardless of range. ``pairs``: the KV
     copies chosen with their indexers at this entry, kept across calls for its columns (a
     summary asks for the KV and each indexer: the choice is made once)."""
-    if UNSAFE_LAYER3_OFF:
-        rec = _any_copy(entry, column)
-        if rec is not None:
-            return rec, READY if rec.block >= 0 else LOAD
     col = layout.columns[column]
     kind = col.kind
     if kind is _INDEXER:
@@ -264,8 +250,6 @@ def swa_cover(entry: PrefixEntry, column: int, need_lo: int, need_hi: int, layou
     disk copy (loaded, or at rest: placed by its load) when that is. The funnel accepts the
     block with it and the handles point at the same record, so a partly rewritten memory
     object never hides a whole disk copy, nor a misaligned copy an aligned one."""
-    if UNSAFE_LAYER3_OFF:
-        return _any_copy(entry, column)
     for rec, _ in _candidates(entry, column):
         if rec.lo <= need_lo and rec.hi >= need_hi and (
                 align == 1 or rec.block < 0 or (align_of is not None and align_of(rec) >= align)):
@@ -382,7 +366,7 @@ def _memory_only(entry: PrefixEntry, layout: Layout,
     settle of a 1M-object view's re-confirm took 230 -> 160 ms, ad-hoc, median of 3
     interleaved runs.)"""
     disk = entry.disk
-    if UNSAFE_LAYER3_OFF or (disk is not None and any(disk)):
+    if disk is not None and any(disk):
         return False
     mem = entry.mem
     flags = F_MONO | F_TAIL | F_SWA

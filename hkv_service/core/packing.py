@@ -52,11 +52,6 @@ _OBJECT_ID = operator.attrgetter("object_id")
 _GENERATION = operator.attrgetter("generation")
 
 
-class _NoCopy(Exception):
-    """A disky entry the funnel accepted has no copy serving a column (never, unless a test
-    planted a bug in the funnel): the general path packs what there is."""
-
-
 class Packer:
     """Packs the handle columns of one state view's matches; called under its lock."""
 
@@ -81,11 +76,8 @@ class Packer:
         entries, usable, first = result.entries, result.usable_tokens, result.first_block
         disky = self.disky(entries, usable, first)
         if len(disky) <= DISKY_PATCHED:  # the same copies resolve gives, packed faster
-            try:
-                return self.packed_columns(entries, usable, result.runs, disky,
-                                           req.alignment, first)
-            except _NoCopy:
-                pass  # a column with a gap: as resolve gives it (the reader recomputes)
+            return self.packed_columns(entries, usable, result.runs, disky, req.alignment,
+                                       first)
         if records is None:
             records = self.resolve(entries, usable, req.alignment, first)
         return {name: self.snapshot(recs) for name, recs in records.items()}
@@ -203,8 +195,7 @@ class Packer:
             if e.depth not in depths:
                 continue
             rec = self.readable_record(e, c, usable, align)
-            if rec is None:  # the funnel accepted it, no copy serves it (a planted bug)
-                raise _NoCopy
+            assert rec is not None, "the funnel accepted an entry no copy of a column serves"
             j = (e.depth - depths.start) // depths.step * size
             _HANDLE_STRUCT.pack_into(out, j, rec.object_id, rec.generation, rec.block,
                                      self._ordinal(handle_shard(rec)))

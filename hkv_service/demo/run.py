@@ -69,10 +69,9 @@ def backend_choice(default: str = "system") -> str:
 
 
 def make_backend(model: RefModel, rates: dict[str, float], note: Any = None,
-                 default: str = "system", unsafe_skip_read_check: bool = False,
-                 partitions: int = 1, range_blocks: int = 0) -> DemoBackend:
-    """The backend on the chosen wiring. ``unsafe_skip_read_check`` (TEST ONLY, in-process):
-    the shards skip their read re-check, a planted bug ``--check`` must catch."""
+                 default: str = "system", partitions: int = 1, range_blocks: int = 0
+                 ) -> DemoBackend:
+    """The backend on the chosen wiring."""
     from .wiring import InProcessWiring, SystemWiring, Wiring
 
     choice = backend_choice(default)
@@ -82,7 +81,7 @@ def make_backend(model: RefModel, rates: dict[str, float], note: Any = None,
     pool = PRESSURE_POOL if rates.get("pool_pressure", 0.0) > 0 else NORMAL_POOL
     odd = rates.get("misaligned_handle", 0.0) > 0
     wiring: Wiring | None = None
-    if choice == "system" and not unsafe_skip_read_check:
+    if choice == "system":
         try:
             wiring = SystemWiring(model.spec, pool, odd, emit=note, partitions=partitions,
                                   range_blocks=range_blocks)
@@ -93,8 +92,7 @@ def make_backend(model: RefModel, rates: dict[str, float], note: Any = None,
                 note(f"the system backend could not start ({type(err).__name__}: "
                      f"{str(err).splitlines()[0] if str(err) else ''}); running in-process")
     if wiring is None:
-        wiring = InProcessWiring(model.spec, pool, odd, unsafe_skip_read_check, partitions,
-                                 range_blocks)
+        wiring = InProcessWiring(model.spec, pool, odd, partitions, range_blocks)
     return DemoBackend(wiring, _shapes(model))
 
 
@@ -107,15 +105,13 @@ def run_workload(
     duration: float | None = None,
     progress: Any = None,
     backend: str = "inprocess",
-    unsafe_skip_read_check: bool = False,
     partitions: int = 1,
     range_blocks: int = 0,
 ) -> dict[str, Any]:
     rates = parse_faults(faults) if isinstance(faults, str) else dict(faults)
     spec = default_spec()
     model = RefModel(spec)
-    be = make_backend(model, rates, progress, backend, unsafe_skip_read_check, partitions,
-                      range_blocks)
+    be = make_backend(model, rates, progress, backend, partitions, range_blocks)
     plan = FaultPlan(rates, seed)
     wl = make_workload(requests, seed, vocab=model.config.vocab)
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // max(1, workers)))

@@ -118,14 +118,13 @@ class InProcessWiring(Wiring):
     name = "inprocess"
 
     def __init__(self, spec: CacheSpec, pool_blocks: int, odd_shard: bool = False,
-                 unsafe_skip_read_check: bool = False, partitions: int = 1,
-                 range_blocks: int = 0) -> None:
+                 partitions: int = 1, range_blocks: int = 0) -> None:
         self._dir = Path(tempfile.mkdtemp(prefix="hkv-demo-"))
         config = InProcessConfig(
             shards=2, blocks_per_group=pool_blocks, admission=ADMISSION, odd_shard=odd_shard,
             state=StateConfig(ADMISSION, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
                               range_blocks=range_blocks),
-            unsafe_skip_read_check=unsafe_skip_read_check, partitions=partitions,
+            partitions=partitions,
         )
         try:
             self.system = InProcessSystem(spec, self._dir, config)
