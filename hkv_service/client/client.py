@@ -43,9 +43,9 @@ from hkv_service.core.spec import CacheSpec, spec_from_dict
 from hkv_service.core.states import Event
 from hkv_service.proto_gen.hkv.v1 import hkv_pb2 as pb
 from hkv_service.proto_gen.hkv.v1 import hkv_pb2_grpc as pb_grpc
-from hkv_service.server import codec
-from hkv_service.server.status_map import ERROR_CLASS_KEY, RETRY_AFTER_KEY, error_class
 from hkv_service.settings import TlsConfig  # the client's TLS: defined with the settings
+from hkv_service.wire import codec
+from hkv_service.wire.status_map import ERROR_CLASS_KEY, RETRY_AFTER_KEY, error_class
 
 __all__ = ["MetadataClient", "RetryPolicy", "RpcFailed", "TlsConfig", "TransitionItem"]
 

@@ -41,12 +41,12 @@ from hkv_service.core.ids import BlockHash, LeaseId, ObjectId, ShardId
 from hkv_service.core.layout import Column, Layout
 from hkv_service.core.states import TERMINAL_STATES, Event, Kind, Reason, State
 from hkv_service.refmodel import BlockRun
-from hkv_service.testing import flip_on_disk
 from workers.dataplane import PendingLoad, Recompute
 from workers.link import ShardUnavailable
 from workers.ports import Commit
 from workers.tags import BlockTag
 
+from .faults import flip_on_disk
 from .wiring import EVENTS_BATCH, Wiring
 
 __all__ = [

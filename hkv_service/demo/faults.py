@@ -7,14 +7,19 @@ downgrade (funnel reason or read-time outcome) each fault must produce.
 
 from __future__ import annotations
 
+import mmap
+import os
 import random
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from hkv_service.core.states import Reason
 
-__all__ = ["DEFAULT_RATES", "EXPECTED", "FaultPlan", "FaultSpecError", "parse_faults"]
+__all__ = [
+    "DEFAULT_RATES", "EXPECTED", "FaultPlan", "FaultSpecError", "flip_on_disk", "parse_faults",
+]
 
 DEFAULT_RATES: dict[str, float] = {
     "evict_race": 0.15,  # evict a matched block between lookup and read (reader has no lease)
@@ -108,3 +113,26 @@ class FaultPlan:
     def count(self, name: str, n: int = 1) -> None:
         with self._lock:
             self.injected[name] += n
+
+
+def flip_on_disk(data_dir: str | os.PathLike[str], head: bytes) -> int:
+    """Flip one bit 100 bytes past every copy of ``head`` (a payload's first bytes) in the LMDB
+    data files under ``data_dir`` (old pages may hold copies too); returns how many. The page
+    cache is shared, so a shard that has the file mapped sees the flip at once: its checksum
+    must catch it. Fault injection for the demo and tests."""
+    n = 0
+    for target in sorted(Path(data_dir).rglob("data.mdb")):
+        fd = os.open(target, os.O_RDWR)
+        try:
+            with mmap.mmap(fd, os.fstat(fd).st_size, access=mmap.ACCESS_READ) as mm:
+                spots, at = [], mm.find(head)
+                while at >= 0:
+                    spots.append(at)
+                    at = mm.find(head, at + 1)
+            for at in spots:
+                byte = os.pread(fd, 1, at + 100)
+                os.pwrite(fd, bytes([byte[0] ^ (1 << 3)]), at + 100)
+                n += 1
+        finally:
+            os.close(fd)
+    return n

@@ -101,9 +101,9 @@ def kv_of(worker: Any, column: str, block_id: int) -> bytes:
 
 def flip_on_disk(shard_dir: Path, head: bytes) -> int:
     """Flip one bit 100 bytes past every copy of ``head`` in the shard's LMDB files."""
-    from hkv_service import testing
+    from hkv_service.demo.faults import flip_on_disk as flip
 
-    return testing.flip_on_disk(shard_dir, head)
+    return flip(shard_dir, head)
 
 
 def shutdown(llm: Any) -> None:

@@ -20,8 +20,8 @@ from hkv_service.core.state_view import CacheState
 from hkv_service.core.states import Event
 from hkv_service.proto_gen.hkv.v1 import hkv_pb2 as pb
 from hkv_service.proto_gen.hkv.v1 import hkv_pb2_grpc as pb_grpc
-from hkv_service.server import status_map
 from hkv_service.specs import default_spec
+from hkv_service.wire import status_map
 from storage import errors as S
 
 C = grpc.StatusCode

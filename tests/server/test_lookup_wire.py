@@ -14,10 +14,10 @@ from hkv_service.core.ids import PackedHashes, ShardId
 from hkv_service.core.memo import Memo
 from hkv_service.core.state_view import CacheState
 from hkv_service.proto_gen.hkv.v1 import hkv_pb2 as pb
-from hkv_service.server import codec
 from hkv_service.server.replies import ReplyCache
 from hkv_service.specs import default_spec
 from hkv_service.testing import commit_prefix, pools_for, prompt_hashes
+from hkv_service.wire import codec
 
 N = 40  # long enough for the memo (>= 32 blocks)
 
