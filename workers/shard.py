@@ -61,7 +61,7 @@ from hkv_service.core.layout import Layout
 from hkv_service.core.partitions import partition_of_id, partition_of_route
 from hkv_service.core.port import MetadataPort
 from hkv_service.core.states import Event, Kind, State
-from hkv_service.settings import TlsConfig
+from hkv_service.settings import SYSTEM_DEFAULTS, SystemSettings, TlsConfig
 from storage import CorruptEntry, DiskKey, DiskTier, NotOnDisk
 
 from .commits import commit_many, commit_one, failure
@@ -96,6 +96,12 @@ _HELD = {  # the state a block whose commit landed is vouched for in
 }
 
 
+def heartbeat_interval_s(timeout_s: float) -> float:
+    """How often a shard heartbeats a service that declares an owner lost after ``timeout_s``
+    of silence: four beats a timeout, at most five a second."""
+    return max(0.2, timeout_s / 4)
+
+
 def new_instance() -> int:
     """A shard process's own id: random, never 0, fits a proto uint64 and a Python int."""
     return secrets.randbits(62) + 1
@@ -106,11 +112,11 @@ class ShardConfig:
     shard_id: str
     metadata: Any  # "host:port" (gRPC), a MetadataActor handle, or a MetadataPort
     data_dir: str
-    blocks_per_group: int = 256
-    disk_budget_bytes: int = 1 << 30
-    admission: AdmissionCap = field(default_factory=AdmissionCap)
+    blocks_per_group: int = SYSTEM_DEFAULTS.blocks_per_group
+    disk_budget_bytes: int = SYSTEM_DEFAULTS.disk_budget_bytes
+    admission: AdmissionCap = field(default_factory=AdmissionCap)  # (the service's defaults)
     heartbeat_interval_s: float = 2.0
-    device: str = "auto"
+    device: str = SYSTEM_DEFAULTS.device
     token: str | None = None
     metadata_timeout_s: float = 10.0
     tls: TlsConfig | None = None  # reaching the service over TLS: roots (+ client cert, mTLS)
@@ -118,6 +124,23 @@ class ShardConfig:
     # Bytes of padding after every pool block. Not 0 only to make a shard whose block stride
     # is no multiple of a reader's alignment (the demo's misaligned_handle fault, tests).
     pool_stride_pad: int = 0
+
+    @classmethod
+    def from_settings(cls, settings: SystemSettings, shard_id: str, metadata: Any, *,
+                      token: str | None = None, tls: TlsConfig | None = None,
+                      node_id: str = "", pool_stride_pad: int = 0) -> ShardConfig:
+        """The config of a shard ``hkv up``'s settings place: the one place its pools, disk
+        tier, admission cap and heartbeat are derived from them. ``metadata``, ``token`` and
+        ``tls``: how it reaches the service (``System.endpoint``/``token``/``tls``)."""
+        return cls(
+            shard_id, metadata, str(Path(settings.data_dir).resolve()),
+            blocks_per_group=settings.blocks_per_group,
+            disk_budget_bytes=settings.disk_budget_bytes,
+            admission=AdmissionCap(settings.max_inflight_objects, settings.max_inflight_bytes),
+            heartbeat_interval_s=heartbeat_interval_s(settings.heartbeat_timeout_s),
+            device=settings.device, token=token, tls=tls, node_id=node_id,
+            pool_stride_pad=pool_stride_pad,
+        )
 
 
 class ShardActor:

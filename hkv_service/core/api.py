@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from . import defaults
 from .admission import AdmissionCap
 from .allocator import PoolConfig
 from .events import TransitionEvent
@@ -55,15 +56,15 @@ __all__ = [
 class StateConfig:
     admission: AdmissionCap = field(default_factory=AdmissionCap)
     max_lease_ttl_s: float = 60.0
-    heartbeat_timeout_s: float = 10.0
+    heartbeat_timeout_s: float = defaults.HEARTBEAT_TIMEOUT_S
     log_capacity: int = 8192  # bounded: Watch streams recent history only
     # owners registered at once (RegisterOwner beyond it: RESOURCE_EXHAUSTED); an owner's
     # per-block metadata grows with the blocks it uses, not the blocks it declares
-    max_owners: int = 1024
+    max_owners: int = defaults.MAX_OWNERS
     # Lookup memo (core/memo.py): results of lookups of >= memo_min_blocks hashes, kept until
     # anything on their path changes; bounded by count and bytes. 0 capacity or bytes: off.
     memo_capacity: int = 1024
-    memo_max_bytes: int = 64 << 20
+    memo_max_bytes: int = defaults.LOOKUP_MEMO_MIB << 20
     memo_min_blocks: int = 32
     # Walk segments (core/segments.py): runs of this many blocks, certified once walked whole
     # twice, are taken whole by later walks of any prompt through them. 0: off; None: the
@@ -75,7 +76,7 @@ class StateConfig:
     # Chains are split across the partitions every this many blocks (core/partitions.py:
     # range k of a chain, depths [kR, (k+1)R), lives in the partition of its hash at depth
     # kR), so one hot root's continuations spread; 0: a chain lives whole in its root's.
-    range_blocks: int = 0
+    range_blocks: int = defaults.RANGE_BLOCKS
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,6 +31,7 @@ import struct
 from collections.abc import Callable, Iterable, Sequence
 
 from .contracts import settled
+from .defaults import DEFAULT_SEGMENT_BLOCKS
 from .errors import InvalidInput, MisplacedHash
 from .ids import BLOCK_HASH_BYTES, BlockHash, PackedHashes
 from .layout import Layout
@@ -39,7 +40,6 @@ from .records import ObjRecord, PrefixEntry, Segment, register
 
 __all__ = ["DEFAULT_SEGMENT_BLOCKS", "Segment", "first_missing", "segment_blocks_for", "walk"]
 
-DEFAULT_SEGMENT_BLOCKS = 64
 _GATE = operator.attrgetter("gate")
 AlignOf = Callable[[ObjRecord], int]
 

@@ -235,11 +235,9 @@ class SystemWiring(Wiring):
         from workers.shard import ShardConfig
 
         c = self.config
-        cfg = ShardConfig(ODD_SHARD, self.system.endpoint, str(self._data_dir),
-                          c.blocks_per_group, c.disk_budget_bytes, ADMISSION,
-                          heartbeat_interval_s=c.heartbeat_timeout_s / 4, device=c.device,
-                          token=self.system.token, tls=self.system.tls,
-                          pool_stride_pad=ODD_PAD)
+        cfg = ShardConfig.from_settings(c, ODD_SHARD, self.system.endpoint,
+                                        token=self.system.token, tls=self.system.tls,
+                                        pool_stride_pad=ODD_PAD)
         actor = shard_actor_class(c.max_restarts).options(
             name=ODD_SHARD, namespace=NAMESPACE).remote(cfg)
         ray.get(actor.ping.remote(), timeout=c.start_timeout_s)

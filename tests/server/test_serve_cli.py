@@ -9,6 +9,7 @@ import signal
 import socket
 import struct
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -64,10 +65,21 @@ SERVE_FLAGS = (
 
 
 def test_segment_default_is_the_cores() -> None:
-    """The settings keep their own copy of the default (--help stays fast): they must agree."""
+    """The settings take the core's default from its import-free home (core/defaults.py)."""
     from hkv_service import settings
     from hkv_service.core.segments import DEFAULT_SEGMENT_BLOCKS
     assert settings.DEFAULT_SEGMENT_BLOCKS == DEFAULT_SEGMENT_BLOCKS
+
+
+def test_settings_import_nothing_heavy() -> None:
+    """``hkv --help`` imports the settings: they must not pull the core's heavy modules (numpy)
+    in to read the defaults they share with it."""
+    code = ("import sys, hkv_service.settings; "
+            "print(sorted(m for m in sys.modules if m.startswith(('numpy', 'hkv_service'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == str(["hkv_service", "hkv_service.core", "hkv_service.core.defaults",
+                               "hkv_service.settings"])
 
 
 def _serve_parser_flags() -> set[str]:
