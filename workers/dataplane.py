@@ -226,7 +226,7 @@ class DataPlane:
             )
         except HkvError as exc:
             for slot in slots:
-                report.failed[slot] = ItemResult(Outcome.FAILED, str(exc))
+                report.failed[slot] = ItemResult(Outcome.FAILED, str(exc), cause=type(exc))
             return report
         fresh = self._note_allocations(slots, allocs, report)
         existing = {s: a for s, a in zip(slots, allocs, strict=True) if a.existing}
@@ -293,7 +293,7 @@ class DataPlane:
             allocs = self.meta.allocate(hashes, reqs, owner)
         except HkvError as exc:
             for slot in slots:
-                report.failed[slot] = ItemResult(Outcome.FAILED, str(exc))
+                report.failed[slot] = ItemResult(Outcome.FAILED, str(exc), cause=type(exc))
             return []
         out = []
         for slot, a in zip(slots, allocs, strict=True):

@@ -51,6 +51,9 @@ class ItemResult:
     detail: str = ""
     handle: Handle | None = None  # load: the memory handle the bytes now sit behind
     version: int = 0  # write: KV version issued by a compressed WRITE_DONE
+    # The error that refused the item, where one did (its class: what a caller reads, never
+    # the detail's text); None where none did
+    cause: type[BaseException] | None = None
 
     @property
     def ok(self) -> bool:

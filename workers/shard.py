@@ -50,6 +50,7 @@ from typing import Any
 import numpy as np
 
 from hkv_service.core.api import AdmissionCap, Handle, ObjectReport, Params, PoolConfig
+from hkv_service.core.contracts import CONTRACTS
 from hkv_service.core.errors import (
     HkvError,
     UnknownOwner,
@@ -88,12 +89,9 @@ _WRITTEN = ItemResult(Outcome.OK)  # one shared object: a batch of them pickles 
 _UNREAD = ItemResult(Outcome.FAILED, "not read")  # placeholder while a read is assembled
 
 log = logging.getLogger(__name__)
-_HELD = {  # the state a block whose commit landed is vouched for in
-    Kind.COMPRESSED: State.COMPRESSED_READY,
-    Kind.SWA: State.SWA_VALID,
-    Kind.TAIL: State.TAIL_COMPLETE,
-    Kind.INDEXER: State.INDEXER_SYNCED,
-}
+
+
+_HELD = {k: c.ready_state for k, c in CONTRACTS.items()}  # what a block is vouched for in
 
 
 def heartbeat_interval_s(timeout_s: float) -> float:

@@ -119,6 +119,7 @@ from ..core.api import (
     PoolConfig,
     StateConfig,
 )
+from ..core.contracts import CONTRACTS
 from ..core.errors import HkvError
 from ..core.hashing import content_version
 from ..core.ids import BlockHash, ObjectId, PackedHashes, ShardId
@@ -150,8 +151,7 @@ PROGRESS_EVERY_S = 5.0
 SIZES_ENV = "HKV_BENCH_SCALE_SIZES"  # e.g. "10k,100k,1m": a run of other sizes
 REAP_WAIT_S = 120.0  # the most the owner-loss phase waits for reaping to finish
 
-_READY = {Kind.COMPRESSED: State.COMPRESSED_READY, Kind.SWA: State.SWA_VALID,
-          Kind.INDEXER: State.INDEXER_SYNCED, Kind.TAIL: State.TAIL_COMPLETE}
+_READY = {k: c.ready_state for k, c in CONTRACTS.items()}
 _DEAD_ROW = -2  # a book row whose object left (evicted after its offload)
 _MAX_ITEMS = 1024  # items per transition_many call (the view refuses more than 4,096)
 

@@ -26,6 +26,7 @@ __all__ = [
     "F_TAIL",
     "LOAD",
     "READY",
+    "READY_STATES",
     "RecoveryContract",
     "Verdict",
     "column_verdict",
@@ -67,7 +68,14 @@ class RecoveryContract:
     readable_when: str
     validated: str
     fallback: str
-    ready_states: frozenset[State]
+    ready_states: frozenset[State]  # the one home of what "ready" is, per kind
+
+    @property
+    def ready_state(self) -> State:
+        """The state an object of this kind is read in (each kind has one): what a writer's
+        commit reaches and what an owner vouches for it in after a restart."""
+        (state,) = self.ready_states
+        return state
 
 
 CONTRACTS: dict[Kind, RecoveryContract] = {
@@ -112,7 +120,7 @@ CONTRACTS: dict[Kind, RecoveryContract] = {
 Served = tuple[ObjRecord | None, Verdict]  # the copy that serves a column, and its verdict
 # Read per column of every summary: module globals, not class attributes (an enum member
 # read through its class costs ~0.1 us in Python 3.11, EnumType.__getattr__)
-_READY_STATES = {k: c.ready_states for k, c in CONTRACTS.items()}
+READY_STATES = {k: c.ready_states for k, c in CONTRACTS.items()}
 _INDEXER, _COMPRESSED = Kind.INDEXER, Kind.COMPRESSED
 
 
@@ -153,7 +161,7 @@ def _candidates(entry: PrefixEntry, column: int) -> list[tuple[ObjRecord, Verdic
     """Usable copies at ``entry``/``column``, best first: memory, loaded disk, disk at rest."""
     out: list[tuple[ObjRecord, Verdict]] = []
     mem = entry.mem[column]
-    if mem is not None and mem.state in _READY_STATES[mem.kind]:
+    if mem is not None and mem.state in READY_STATES[mem.kind]:
         out.append((mem, READY))
     disk = entry.disk[column] if entry.disk else None
     if disk is not None:
@@ -231,12 +239,12 @@ def _both_in_memory(entry: PrefixEntry, kv: int, layout: Layout
     candidate lists): no loads, the first KV candidate, its indexers' first candidates, so
     nothing can rank before it. None otherwise (the general rule decides)."""
     rec = entry.mem[kv]
-    if rec is None or not rec.version or rec.state not in _READY_STATES[rec.kind]:
+    if rec is None or not rec.version or rec.state not in READY_STATES[rec.kind]:
         return None
     chosen: dict[int, Served] = {}
     for ix in layout.indexers_of[kv]:
         m = entry.mem[ix]
-        if m is None or m.version != rec.version or m.state not in _READY_STATES[m.kind]:
+        if m is None or m.version != rec.version or m.state not in READY_STATES[m.kind]:
             return None
         chosen[ix] = (m, READY)
     return (rec, READY), chosen
@@ -347,7 +355,7 @@ def _plan(layout: Layout) -> tuple[tuple[_Step, ...], ...]:
     if got is not None and got[0] is layout:
         return got[1]
     plan = tuple(
-        tuple((col, _READY_STATES[kind], _BITS[kind][0], _BITS[kind][0] == F_MONO,
+        tuple((col, READY_STATES[kind], _BITS[kind][0], _BITS[kind][0] == F_MONO,
                layout.columns[col].indexes) for col, kind in attached)
         for attached in layout.kinds_attached)
     _PLANS[id(layout)] = (layout, plan)  # (the layout kept: its id is never another's)

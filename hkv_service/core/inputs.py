@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from .allocator import PoolConfig
 from .api import AllocRequest, ObjectReport, ObjectTransitions
-from .contracts import CONTRACTS
+from .contracts import READY_STATES
 from .errors import (
     BadHash,
     FutureGeneration,
@@ -53,7 +53,7 @@ MAX_POOL_BLOCKS = 1 << 24  # the metadata twin of a pool costs ~3 words per bloc
 _ON_DISK = State.ON_DISK
 _TAIL, _SWA = Kind.TAIL, Kind.SWA
 _VERSIONED = frozenset({Kind.COMPRESSED, Kind.INDEXER})
-_READABLE = {k: c.ready_states for k, c in CONTRACTS.items()}
+_READABLE = READY_STATES
 
 
 def column_of(layout: Layout, name: str) -> int:

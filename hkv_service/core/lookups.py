@@ -25,7 +25,7 @@ from dataclasses import replace
 from .api import LookupRequest, StateConfig
 from .funnel import Downgrade, FunnelResult, check_hash_lengths, run_funnel, validate_request
 from .inputs import check_range, check_root, lease_ttl_exceeded
-from .match import Match, Memo, MemoKey
+from .match import KeyFields, Match, Memo
 from .memo import LookupMemo
 from .packing import Packer
 from .segments import first_missing, walk_blocks
@@ -117,7 +117,7 @@ class Lookups:
         return match
 
     def _stop_key(self, req: LookupRequest, result: FunnelResult, limit: int
-                  ) -> MemoKey | None:
+                  ) -> KeyFields | None:
         """The memo key of the prefix a walk stopped at, where the lookup's answer is that
         prefix's: the walk stopped at a hash the index lacks (a plain miss adds no downgrade),
         before the limit. A stop at an entry that is there but not ready answers with its
@@ -153,12 +153,12 @@ class Lookups:
         or the owner table changed: look the request up afresh."""
         t = self.t
         result = memo.result
-        if not memo.live or result is None or memo.key[-1] != t.owners_epoch:
+        if not memo.live or result is None or memo.key.owners_epoch != t.owners_epoch:
             return False
         t.leases.reap(t.clock())
         self.memo.touch(memo)
         t.counters.events["lookup_memo_hit"] += 1
-        self._count_lookup(result.usable_tokens, memo.key[2], result.downgrades)
+        self._count_lookup(result.usable_tokens, memo.key.limit, result.downgrades)
         if result.usable_tokens:
             t.tree.age(result.entries)
         return True

@@ -50,7 +50,7 @@ from .tree import PrefixTree
 __all__ = ["COPY_ENDS", "READABLE", "Tables", "handle_shard"]
 
 NO_SHARD = ShardId("")  # a DISK object with no memory copy
-READABLE = {k: c.ready_states for k, c in contracts.CONTRACTS.items()}
+READABLE = contracts.READY_STATES  # (a module global: read on every read check)
 COPY_ENDS = frozenset({Event.DROP_COPY, Event.COPY_LOST, Event.LOAD_FAILED})
 _TRANSFER_ENDS = frozenset({Event.OFFLOAD_COMMITTED, Event.LOAD_VERIFIED, Event.LOAD_FAILED,
                             Event.OFFLOAD_FAILED})

@@ -44,7 +44,7 @@ __all__ = [
 # ~1 ms however many blocks were confirmed before their parents.
 ADOPT_SLICE = 4096
 AGE_SLACK = 64  # lookups: LRU order is kept to this precision (see PrefixTree.age)
-_READABLE = {k: c.ready_states for k, c in contracts.CONTRACTS.items()}
+_READABLE = contracts.READY_STATES
 
 
 class PrefixTree:

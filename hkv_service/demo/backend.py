@@ -36,7 +36,8 @@ import numpy as np
 import torch
 
 from hkv_service.core.api import AllocRequest, Handle, LookupRequest, Match, Params
-from hkv_service.core.errors import HkvError
+from hkv_service.core.contracts import CONTRACTS
+from hkv_service.core.errors import HkvError, PoolExhausted
 from hkv_service.core.ids import BlockHash, LeaseId, ObjectId, ShardId
 from hkv_service.core.layout import Column, Layout
 from hkv_service.core.states import TERMINAL_STATES, Event, Kind, Reason, State
@@ -157,8 +158,7 @@ def place_column(blocks: Blocks, tails: Tails, lay: Layout, col: Column,
         place_block(blocks, tails, lay, col, d, torch.from_numpy(np.array(a, copy=True)), usable)
 
 
-_HELD_STATES = frozenset({State.COMPRESSED_READY, State.SWA_VALID, State.TAIL_COMPLETE,
-                          State.INDEXER_SYNCED})
+_HELD_STATES = frozenset(c.ready_state for k, c in CONTRACTS.items() if k is not Kind.DISK)
 
 
 class _Books:
@@ -431,7 +431,8 @@ class DemoBackend:
             rep.existing += wr.existing
             if wr.failed:
                 self.events["write_failed"] += len(wr.failed)
-                rep.pool_exhausted += sum("xhaust" in r.detail for r in wr.failed.values())
+                rep.pool_exhausted += sum(r.cause is not None and issubclass(r.cause, PoolExhausted)
+                                          for r in wr.failed.values())
             done: list[tuple[Slot, Handle]] = []
             known = self.books.known() | set(self.faulty.values())
             for s, h in sorted(wr.handles.items()):
