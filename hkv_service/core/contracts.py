@@ -370,9 +370,7 @@ def _memory_only(entry: PrefixEntry, layout: Layout,
     is no other candidate, and :func:`_best_pair` either pairs exactly these or serves the
     KV alone); no LOAD bit. False, changing nothing,
     where a disk copy is present: the general rule decides. (Most summaries end here: a
-    write's, and a settle's after a re-confirm, ~91% of whose entries have no disk copy; the
-    settle of a 1M-object view's re-confirm took 230 -> 160 ms, ad-hoc, median of 3
-    interleaved runs.)"""
+    write's, and a settle's after a re-confirm, ~91% of whose entries have no disk copy.)"""
     disk = entry.disk
     if disk is not None and any(disk):
         return False

@@ -40,8 +40,8 @@ __all__ = [
 ]
 
 # Orphans adopted in one lock hold (as a confirm or an allocation returns, and per reap call;
-# the rest in later ones): ~0.26 us each (50k in 13 ms, ad-hoc), so a slice holds the lock
-# ~1 ms however many blocks were confirmed before their parents.
+# the rest in later ones): a slice holds the lock ~1 ms however many blocks were confirmed
+# before their parents (benchmarks/README.md, "Measured while deciding").
 ADOPT_SLICE = 4096
 AGE_SLACK = 64  # lookups: LRU order is kept to this precision (see PrefixTree.age)
 _READABLE = contracts.READY_STATES
