@@ -20,6 +20,7 @@ service runs with, so the reader's ABI is what is checked, on every lookup (test
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
@@ -41,7 +42,9 @@ from hkv_service.core.state_view import CacheState
 from hkv_service.core.states import Event, Kind, Reason, State
 from hkv_service.specs import default_spec
 from hkv_service.testing import commit_prefix, pools_for, prompt_hashes
+from tests.helpers import reports_of
 
+_reports = functools.partial(reports_of, ordered=True)  # (sorted: deterministic)
 S0 = ShardId("s0")
 _LAYOUT = Layout(default_spec())
 COLUMNS = tuple(c.name for c in _LAYOUT.columns)  # c4, c128, swa, idx, c4.tail
@@ -64,17 +67,6 @@ NOT_AT_REST = [s for s in State if s not in AT_REST]
 def _inc(st: CacheState, owner: ShardId = S0) -> int:
     """The incarnation ``owner``'s last registration returned (what a confirm must carry)."""
     return st.owners[owner].incarnation
-
-
-def _reports(st: CacheState) -> list[ObjectReport]:
-    """What an owner would report of every object of ``st`` (sorted: deterministic)."""
-    out = [
-        ObjectReport(r.entry.block_hash, r.entry.parent.block_hash if r.entry.parent else None,
-                     r.entry.depth, st.layout.columns[r.column].name, r.state, r.block,
-                     r.generation, r.version, r.lo, r.hi)
-        for r in st.objects.values()
-    ]
-    return sorted(out, key=lambda r: (r.depth, r.column, r.block_hash))
 
 
 def _old(spec: CacheSpec, prefixes: Sequence[Sequence[BlockHash]]) -> CacheState:

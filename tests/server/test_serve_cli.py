@@ -25,6 +25,7 @@ from hkv_service.client import MetadataClient, RetryPolicy, RpcFailed, TlsConfig
 from hkv_service.core.api import LookupRequest, ObjectReport
 from hkv_service.core.errors import Unavailable
 from hkv_service.core.states import State
+from tests.helpers import free_port as _free_port
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -229,12 +230,6 @@ def test_a_spec_whose_period_does_not_divide_64_serves_with_the_default(
     assert p.stop() == 0
     out = _run("--port", "0", "--spec", str(spec), "--walk-segment-blocks", "64")
     assert out.returncode == 2 and "multiple of 6" in out.stderr
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_insecure_allows_any_host_with_a_warning(procs: list[Proc]) -> None:

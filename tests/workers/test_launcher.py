@@ -21,13 +21,8 @@ import ray
 from hkv_service.core.api import LookupRequest
 from hkv_service.core.errors import HkvError
 from hkv_service.core.partitions import partition_of_root
+from tests.helpers import child_env as _env
 from workers.attach import attach
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _env() -> dict[str, str]:
-    return dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
 
 
 def _group_pids(pgid: int) -> list[int]:

@@ -21,11 +21,6 @@ from workers.shard import REGISTER_ATTEMPTS, ShardActor, ShardConfig
 from workers.tags import BlockTag
 
 
-@pytest.fixture
-def meta() -> LocalMetadata:
-    return LocalMetadata(CacheState(default_spec(), StateConfig()))
-
-
 def make_shard(meta: LocalMetadata, data_dir: Path, sid: str = "s0", **kw: Any) -> ShardActor:
     cfg = ShardConfig(sid, meta, str(data_dir), blocks_per_group=8, disk_budget_bytes=8 << 20,
                       heartbeat_interval_s=60.0, device="cpu", **kw)

@@ -19,11 +19,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hkv_service.core.api import AllocRequest, Handle, StateConfig
+from hkv_service.core.api import AllocRequest, Handle
 from hkv_service.core.ids import BlockHash, ShardId
-from hkv_service.core.state_view import CacheState
 from hkv_service.core.states import Event, State
-from hkv_service.specs import default_spec
 from storage import DiskKey
 from storage.record import HEADER
 from workers.local import LocalMetadata
@@ -36,11 +34,6 @@ C4_RECORD = HEADER.size + TAG.size + 2048  # a c4 block on disk (random bytes st
 SWA_RECORD = HEADER.size + TAG.size + 8192
 BUDGET = 3 * C4_RECORD + 64  # room for three c4 blocks, never for one swa block
 assert BUDGET < SWA_RECORD
-
-
-@pytest.fixture
-def meta() -> LocalMetadata:
-    return LocalMetadata(CacheState(default_spec(), StateConfig()))
 
 
 @pytest.fixture
