@@ -67,7 +67,8 @@ def system_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None
         ray.shutdown()
 
 
-@pytest.mark.slow  # ~2.5 min on 2 cores; the default run has test_up_partitions.py on the system
+# ~2.5 min on 2 cores; the default run has test_launcher.py's partition test on the system
+@pytest.mark.slow
 def test_every_fault_over_two_partitions_on_the_system(system_env: None) -> None:
     rep = run_workload(requests=48, seed=1, faults=RATES, check=True, workers=1, partitions=2,
                        range_blocks=4)

@@ -94,7 +94,7 @@ CHECKS = {
     "max_owners": "registering past the bound is refused",
     "lookup_memo_mib": "0: no memo hit on a repeated long lookup",
     "walk_segment_blocks": "hkv_settings_info shows the state's segment size",
-    # hkv up sets each replica's own (--service-replicas; test_up_partitions.py runs two)
+    # hkv up sets each replica's own (--service-replicas; test_launcher.py runs two)
     "partition": "Stats and hkv_settings_info say the state's partition, 0/1 here",
     # 64: the probe's 40-block prompt fits one range, so a plain client's lookup is served
     "range_blocks": "Stats and hkv_settings_info say where the state splits chains, 64",
