@@ -13,6 +13,7 @@ cannot be known on one path and missing on another::
       +- SystemSettings  hkv up: the service's settings + Ray, shards, and the credentials of
                          hkv up's own clients (workers.launcher.SystemConfig)
     ClientSettings       a client of the service (hkv stats): token and TLS
+    DemoSettings         hkv demo: the workload, its faults, the wiring it runs on
 
 Values are checked when an object is made (``__post_init__``): one that exists is valid, and a
 bad value is :class:`SettingsError` with one sentence naming the flag. What the settings name
@@ -41,8 +42,8 @@ if TYPE_CHECKING:
     from hkv_service.core.spec import CacheSpec
 
 __all__ = [
-    "DEFAULT_PORT", "DEFAULT_SEGMENT_BLOCKS", "MAX_PARTITIONS", "SYSTEM_DEFAULTS",
-    "ClientSettings", "Credentials",
+    "DEFAULT_PORT", "DEFAULT_SEGMENT_BLOCKS", "DEMO_WIRINGS", "MAX_PARTITIONS",
+    "SYSTEM_DEFAULTS", "ClientSettings", "Credentials", "DemoSettings",
     "ServiceInputs", "ServiceSettings", "SettingsError", "SystemSettings", "TlsConfig",
     "is_loopback",
 ]
@@ -115,6 +116,7 @@ def _names(text: str) -> tuple[str, ...]:
 # How a flag's text becomes a value, by the field's annotation (bool fields are switches).
 _PARSE: dict[str, Callable[[str], Any]] = {
     "str": str, "str | None": str, "int": int, "int | None": int, "float": float,
+    "float | None": float,
     "tuple[str, ...]": _names,
 }
 
@@ -474,6 +476,37 @@ class SystemSettings(ServiceSettings):
 SYSTEM_DEFAULTS = SystemSettings()
 """Every setting of hkv up at its default: what a part built from code with no settings takes
 (``workers.shard.ShardConfig``, ``workers.inprocess.InProcessConfig``)."""
+
+
+def _wiring(v: str) -> str | None:
+    return None if v in DEMO_WIRINGS else f"must be one of {', '.join(DEMO_WIRINGS)}"
+
+
+DEMO_WIRINGS = ("system", "inprocess")
+
+
+@dataclass(frozen=True, slots=True)
+class DemoSettings(_Settings):
+    """``hkv demo``: the reference-model workload, its faults and the wiring it runs on."""
+
+    requests: int = setting(48, "requests to run (default 48)", _positive)
+    duration: float | None = setting(None, "stop after this many seconds")
+    seed: int = setting(0, "fixes workload and faults")
+    faults: str = setting("none", "'none', 'all', or a comma list of fault names (name or "
+                          "name=rate)")
+    check: bool = setting(False, "compare every output with a full recompute; exit 1 on any "
+                          "mismatch")
+    workers: int = setting(2, "concurrent inference workers", _positive)
+    service_replicas: int = setting(1, "metadata partitions the demo's system runs (default 1)",
+                                    _replicas)
+    range_blocks: int = setting(D.RANGE_BLOCKS, "split each prompt's chain across the "
+                                "partitions every this many blocks (a multiple of the spec's "
+                                "period, 2; default 0: a chain kept whole)", _not_negative)
+    backend: str | None = setting(None, "the wiring: 'system' (what hkv up starts, through "
+                                  "gRPC and Ray) or 'inprocess' (the same real parts in this "
+                                  "process); default: the system, in-process with a note "
+                                  "when it cannot start", _wiring)
+    json: bool = setting(False, "print one JSON object")
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ run, so a bug in them shows up here. Faults are real too:
   ``partitions`` > 1 the view is that many partitions behind a ``PartitionedMetadata`` (as
   ``hkv up --service-replicas N``), and one of them can be restarted alone.
 
-Used by the demo (``HKV_DEMO_BACKEND=inprocess``), ``hkv bench e2e`` and tests.
+Used by the demo (``hkv demo --backend inprocess``), ``hkv bench e2e`` and tests.
 """
 
 from __future__ import annotations

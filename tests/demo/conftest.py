@@ -6,7 +6,8 @@ functions of the code it breaks, in this process, for one test (production has n
 * ``read_check_skipped``: a shard's ``read_blocks`` hands out whatever a block holds, its
   generation and occupant re-check skipped.
 
-Both reach only code running in this process: the demo runs in-process under them.
+Both reach only code running in this process: the tests run the demo in-process (what
+``run_workload`` does unless asked for the system).
 """
 
 from __future__ import annotations
@@ -65,7 +66,6 @@ def layer3_off(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
                   ) -> ObjRecord | None:
         return _any_copy(entry, column)
 
-    monkeypatch.delenv("HKV_DEMO_BACKEND", raising=False)  # in process: the patch reaches
     for module in (contracts, funnel):  # (the funnel imported them by name)
         monkeypatch.setattr(module, "served", any_served)
         monkeypatch.setattr(module, "swa_cover", any_cover)
@@ -82,6 +82,5 @@ def read_check_skipped(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
                     object_ids: np.ndarray) -> np.ndarray:
         return np.ones(len(blocks), dtype=bool)
 
-    monkeypatch.delenv("HKV_DEMO_BACKEND", raising=False)  # in process: the patch reaches
     monkeypatch.setattr(BlockPool, "readable", every_block)
     yield
