@@ -51,13 +51,8 @@ class Placement:
         self._policies: dict[int, Policy] = {
             c: swa_policy(i) for i, c in enumerate(self.layout.swa_columns)}
 
-    def allocate(
-        self,
-        block_hashes: Sequence[BlockHash],
-        requests: Sequence[AllocRequest],
-        owner: ShardId | None = None,
-        first_block: int = 0,
-    ) -> list[Allocation]:
+    def allocate(self, block_hashes: Sequence[BlockHash], requests: Sequence[AllocRequest],
+                 owner: ShardId | None = None, first_block: int = 0) -> list[Allocation]:
         """Reserve blocks for objects of the prefix ``block_hashes`` (the hashes of blocks
         ``first_block`` on: a range of a chain split across partitions). Idempotent: a live
         object already in a requested slot is returned with ``existing=True``."""

@@ -114,14 +114,10 @@ class MetadataPort(Protocol):
         shards' unit) plus a slice of orphans adopted."""
         ...
 
-    def allocate(
-        self,
-        block_hashes: Sequence[BlockHash],
-        requests: Sequence[AllocRequest],
-        owner: ShardId | None = None,
-        first_block: int = 0,  # the hashes' first depth: a range of a split chain
-    ) -> list[Allocation]:
-        """Reserve a block for each slot of ``requests`` on the prefix ``block_hashes`` (on
+    def allocate(self, block_hashes: Sequence[BlockHash], requests: Sequence[AllocRequest],
+                 owner: ShardId | None = None, first_block: int = 0) -> list[Allocation]:
+        """Reserve a block for each slot of ``requests`` on the prefix ``block_hashes`` (the
+        hashes of blocks ``first_block`` on: a range of a chain split across partitions; on
         ``owner``'s pools, or the live owner with the most free blocks); per slot, in order,
         an ALLOCATED object and its handle, or the live object already there
         (``existing=True``: an idempotent retry; do not rewrite it).
@@ -136,13 +132,8 @@ class MetadataPort(Protocol):
         owner yet). Cost: O(path + slots), plus evictions and a slice of orphans adopted."""
         ...
 
-    def transition(
-        self,
-        object_id: ObjectId,
-        event: Event,
-        params: Params | None = None,
-        generation: int | None = None,
-    ) -> TransitionResult:
+    def transition(self, object_id: ObjectId, event: Event, params: Params | None = None,
+                   generation: int | None = None) -> TransitionResult:
         """Report one event of an object (WRITE_DONE, OFFLOAD_COMMITTED, MARK_CORRUPT ...);
         the table (``core/transitions.py``) decides the move. Returns the state it reached,
         its KV version (a COMPRESSED WRITE_DONE without one gets a version the view issues)

@@ -54,13 +54,8 @@ class Reports:
         self.t = tables
         self.placement = placement
 
-    def transition(
-        self,
-        object_id: ObjectId,
-        event: Event,
-        params: Params | None = None,
-        generation: int | None = None,
-    ) -> TransitionResult:
+    def transition(self, object_id: ObjectId, event: Event, params: Params | None = None,
+                   generation: int | None = None) -> TransitionResult:
         t = self.t
         rec = t.record(object_id)
         if generation is not None:

@@ -167,13 +167,8 @@ class CacheState:
 
     # ---- allocation, eviction, transfers (core/placement.py, core/transfers.py) ----------
 
-    def allocate(
-        self,
-        block_hashes: Sequence[BlockHash],
-        requests: Sequence[AllocRequest],
-        owner: ShardId | None = None,
-        first_block: int = 0,
-    ) -> list[Allocation]:
+    def allocate(self, block_hashes: Sequence[BlockHash], requests: Sequence[AllocRequest],
+                 owner: ShardId | None = None, first_block: int = 0) -> list[Allocation]:
         with self._lock:
             return self._placement.allocate(block_hashes, requests, owner,
                                             first_block)
@@ -192,13 +187,8 @@ class CacheState:
 
     # ---- transitions (core/reports.py) --------------------------------------------------
 
-    def transition(
-        self,
-        object_id: ObjectId,
-        event: Event,
-        params: Params | None = None,
-        generation: int | None = None,
-    ) -> TransitionResult:
+    def transition(self, object_id: ObjectId, event: Event, params: Params | None = None,
+                   generation: int | None = None) -> TransitionResult:
         check_reported(event)
         with self._lock:
             return self._reports.transition(object_id, event, params, generation)
