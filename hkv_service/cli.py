@@ -10,7 +10,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from .settings import DEFAULT_PORT, ClientSettings, ServiceSettings, SystemSettings
+from .settings import DEFAULT_PORT, ClientSettings, DemoSettings, ServiceSettings, SystemSettings
 
 __all__ = ["build_parser", "main"]
 
@@ -42,21 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     SystemSettings.add_flags(up)
 
     demo = sub.add_parser("demo", help="drive the reference-model workload and print a report")
-    demo.add_argument("--requests", type=int, default=48, help="requests to run (default 48)")
-    demo.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
-    demo.add_argument("--seed", type=int, default=0, help="fixes workload and faults")
-    demo.add_argument("--faults", default="none",
-                      help="'none', 'all', or a comma list of fault names (name or name=rate)")
-    demo.add_argument("--check", action="store_true",
-                      help="compare every output with a full recompute; exit 1 on any mismatch")
-    demo.add_argument("--workers", type=int, default=2, help="concurrent inference workers")
-    demo.add_argument("--service-replicas", type=int, default=1,
-                      help="metadata partitions the demo's system runs (default 1)")
-    demo.add_argument("--range-blocks", type=int, default=0,
-                      help="split each prompt's chain across the partitions every this many "
-                           "blocks (a multiple of the spec's period, 2; default 0: a chain "
-                           "kept whole)")
-    demo.add_argument("--json", action="store_true", help="print one JSON object")
+    DemoSettings.add_flags(demo)
 
     bench = sub.add_parser("bench", help="measure a part against a baseline from the same run")
     bench.add_argument("name", choices=BENCH_NAMES, help="which part to measure")

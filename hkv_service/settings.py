@@ -13,6 +13,7 @@ cannot be known on one path and missing on another::
       +- SystemSettings  hkv up: the service's settings + Ray, shards, and the credentials of
                          hkv up's own clients (workers.launcher.SystemConfig)
     ClientSettings       a client of the service (hkv stats): token and TLS
+    DemoSettings         hkv demo: the workload, its faults, the wiring it runs on
 
 Values are checked when an object is made (``__post_init__``): one that exists is valid, and a
 bad value is :class:`SettingsError` with one sentence naming the flag. What the settings name
@@ -32,17 +33,22 @@ from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+# the service's tunables' defaults: an import-free module of the core (--help stays fast)
+from hkv_service.core import defaults as D
+from hkv_service.core.defaults import DEFAULT_SEGMENT_BLOCKS, MAX_PARTITIONS
+
 if TYPE_CHECKING:
+    from hkv_service.core.api import StateConfig
     from hkv_service.core.spec import CacheSpec
-    from hkv_service.core.state_view import StateConfig
 
 __all__ = [
-    "DEFAULT_PORT", "DEFAULT_SEGMENT_BLOCKS", "ClientSettings", "Credentials", "ServiceInputs",
-    "ServiceSettings", "SettingsError", "SystemSettings", "TlsConfig", "is_loopback",
+    "DEFAULT_PORT", "DEFAULT_SEGMENT_BLOCKS", "DEMO_WIRINGS", "MAX_PARTITIONS",
+    "SYSTEM_DEFAULTS", "ClientSettings", "Credentials", "DemoSettings",
+    "ServiceInputs", "ServiceSettings", "SettingsError", "SystemSettings", "TlsConfig",
+    "is_loopback",
 ]
 
 DEFAULT_PORT = 50051
-DEFAULT_SEGMENT_BLOCKS = 64  # core.segments' (not imported: --help stays fast); a test ties them
 GIVEN = "_settings_given"  # namespace attribute: the dests given on the command line
 
 Check = Callable[[Any], "str | None"]
@@ -81,9 +87,6 @@ def _not_empty(v: str) -> str | None:
     return None if v.strip() else "must not be empty"
 
 
-MAX_PARTITIONS = 64  # core.partitions' (not imported: --help stays fast); a test ties them
-
-
 def _partition(v: str) -> str | None:
     index, sep, count = v.partition("/")
     if not (sep and index.isdigit() and count.isdigit()):
@@ -113,6 +116,7 @@ def _names(text: str) -> tuple[str, ...]:
 # How a flag's text becomes a value, by the field's annotation (bool fields are switches).
 _PARSE: dict[str, Callable[[str], Any]] = {
     "str": str, "str | None": str, "int": int, "int | None": int, "float": float,
+    "float | None": float,
     "tuple[str, ...]": _names,
 }
 
@@ -310,19 +314,24 @@ class ServiceSettings(_Settings):
                                               "PERMISSION_DENIED")
     insecure: bool = setting(False, "allow a non-loopback bind without TLS or token (logs a "
                              "warning)")
-    heartbeat_timeout_s: float = setting(10.0, "an owner silent this long has its objects "
-                                         "marked lost (default 10)", _above_zero)
+    heartbeat_timeout_s: float = setting(D.HEARTBEAT_TIMEOUT_S, "an owner silent this long "
+                                         "has its objects marked lost (default "
+                                         f"{D.HEARTBEAT_TIMEOUT_S:g})", _above_zero)
     grace_s: float = setting(5.0, "seconds in-flight RPCs get to finish on shutdown "
                              "(default 5)", _not_negative)
-    max_inflight_objects: int = setting(64, "admission cap: objects in transit between tiers "
-                                        "at once (default 64)", _positive)
-    max_inflight_bytes: int = setting(256 << 20, "admission cap: bytes in transit between "
-                                      "tiers at once (default 256 MiB)", _positive)
-    max_owners: int = setting(1024, "owners (shards) registered at once; a new one beyond it "
-                              "is refused with RESOURCE_EXHAUSTED (default 1024)", _positive)
-    lookup_memo_mib: int = setting(64, "memory for answers to repeated long lookups, kept "
-                                   "until their prefix changes (the lookup memo; 0 = off; "
-                                   "default 64)", _not_negative)
+    max_inflight_objects: int = setting(D.MAX_INFLIGHT_OBJECTS, "admission cap: objects in "
+                                        "transit between tiers at once (default "
+                                        f"{D.MAX_INFLIGHT_OBJECTS})", _positive)
+    max_inflight_bytes: int = setting(D.MAX_INFLIGHT_BYTES, "admission cap: bytes in transit "
+                                      "between tiers at once (default "
+                                      f"{D.MAX_INFLIGHT_BYTES >> 20} MiB)", _positive)
+    max_owners: int = setting(D.MAX_OWNERS, "owners (shards) registered at once; a new one "
+                              "beyond it is refused with RESOURCE_EXHAUSTED (default "
+                              f"{D.MAX_OWNERS})", _positive)
+    lookup_memo_mib: int = setting(D.LOOKUP_MEMO_MIB, "memory for answers to repeated long "
+                                   "lookups, kept until their prefix changes (the lookup "
+                                   f"memo; 0 = off; default {D.LOOKUP_MEMO_MIB})",
+                                   _not_negative)
     walk_segment_blocks: int | None = setting(
         None, "blocks per walk segment: runs of this many blocks walked whole twice are taken "
         "whole by later lookups through them (a multiple of the spec's period, 2 for the "
@@ -332,7 +341,8 @@ class ServiceSettings(_Settings):
                              "prompts whose root hash routes to it (hkv up "
                              "--service-replicas N sets it for each replica; default 0/1, "
                              "the whole view)", _partition)
-    range_blocks: int = setting(0, "split each prompt's chain across the metadata partitions "
+    range_blocks: int = setting(D.RANGE_BLOCKS, "split each prompt's chain across the metadata "
+                                "partitions "
                                 "every this many blocks (range k lives in the partition of "
                                 "its first hash), so one system prompt shared by every "
                                 "request does not put every lookup's walk on one partition "
@@ -370,7 +380,7 @@ class ServiceSettings(_Settings):
         from hkv_service.core.errors import InvalidInput, SpecError
         from hkv_service.core.layout import Layout
         from hkv_service.core.partitions import check_range_blocks
-        from hkv_service.core.state_view import segment_blocks_for
+        from hkv_service.core.segments import segment_blocks_for
         from hkv_service.specs import resolve_spec
 
         token = _token(self.auth_token_file, "--auth-token-file")
@@ -391,9 +401,8 @@ class ServiceSettings(_Settings):
         return ServiceInputs(spec, token, cert, key, ca)
 
     def state_config(self) -> StateConfig:
-        from hkv_service.core.admission import AdmissionCap
+        from hkv_service.core.api import AdmissionCap, StateConfig
         from hkv_service.core.partitions import Partition
-        from hkv_service.core.state_view import StateConfig
 
         return StateConfig(
             admission=AdmissionCap(self.max_inflight_objects, self.max_inflight_bytes),
@@ -476,6 +485,42 @@ class SystemSettings(ServiceSettings):
             tls = TlsConfig(inputs.tls_cert, _read(self.tls_client_cert, "--tls-client-cert"),
                             _read(self.tls_client_key, "--tls-client-key"), self.tls_server_name)
         return Credentials(inputs.token, tls)
+
+
+SYSTEM_DEFAULTS = SystemSettings()
+"""Every setting of hkv up at its default: what a part built from code with no settings takes
+(``workers.shard.ShardConfig``, ``workers.inprocess.InProcessConfig``)."""
+
+
+def _wiring(v: str) -> str | None:
+    return None if v in DEMO_WIRINGS else f"must be one of {', '.join(DEMO_WIRINGS)}"
+
+
+DEMO_WIRINGS = ("system", "inprocess")
+
+
+@dataclass(frozen=True, slots=True)
+class DemoSettings(_Settings):
+    """``hkv demo``: the reference-model workload, its faults and the wiring it runs on."""
+
+    requests: int = setting(48, "requests to run (default 48)", _positive)
+    duration: float | None = setting(None, "stop after this many seconds")
+    seed: int = setting(0, "fixes workload and faults")
+    faults: str = setting("none", "'none', 'all', or a comma list of fault names (name or "
+                          "name=rate)")
+    check: bool = setting(False, "compare every output with a full recompute; exit 1 on any "
+                          "mismatch")
+    workers: int = setting(2, "concurrent inference workers", _positive)
+    service_replicas: int = setting(1, "metadata partitions the demo's system runs (default 1)",
+                                    _replicas)
+    range_blocks: int = setting(D.RANGE_BLOCKS, "split each prompt's chain across the "
+                                "partitions every this many blocks (a multiple of the spec's "
+                                "period, 2; default 0: a chain kept whole)", _not_negative)
+    backend: str | None = setting(None, "the wiring: 'system' (what hkv up starts, through "
+                                  "gRPC and Ray) or 'inprocess' (the same real parts in this "
+                                  "process); default: the system, in-process with a note "
+                                  "when it cannot start", _wiring)
+    json: bool = setting(False, "print one JSON object")
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,22 +6,18 @@ the sequence of transitions a real writer reports after its bytes landed.
 
 from __future__ import annotations
 
-import mmap
-import os
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 import xxhash
 
-from .core.allocator import PoolConfig
+from .core.api import AllocRequest, Params, PoolConfig
 from .core.hashing import ExtraKeys, hash_blocks
 from .core.ids import BlockHash, ObjectId, ShardId
 from .core.layout import Layout
 from .core.spec import CacheSpec
-from .core.state_view import AllocRequest, CacheState
+from .core.state_view import CacheState
 from .core.states import Event, Kind
-from .core.transitions import Params
 
 __all__ = ["commit_prefix", "pools_for", "prompt_hashes"]
 
@@ -84,26 +80,3 @@ def prompt_hashes(spec: CacheSpec, n_blocks: int, seed: int = 0) -> list[BlockHa
     rng = np.random.default_rng(seed)
     toks = rng.integers(0, 50_000, n_blocks * spec.hash_block_size)
     return hash_blocks(toks, spec.hash_block_size, ExtraKeys(spec.model_id))
-
-
-def flip_on_disk(data_dir: str | os.PathLike[str], head: bytes) -> int:
-    """Flip one bit 100 bytes past every copy of ``head`` (a payload's first bytes) in the LMDB
-    data files under ``data_dir`` (old pages may hold copies too); returns how many. The page
-    cache is shared, so a shard that has the file mapped sees the flip at once: its checksum
-    must catch it. Fault injection for the demo and tests."""
-    n = 0
-    for target in sorted(Path(data_dir).rglob("data.mdb")):
-        fd = os.open(target, os.O_RDWR)
-        try:
-            with mmap.mmap(fd, os.fstat(fd).st_size, access=mmap.ACCESS_READ) as mm:
-                spots, at = [], mm.find(head)
-                while at >= 0:
-                    spots.append(at)
-                    at = mm.find(head, at + 1)
-            for at in spots:
-                byte = os.pread(fd, 1, at + 100)
-                os.pwrite(fd, bytes([byte[0] ^ (1 << 3)]), at + 100)
-                n += 1
-        finally:
-            os.close(fd)
-    return n

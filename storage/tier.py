@@ -55,7 +55,8 @@ from typing import Any, TypeVar
 
 import lmdb
 
-from hkv_service.core.admission import AdmissionCap, AdmissionGate, AdmissionStats, Ticket
+from hkv_service.core.admission import AdmissionGate, AdmissionStats, Ticket
+from hkv_service.core.api import AdmissionCap
 from hkv_service.core.errors import HkvError, InvalidInput
 
 from .catalog import QUARANTINE_KEEP, Catalog, Removal

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from hkv_service.core.api import StateConfig
 from hkv_service.core.ids import ShardId
 from hkv_service.core.spec import CacheSpec
-from hkv_service.core.state_view import CacheState, StateConfig
+from hkv_service.core.state_view import CacheState
 from hkv_service.specs import default_spec
 from hkv_service.testing import pools_for
 

@@ -12,6 +12,7 @@ import pytest
 from hkv_service.cli import build_parser
 from hkv_service.settings import (
     ClientSettings,
+    DemoSettings,
     ServiceSettings,
     SettingsError,
     SystemSettings,
@@ -38,14 +39,17 @@ def test_each_command_offers_exactly_its_settings() -> None:
     assert _flags("serve") == _setting_flags(ServiceSettings)
     assert _flags("up") == _setting_flags(SystemSettings) | {"--config"}
     assert _flags("stats") == _setting_flags(ClientSettings) | {"--endpoint", "--json"}
+    assert _flags("demo") == _setting_flags(DemoSettings)
     assert _setting_flags(ServiceSettings) < _setting_flags(SystemSettings)
 
 
-@pytest.mark.parametrize("cls", [ServiceSettings, SystemSettings, ClientSettings])
+@pytest.mark.parametrize("cls", [ServiceSettings, SystemSettings, ClientSettings,
+                                 DemoSettings])
 def test_every_setting_has_help_and_parsed_defaults_are_the_fields(cls: Any) -> None:
     for f in fields(cls):
         assert len(f.metadata["help"]) > 10, f.name
-    name = {ServiceSettings: "serve", SystemSettings: "up", ClientSettings: "stats"}[cls]
+    name = {ServiceSettings: "serve", SystemSettings: "up", ClientSettings: "stats",
+            DemoSettings: "demo"}[cls]
     assert cls.from_args(build_parser().parse_args([name])) == cls()
 
 

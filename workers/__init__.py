@@ -3,7 +3,9 @@ workers' data-plane client, and the launcher behind ``hkv up``.
 
 ::
 
-    ports      MetadataPort (what workers need from the service) + data-plane value types
+    ports      data-plane value types (outcomes, packed reads, commits); the metadata port
+               the workers need is the core's (hkv_service.core.port.MetadataPort)
+    tags       a disk record's 64-byte tag (where its object sits in the prefix tree)
     local      the port in-process (LocalMetadata); raylink: through a Ray actor
     pool       torch block pools: generations, stale checks, readiness
     shard      ShardActor: write/read/offload/load, registration, heartbeats

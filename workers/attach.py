@@ -21,12 +21,11 @@ from typing import Any
 import numpy as np
 import ray
 
-from hkv_service.core.funnel import LookupRequest
+from hkv_service.core.api import LookupRequest, Match
 from hkv_service.core.hashing import ExtraKeys, hash_blocks
 from hkv_service.core.ids import BlockHash
 from hkv_service.core.layout import Layout
 from hkv_service.core.spec import CacheSpec
-from hkv_service.core.state_view import Match
 from hkv_service.settings import TlsConfig
 
 from . import outage

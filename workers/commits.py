@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from hkv_service.core.api import Handle, ObjectTransitions, Params, TransitionResult
+from hkv_service.core.contracts import CONTRACTS
 from hkv_service.core.errors import (
     AdmissionRefused,
     FailedPrecondition,
@@ -23,13 +25,11 @@ from hkv_service.core.errors import (
     StaleHandle,
 )
 from hkv_service.core.ids import ObjectId
-from hkv_service.core.records import Handle
-from hkv_service.core.state_view import ObjectTransitions, TransitionResult
-from hkv_service.core.states import Event, State
-from hkv_service.core.transitions import Params
+from hkv_service.core.port import MetadataPort
+from hkv_service.core.states import Event, Kind, State
 from storage import DiskFull, NotOnDisk
 
-from .ports import Commit, ItemResult, MetadataPort, Outcome
+from .ports import Commit, ItemResult, Outcome
 
 __all__ = ["COMMIT_CHUNK", "already_done", "commit_many", "commit_one", "failure", "refused"]
 
@@ -37,13 +37,16 @@ __all__ = ["COMMIT_CHUNK", "already_done", "commit_many", "commit_one", "failure
 # so a write of thousands of objects goes in calls this size (a 16-block prefix in one).
 COMMIT_CHUNK = 512
 
+_READY = {k: c.ready_state for k, c in CONTRACTS.items()}
+# What a repeat of each event finds its object in: the state the event leads to, or one it
+# moves on to by itself (an indexer written is synced; a disk copy committed is loaded)
 _TARGET = {
-    Event.WRITE_DONE: {State.COMPRESSED_READY, State.SWA_VALID, State.INDEXER_WRITTEN,
-                       State.INDEXER_SYNCED},
-    Event.TAIL_DONE: {State.TAIL_COMPLETE},
-    Event.INDEXER_SYNC: {State.INDEXER_SYNCED},
-    Event.OFFLOAD_COMMITTED: {State.ON_DISK, State.ON_DISK_INFLIGHT, State.ON_DISK_READY},
-    Event.LOAD_VERIFIED: {State.ON_DISK_READY},
+    Event.WRITE_DONE: {_READY[Kind.COMPRESSED], _READY[Kind.SWA], State.INDEXER_WRITTEN,
+                       _READY[Kind.INDEXER]},
+    Event.TAIL_DONE: {_READY[Kind.TAIL]},
+    Event.INDEXER_SYNC: {_READY[Kind.INDEXER]},
+    Event.OFFLOAD_COMMITTED: {State.ON_DISK, State.ON_DISK_INFLIGHT, _READY[Kind.DISK]},
+    Event.LOAD_VERIFIED: {_READY[Kind.DISK]},
 }
 
 
@@ -121,7 +124,7 @@ def _without(item: ObjectTransitions, k: int) -> ObjectTransitions:
 def failure(exc: BaseException) -> ItemResult:
     """One place mapping what a metadata or disk call raised to an item outcome."""
     outcome = next((o for kind, o in _OUTCOME_OF if isinstance(exc, kind)), Outcome.FAILED)
-    return ItemResult(outcome, f"{type(exc).__name__}: {exc}")
+    return ItemResult(outcome, f"{type(exc).__name__}: {exc}", cause=type(exc))
 
 
 _OUTCOME_OF: tuple[tuple[type[BaseException], Outcome], ...] = (  # first match wins

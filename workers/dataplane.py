@@ -33,29 +33,21 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from hkv_service.core.api import Allocation, AllocRequest, Handle, Match, Params
 from hkv_service.core.errors import HkvError, UnknownGroup, WrongSize
 from hkv_service.core.hashing import content_version
 from hkv_service.core.ids import BlockHash, ShardId
 from hkv_service.core.layout import Layout
 from hkv_service.core.partitions import range_anchor, route_key
-from hkv_service.core.records import Handle
-from hkv_service.core.state_view import Allocation, AllocRequest, Match
+from hkv_service.core.port import MetadataPort
 from hkv_service.core.states import Event, Kind, Reason, State
-from hkv_service.core.transitions import Params
 
 from .commits import commit_many
 from .link import Pending, ShardLink, ShardUnavailable
 from .partitioned import range_blocks_of
 from .pool import HandleBatch
-from .ports import (
-    BlockTag,
-    Commit,
-    ItemResult,
-    MetadataPort,
-    Outcome,
-    commit_bytes,
-    payload_bytes,
-)
+from .ports import Commit, ItemResult, Outcome, commit_bytes, payload_bytes
+from .tags import BlockTag
 
 __all__ = ["DataPlane", "PendingLoad", "Recompute", "WriteReport"]
 
@@ -234,7 +226,7 @@ class DataPlane:
             )
         except HkvError as exc:
             for slot in slots:
-                report.failed[slot] = ItemResult(Outcome.FAILED, str(exc))
+                report.failed[slot] = ItemResult(Outcome.FAILED, str(exc), cause=type(exc))
             return report
         fresh = self._note_allocations(slots, allocs, report)
         existing = {s: a for s, a in zip(slots, allocs, strict=True) if a.existing}
@@ -301,7 +293,7 @@ class DataPlane:
             allocs = self.meta.allocate(hashes, reqs, owner)
         except HkvError as exc:
             for slot in slots:
-                report.failed[slot] = ItemResult(Outcome.FAILED, str(exc))
+                report.failed[slot] = ItemResult(Outcome.FAILED, str(exc), cause=type(exc))
             return []
         out = []
         for slot, a in zip(slots, allocs, strict=True):

@@ -13,7 +13,7 @@ run, so a bug in them shows up here. Faults are real too:
   ``partitions`` > 1 the view is that many partitions behind a ``PartitionedMetadata`` (as
   ``hkv up --service-replicas N``), and one of them can be restarted alone.
 
-Used by the demo (``HKV_DEMO_BACKEND=inprocess``), ``hkv bench e2e`` and tests.
+Used by the demo (``hkv demo --backend inprocess``), ``hkv bench e2e`` and tests.
 """
 
 from __future__ import annotations
@@ -22,10 +22,11 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from hkv_service.core.admission import AdmissionCap
+from hkv_service.core.api import AdmissionCap, StateConfig, TransitionEvent
 from hkv_service.core.partitions import Partition
 from hkv_service.core.spec import CacheSpec
-from hkv_service.core.state_view import CacheState, StateConfig, TransitionEvent
+from hkv_service.core.state_view import CacheState
+from hkv_service.settings import SYSTEM_DEFAULTS
 
 from .dataplane import DataPlane
 from .link import InProcessLink
@@ -42,14 +43,13 @@ ODD_PAD = 32  # its pools' pad: blocks 32-byte aligned, no more
 @dataclass(frozen=True, slots=True)
 class InProcessConfig:
     shards: int = 2
-    blocks_per_group: int = 256
-    disk_budget_bytes: int = 1 << 30
-    heartbeat_interval_s: float = 0.2
+    blocks_per_group: int = SYSTEM_DEFAULTS.blocks_per_group
+    disk_budget_bytes: int = SYSTEM_DEFAULTS.disk_budget_bytes
+    heartbeat_interval_s: float = 0.2  # (in process: a restart is rejoined at once)
     admission: AdmissionCap = field(default_factory=AdmissionCap)
     state: StateConfig = field(default_factory=lambda: StateConfig(heartbeat_timeout_s=30.0))
     odd_shard: bool = False  # one more shard whose pools are only 32-byte aligned
-    device: str = "cpu"
-    unsafe_skip_read_check: bool = False  # TEST ONLY: see ShardConfig
+    device: str = "cpu"  # (not hkv up's "auto": in-process runs are tests and benches)
     partitions: int = 1  # metadata partitions (core/partitions.py)
 
 
@@ -79,10 +79,10 @@ class InProcessSystem:
     def shard_config(self, sid: str) -> ShardConfig:
         c = self.config
         return ShardConfig(
-            sid, self.meta, str(self.data_dir), c.blocks_per_group, c.disk_budget_bytes,
-            c.admission, heartbeat_interval_s=c.heartbeat_interval_s, device=c.device,
+            sid, self.meta, str(self.data_dir), blocks_per_group=c.blocks_per_group,
+            disk_budget_bytes=c.disk_budget_bytes, admission=c.admission,
+            heartbeat_interval_s=c.heartbeat_interval_s, device=c.device,
             node_id="in-process", pool_stride_pad=ODD_PAD if sid == ODD_SHARD else 0,
-            unsafe_skip_read_check=c.unsafe_skip_read_check,
         )
 
     def dataplane(self, timeout_s: float = 10.0) -> DataPlane:

@@ -37,7 +37,6 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from hkv_service.core.admission import AdmissionCap
 from hkv_service.settings import (
     ServiceInputs,
     ServiceSettings,
@@ -582,20 +581,16 @@ def place_shards(config: SystemConfig, endpoint: str, token: str | None = None,
     reach the service (``System.token``/``tls``)."""
     cls = shard_actor_class(config.max_restarts)
     shards: dict[str, Any] = {}
-    data_dir = str(Path(config.data_dir).resolve())
-    cap = AdmissionCap(config.max_inflight_objects, config.max_inflight_bytes)
     nodes = _shard_nodes(config)
-    keys = node_keys(nodes, data_dir, config.start_timeout_s, keys)
+    keys = node_keys(nodes, str(Path(config.data_dir).resolve()), config.start_timeout_s, keys)
     for node in nodes:
         for k in range(config.shards_per_node):
             sid = f"{SHARD_PREFIX}{keys[node['NodeID']]}-{k}"
             if existing is not None and sid in existing:
                 continue
-            cfg = ShardConfig(sid, metadata if metadata is not None else endpoint, data_dir,
-                              config.blocks_per_group, config.disk_budget_bytes, cap,
-                              heartbeat_interval_s=max(0.2, config.heartbeat_timeout_s / 4),
-                              device=config.device, token=token, tls=tls,
-                              node_id=node["NodeID"])
+            cfg = ShardConfig.from_settings(
+                config, sid, metadata if metadata is not None else endpoint, token=token,
+                tls=tls, node_id=node["NodeID"])
             strategy = NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
             shards[sid] = cls.options(name=sid, namespace=NAMESPACE,
                                       scheduling_strategy=strategy).remote(cfg)

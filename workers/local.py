@@ -3,7 +3,7 @@
 * :class:`LocalMetadata` calls a ``CacheState`` in the same process (the in-process wiring,
   unit tests, benches). ``swap`` puts a fresh state behind it: a service restart.
 * :func:`connect` turns what a shard is given (an endpoint string or a port) into a
-  :class:`~workers.ports.MetadataPort`. The Ray actor holding a state is in
+  :class:`~hkv_service.core.port.MetadataPort`. The Ray actor holding a state is in
   :mod:`workers.raylink` (this module imports no Ray).
 """
 
@@ -12,28 +12,16 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from hkv_service.core.allocator import PoolConfig
+from hkv_service.core import api
 from hkv_service.core.errors import HkvError
-from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.ids import BlockHash, LeaseId, ObjectId, ShardId
-from hkv_service.core.records import Handle
+from hkv_service.core.port import MetadataPort
 from hkv_service.core.spec import CacheSpec
-from hkv_service.core.state_view import (
-    Allocation,
-    AllocRequest,
-    CacheState,
-    Match,
-    ObjectReport,
-    ObjectTransitions,
-    TransitionEvent,
-    TransitionResult,
-)
+from hkv_service.core.state_view import CacheState
 from hkv_service.core.states import Event
-from hkv_service.core.transitions import Params
 from hkv_service.settings import TlsConfig
 
 from .partitioned import PartitionedMetadata
-from .ports import MetadataPort
 
 __all__ = ["LocalMetadata", "connect"]
 
@@ -47,7 +35,7 @@ class LocalMetadata:
     def get_spec(self) -> CacheSpec:
         return self.state.spec
 
-    def register_owner(self, owner: ShardId, pools: Mapping[str, PoolConfig],
+    def register_owner(self, owner: ShardId, pools: Mapping[str, api.PoolConfig],
                        instance: int = 0) -> int:
         incarnation = self.state.register_owner(owner, pools, instance)
         self.state.reap_all()  # a known owner coming back lost its old incarnation
@@ -62,55 +50,45 @@ class LocalMetadata:
         self.state.reap_all()  # in process there is no reaper thread: slices, here and now
         return lost
 
-    def confirm(self, owner: ShardId, reports: Sequence[ObjectReport], incarnation: int) -> int:
+    def confirm(self, owner: ShardId, reports: Sequence[api.ObjectReport], incarnation: int) -> int:
         confirmed = self.state.confirm(owner, reports, incarnation)
         self.state.reap_all()  # the orphans it left to adopt in slices: no reaper thread here
         return confirmed
 
-    def confirm_objects(self, owner: ShardId, reports: Sequence[ObjectReport], incarnation: int
+    def confirm_objects(self, owner: ShardId, reports: Sequence[api.ObjectReport], incarnation: int
                         ) -> list[ObjectId | None]:
         ids = self.state.confirm_objects(owner, reports, incarnation)
         self.state.reap_all()  # the orphans it left to adopt in slices: no reaper thread here
         return ids
 
-    def allocate(
-        self,
-        block_hashes: Sequence[BlockHash],
-        requests: Sequence[AllocRequest],
-        owner: ShardId | None = None,
-        first_block: int = 0,
-    ) -> list[Allocation]:
+    def allocate(self, block_hashes: Sequence[BlockHash], requests: Sequence[api.AllocRequest],
+                 owner: ShardId | None = None, first_block: int = 0) -> list[api.Allocation]:
         return self.state.allocate(block_hashes, requests, owner, first_block)
 
-    def transition(
-        self,
-        object_id: ObjectId,
-        event: Event,
-        params: Params | None = None,
-        generation: int | None = None,
-    ) -> TransitionResult:
+    def transition(self, object_id: ObjectId, event: Event, params: api.Params | None = None,
+                   generation: int | None = None) -> api.TransitionResult:
         return self.state.transition(object_id, event, params, generation)
 
-    def transition_many(self, items: Sequence[ObjectTransitions]
-                        ) -> list[TransitionResult | HkvError]:
+    def transition_many(self, items: Sequence[api.ObjectTransitions]
+                        ) -> list[api.TransitionResult | HkvError]:
         return self.state.transition_many(items)
 
     def evict(self, object_id: ObjectId) -> None:
         self.state.evict(object_id)
 
-    def begin_offload(self, object_id: ObjectId, disk_owner: ShardId) -> Handle:
+    def begin_offload(self, object_id: ObjectId, disk_owner: ShardId) -> api.Handle:
         return self.state.begin_offload(object_id, disk_owner)
 
-    def begin_load(self, object_id: ObjectId, owner: ShardId | None = None) -> Handle:
+    def begin_load(self, object_id: ObjectId, owner: ShardId | None = None) -> api.Handle:
         return self.state.begin_load(object_id, owner)
 
-    def lookup(self, req: LookupRequest) -> Match:
+    def lookup(self, req: api.LookupRequest) -> api.Match:
         return self.state.lookup(req)  # its handle columns are a snapshot taken atomically
 
     def release_lease(self, lease_id: LeaseId) -> None:
         self.state.release_lease(lease_id)
 
-    def check_read(self, handle: Handle, lease_id: LeaseId | None = None) -> None:
+    def check_read(self, handle: api.Handle, lease_id: LeaseId | None = None) -> None:
         self.state.check_read(handle, lease_id)
 
     # not part of the port
@@ -119,7 +97,7 @@ class LocalMetadata:
         old, self.state = self.state, state
         return old
 
-    def events_since(self, seq: int, limit: int = 1024) -> list[TransitionEvent]:
+    def events_since(self, seq: int, limit: int = 1024) -> list[api.TransitionEvent]:
         return self.state.events_since(seq, limit)
 
     def expire_owners(self) -> list[ShardId]:

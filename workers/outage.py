@@ -31,12 +31,11 @@ from __future__ import annotations
 import logging
 from typing import Final
 
+from hkv_service.core.api import Downgrade, LookupRequest, Match
 from hkv_service.core.errors import HkvError, OwnerLost, Unavailable
-from hkv_service.core.funnel import Downgrade, LookupRequest
-from hkv_service.core.state_view import Match
+from hkv_service.core.port import MetadataPort
 from hkv_service.core.states import Reason
-
-from .ports import MetadataPort
+from hkv_service.wire.rpc import RpcFailed
 
 __all__ = ["OUTAGE_REASON", "is_outage", "lookup", "outage_match"]
 
@@ -50,10 +49,6 @@ _OUTAGE_CODES = frozenset({"DEADLINE_EXCEEDED"})  # UNAVAILABLE arrives as Unava
 
 def is_outage(exc: BaseException) -> bool:
     """``exc`` says the metadata service did not answer (rather than answered no)."""
-    # imported here: a worker on an in-process port never loads grpc; an RpcFailed means the
-    # client (and grpc) is loaded already
-    from hkv_service.client import RpcFailed
-
     if isinstance(exc, RpcFailed):
         return exc.code in _OUTAGE_CODES
     # OwnerLost is an answer (a shard is gone), not the service's absence

@@ -2,7 +2,7 @@
 
 Each partition is a whole service (a ``hkv serve`` process, an actor, a ``LocalMetadata``)
 holding the chains whose root routes to it (:mod:`hkv_service.core.partitions`). This class
-is the :class:`~workers.ports.MetadataPort` its callers already use, so the data plane, the
+is the :class:`~hkv_service.core.port.MetadataPort` its callers already use, so the data plane, the
 shards and the connector do not change::
 
     lookup / allocate       -> the partition of block_hashes[0] (the root); with chains split
@@ -35,9 +35,8 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, TypeVar
 
-from hkv_service.core.allocator import PoolConfig
+from hkv_service.core import api
 from hkv_service.core.errors import HkvError, InvalidInput, UnknownOwner
-from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.ids import BlockHash, LeaseId, ObjectId, ShardId
 from hkv_service.core.layout import Layout
 from hkv_service.core.partitions import (
@@ -50,21 +49,11 @@ from hkv_service.core.partitions import (
     partition_of_route,
     ranges,
 )
-from hkv_service.core.records import Handle
+from hkv_service.core.port import MetadataPort
 from hkv_service.core.spec import CacheSpec
-from hkv_service.core.state_view import (
-    Allocation,
-    AllocRequest,
-    Match,
-    ObjectReport,
-    ObjectTransitions,
-    TransitionResult,
-)
 from hkv_service.core.states import Event
-from hkv_service.core.transitions import Params
 
 from . import split
-from .ports import MetadataPort
 
 __all__ = ["PartitionedMetadata", "PartitionsLost", "partition_count", "partition_of_block_of",
            "pool_ranges", "range_blocks_of"]
@@ -107,7 +96,7 @@ class PartitionedMetadata:
         self._lock = threading.Lock()
         self._numbers = itertools.count(1)
         # owner -> (the incarnation handed out, per-partition incarnations, whole pools)
-        self._owners: dict[ShardId, tuple[int, list[int], dict[str, PoolConfig]]] = {}
+        self._owners: dict[ShardId, tuple[int, list[int], dict[str, api.PoolConfig]]] = {}
         self._fan: Executor = (_Inline() if inline else ThreadPoolExecutor(
             max_workers=self.count, thread_name_prefix="hkv-part"))
         self._spec: CacheSpec | None = None
@@ -183,7 +172,7 @@ class PartitionedMetadata:
                                    f"list says it is partition {place}: list the endpoints in "
                                    "the order hkv up printed them")
 
-    def register_owner(self, owner: ShardId, pools: Mapping[str, PoolConfig],
+    def register_owner(self, owner: ShardId, pools: Mapping[str, api.PoolConfig],
                        instance: int = 0, partitions: frozenset[int] | None = None) -> int:
         """Register with every partition (or only ``partitions``: those that lost the owner),
         each over its own range of every pool. Returns this client's incarnation number."""
@@ -209,7 +198,7 @@ class PartitionedMetadata:
             return number
 
     def _current(self, owner: ShardId, incarnation: int) -> tuple[list[int],
-                                                                   dict[str, PoolConfig]]:
+                                                                   dict[str, api.PoolConfig]]:
         known = self._owners.get(owner)
         if known is None or known[0] != incarnation:
             raise UnknownOwner(f"owner {owner!r} incarnation {incarnation} is not current; "
@@ -257,11 +246,11 @@ class PartitionedMetadata:
                                     [i for i in range(self.count) if i not in mine]))
         return sum(n or 0 for n in (*judged, *rest))
 
-    def confirm(self, owner: ShardId, reports: Sequence[ObjectReport], incarnation: int) -> int:
+    def confirm(self, owner: ShardId, reports: Sequence[api.ObjectReport], incarnation: int) -> int:
         return sum(1 for oid in self.confirm_objects(owner, reports, incarnation)
                    if oid is not None)
 
-    def confirm_objects(self, owner: ShardId, reports: Sequence[ObjectReport],
+    def confirm_objects(self, owner: ShardId, reports: Sequence[api.ObjectReport],
                         incarnation: int) -> list[ObjectId | None]:
         incs, pools = self._current(owner, incarnation)
         groups: dict[int, list[int]] = {}
@@ -280,7 +269,7 @@ class PartitionedMetadata:
                 out[k] = oid
         return out
 
-    def _partition_of_report(self, r: ObjectReport, pools: Mapping[str, PoolConfig]) -> int:
+    def _partition_of_report(self, r: api.ObjectReport, pools: Mapping[str, api.PoolConfig]) -> int:
         """(A report's first block of a range, when chains are split, goes without its parent
         hash: the parent is in another partition; :meth:`confirm_objects`.)"""
         if r.block >= 0:
@@ -291,8 +280,8 @@ class PartitionedMetadata:
             return partition_of_block_of(cfg, r.block, self.count)
         return partition_of_route(r.route, self.count)
 
-    def allocate(self, block_hashes: Sequence[BlockHash], requests: Sequence[AllocRequest],
-                 owner: ShardId | None = None, first_block: int = 0) -> list[Allocation]:
+    def allocate(self, block_hashes: Sequence[BlockHash], requests: Sequence[api.AllocRequest],
+                 owner: ShardId | None = None, first_block: int = 0) -> list[api.Allocation]:
         cut = self.range_blocks
         if not cut or first_block or all(r.depth < cut for r in requests):
             return self._root(block_hashes).allocate(block_hashes, requests, owner,
@@ -301,7 +290,7 @@ class PartitionedMetadata:
         futures = [(idx, self._fan.submit(
             self.parts[self._of_anchor(hashes[0])].allocate, hashes,
             [requests[i] for i in idx], owner, first_block=lo)) for lo, hashes, idx in groups]
-        out: list[Allocation | None] = [None] * len(requests)
+        out: list[api.Allocation | None] = [None] * len(requests)
         failed: BaseException | None = None
         for idx, f in futures:
             try:
@@ -320,18 +309,18 @@ class PartitionedMetadata:
         with contextlib.suppress(HkvError):  # already gone (an owner lost, a restart)
             self.evict(object_id)
 
-    def transition(self, object_id: ObjectId, event: Event, params: Params | None = None,
-                   generation: int | None = None) -> TransitionResult:
+    def transition(self, object_id: ObjectId, event: Event, params: api.Params | None = None,
+                   generation: int | None = None) -> api.TransitionResult:
         return self._of_id(object_id).transition(object_id, event, params, generation)
 
-    def transition_many(self, items: Sequence[ObjectTransitions]
-                        ) -> list[TransitionResult | HkvError]:
+    def transition_many(self, items: Sequence[api.ObjectTransitions]
+                        ) -> list[api.TransitionResult | HkvError]:
         groups: dict[int, list[int]] = {}
         for k, item in enumerate(items):
             groups.setdefault(partition_of_id(item.object_id, self.count), []).append(k)
         if len(groups) == 1:
             return self.parts[next(iter(groups))].transition_many(items)
-        out: list[TransitionResult | HkvError] = [HkvError("not answered")] * len(items)
+        out: list[api.TransitionResult | HkvError] = [HkvError("not answered")] * len(items)
         answers = self._each(
             lambda i, p: p.transition_many([items[k] for k in groups[i]]), sorted(groups))
         for i, results in answers:
@@ -346,13 +335,13 @@ class PartitionedMetadata:
     def evict(self, object_id: ObjectId) -> None:
         self._of_id(object_id).evict(object_id)
 
-    def begin_offload(self, object_id: ObjectId, disk_owner: ShardId) -> Handle:
+    def begin_offload(self, object_id: ObjectId, disk_owner: ShardId) -> api.Handle:
         return self._of_id(object_id).begin_offload(object_id, disk_owner)
 
-    def begin_load(self, object_id: ObjectId, owner: ShardId | None = None) -> Handle:
+    def begin_load(self, object_id: ObjectId, owner: ShardId | None = None) -> api.Handle:
         return self._of_id(object_id).begin_load(object_id, owner)
 
-    def lookup(self, req: LookupRequest) -> Match:
+    def lookup(self, req: api.LookupRequest) -> api.Match:
         cut, hashes = self.range_blocks, req.block_hashes
         if not cut or req.first_block or len(hashes) <= cut:
             return self._root(hashes).lookup(req)
@@ -414,7 +403,7 @@ class PartitionedMetadata:
             self._quiet_release(i, lid)
         self.parts[partition_of_lease(lease_id, self.count)].release_lease(lease_id)
 
-    def check_read(self, handle: Handle, lease_id: LeaseId | None = None) -> None:
+    def check_read(self, handle: api.Handle, lease_id: LeaseId | None = None) -> None:
         part = partition_of_id(handle.object_id, self.count)
         if lease_id is not None and partition_of_lease(lease_id, self.count) != part:
             with self._lock:  # a split chain's match: the lease its partition gave
@@ -485,8 +474,8 @@ class _Inline(Executor):
         return done
 
 
-def pool_ranges(pools: Mapping[str, PoolConfig], index: int, count: int
-                ) -> dict[str, PoolConfig]:
+def pool_ranges(pools: Mapping[str, api.PoolConfig], index: int, count: int
+                ) -> dict[str, api.PoolConfig]:
     """Partition ``index``'s range of every pool (blocks keep their numbers: a handle's block
     is the shard's own)."""
     out = {}
@@ -496,7 +485,7 @@ def pool_ranges(pools: Mapping[str, PoolConfig], index: int, count: int
     return out
 
 
-def partition_of_block_of(cfg: PoolConfig, block: int, count: int) -> int:
+def partition_of_block_of(cfg: api.PoolConfig, block: int, count: int) -> int:
     """The partition that hands out ``block`` of a pool registered whole as ``cfg``."""
     return partition_of_block(block - cfg.first, cfg.num_blocks - cfg.first, count)
 

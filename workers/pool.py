@@ -32,9 +32,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from hkv_service.core.allocator import PoolConfig
+from hkv_service.core.api import Handle, PoolConfig
 from hkv_service.core.ids import GroupName, ObjectId, ShardId
-from hkv_service.core.records import Handle
 from hkv_service.core.states import Kind
 
 __all__ = ["ALIGN", "BlockPool", "HandleBatch", "PoolSet", "StaleRead", "StaleWrite", "round_up"]

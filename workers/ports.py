@@ -1,116 +1,32 @@
-"""The workers' boundaries: what they need from the metadata service, and the small typed
-values that cross the data plane (Ray) between inference workers and shards.
+"""The small typed values that cross the data plane (Ray) between inference workers and
+shards: per-item outcomes, a packed read, a write's commit. Each is a frozen dataclass or a
+``StrEnum`` so it pickles small and plain (bytes travel beside it as numpy arrays).
 
-:class:`MetadataPort` is a Protocol whose methods mirror
-:class:`hkv_service.core.state_view.CacheState` (same names, arguments, return types);
-``hkv_service.client.MetadataClient`` implements it over gRPC, :mod:`workers.local` in-process
-or through a Ray actor. Everything else here is a frozen dataclass or a ``StrEnum`` so it
-pickles small and plain (bytes travel beside it as numpy arrays).
-
-Disk records carry a fixed 64-byte *tag* in front of the payload (covered by the disk tier's
-checksum), so a restarted shard can tell the metadata service what its disk holds::
-
-    [0, 4)  magic b"HKVT"   [4, 5) format   [5, 6) has parent   [6, 8) reserved
-    [8, 24) parent hash     [24, 28) depth (u32)   [28, 32) payload length (u32)
-    [32, 40) version (u64)  [40, 48) lo (u64)      [48, 56) hi (u64)
-    [56, 64) route (u64): the chain's route key, its metadata partition (0 before partitions)
+What the workers need from the metadata service is the core's port
+(:class:`hkv_service.core.port.MetadataPort`); a disk record's tag is :mod:`workers.tags`.
 """
 
 from __future__ import annotations
 
 import enum
-import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, overload, runtime_checkable
+from typing import Any, overload
 
 import numpy as np
 
-from hkv_service.core.allocator import PoolConfig
-from hkv_service.core.errors import HkvError
-from hkv_service.core.funnel import LookupRequest
-from hkv_service.core.ids import BlockHash, LeaseId, ObjectId, ShardId
+from hkv_service.core.api import Handle, Params
 from hkv_service.core.layout import Layout
-from hkv_service.core.records import Handle
-from hkv_service.core.spec import CacheSpec
-from hkv_service.core.state_view import (
-    Allocation,
-    AllocRequest,
-    Match,
-    ObjectReport,
-    ObjectTransitions,
-    TransitionResult,
-)
 from hkv_service.core.states import Event, Kind
-from hkv_service.core.transitions import Params
 
 __all__ = [
-    "TAG",
-    "BlockTag",
     "Commit",
     "ItemResult",
-    "MetadataPort",
     "Outcome",
     "PackedRead",
     "commit_bytes",
-    "decode_tagged",
-    "encode_tagged",
     "payload_bytes",
-    "tag_bytes",
 ]
-
-
-@runtime_checkable
-class MetadataPort(Protocol):
-    def get_spec(self) -> CacheSpec: ...
-
-    def register_owner(self, owner: ShardId, pools: Mapping[str, PoolConfig],
-                       instance: int = 0) -> int: ...
-
-    def heartbeat(self, owner: ShardId, incarnation: int) -> None: ...
-
-    def mark_owner_lost(self, owner: ShardId, witnesses: Sequence[int] = (),
-                        instance: int = 0) -> int | None: ...
-
-    def confirm(self, owner: ShardId, reports: Sequence[ObjectReport], incarnation: int
-                ) -> int: ...
-
-    def confirm_objects(self, owner: ShardId, reports: Sequence[ObjectReport],
-                        incarnation: int) -> list[ObjectId | None]: ...
-
-    def allocate(
-        self,
-        block_hashes: Sequence[BlockHash],
-        requests: Sequence[AllocRequest],
-        owner: ShardId | None = None,
-        first_block: int = 0,  # the hashes' first depth: a range of a split chain
-    ) -> list[Allocation]: ...
-
-    def transition(
-        self,
-        object_id: ObjectId,
-        event: Event,
-        params: Params | None = None,
-        generation: int | None = None,
-    ) -> TransitionResult: ...
-
-    def transition_many(self, items: Sequence[ObjectTransitions]
-                        ) -> list[TransitionResult | HkvError]:
-        """Each item's events in order, all or none of them, in one call (see
-        ``CacheState.transition_many``): a refused item comes back as its error."""
-        ...
-
-    def evict(self, object_id: ObjectId) -> None: ...
-
-    def begin_offload(self, object_id: ObjectId, disk_owner: ShardId) -> Handle: ...
-
-    def begin_load(self, object_id: ObjectId, owner: ShardId | None = None) -> Handle: ...
-
-    def lookup(self, req: LookupRequest) -> Match: ...
-
-    def release_lease(self, lease_id: LeaseId) -> None: ...
-
-    def check_read(self, handle: Handle, lease_id: LeaseId | None = None) -> None: ...
 
 
 class Outcome(enum.StrEnum):
@@ -135,6 +51,9 @@ class ItemResult:
     detail: str = ""
     handle: Handle | None = None  # load: the memory handle the bytes now sit behind
     version: int = 0  # write: KV version issued by a compressed WRITE_DONE
+    # The error that refused the item, where one did (its class: what a caller reads, never
+    # the detail's text); None where none did
+    cause: type[BaseException] | None = None
 
     @property
     def ok(self) -> bool:
@@ -168,19 +87,6 @@ class PackedRead(Sequence["np.ndarray | ItemResult"]):
             return span
         buf, start, length = span
         return self.buffers[buf][start : start + length]
-
-
-@dataclass(frozen=True, slots=True)
-class BlockTag:
-    """Where an object sits in the prefix tree; what ``ObjectReport`` needs after a restart."""
-
-    block_hash: BlockHash
-    parent_hash: BlockHash | None
-    depth: int
-    version: int = 0
-    lo: int = 0
-    hi: int = 0
-    route: int = 0  # core/partitions.route_key of the chain's root (its metadata partition)
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,43 +134,3 @@ def payload_bytes(data: Any) -> int:
     """Bytes in a block's data: a numpy array, a torch tensor or anything bytes-like."""
     nbytes = getattr(data, "nbytes", None)
     return nbytes if isinstance(nbytes, int) else memoryview(data).nbytes
-
-
-def tag_bytes(layout: Layout, column: int, tag: BlockTag) -> int:
-    """Exactly the bytes of the object a disk record's tag describes (its payload's size)."""
-    if layout.columns[column].kind is Kind.TAIL:
-        return layout.object_bytes(column, tag.depth, tail_len=tag.hi)
-    return layout.object_bytes(column, tag.depth, tag.lo, tag.hi)
-
-
-TAG = struct.Struct("<4sBBH16sII QQQ Q")
-_MAGIC = b"HKVT"
-_NO_PARENT = bytes(16)
-assert TAG.size == 64
-
-
-def encode_tagged(tag: BlockTag, payload: Any) -> bytearray:
-    """``tag header + payload`` in one buffer (one copy of the payload)."""
-    view = memoryview(payload).cast("B")
-    out = bytearray(TAG.size + len(view))
-    TAG.pack_into(
-        out, 0, _MAGIC, 1, tag.parent_hash is not None, 0, tag.parent_hash or _NO_PARENT,
-        tag.depth, len(view), tag.version, tag.lo, tag.hi, tag.route,
-    )
-    out[TAG.size :] = view
-    return out
-
-
-def decode_tagged(block_hash: BlockHash, record: Any) -> tuple[BlockTag, memoryview]:
-    """The tag and payload view of a verified record; ValueError if the framing is wrong."""
-    view = memoryview(record).cast("B")
-    if len(view) < TAG.size:
-        raise ValueError(f"record of {len(view)} bytes is shorter than its tag")
-    magic, fmt, has_parent, _, parent, depth, n, version, lo, hi, route = TAG.unpack_from(view)
-    if magic != _MAGIC or fmt != 1 or len(view) != TAG.size + n:
-        raise ValueError("record tag is malformed (magic, format or length)")
-    tag = BlockTag(
-        block_hash, BlockHash(bytes(parent)) if has_parent else None, depth, version, lo, hi,
-        route,
-    )
-    return tag, view[TAG.size :]

@@ -24,24 +24,12 @@ from typing import Any
 import ray
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
 
-from hkv_service.core.allocator import PoolConfig
+from hkv_service.core import api
 from hkv_service.core.errors import HkvError
-from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.ids import BlockHash, LeaseId, ObjectId, ShardId
-from hkv_service.core.records import Handle
 from hkv_service.core.spec import CacheSpec
-from hkv_service.core.state_view import (
-    Allocation,
-    AllocRequest,
-    CacheState,
-    Match,
-    ObjectReport,
-    ObjectTransitions,
-    StateConfig,
-    TransitionResult,
-)
+from hkv_service.core.state_view import CacheState
 from hkv_service.core.states import Event
-from hkv_service.core.transitions import Params
 
 from .link import ShardUnavailable
 from .local import LocalMetadata
@@ -184,7 +172,7 @@ def ray_links(actors: Mapping[str, Any], namespace: str | None = NAMESPACE
 class _StateHolder(LocalMetadata):
     """Body of :class:`MetadataActor`: a ``CacheState`` built inside the actor."""
 
-    def __init__(self, spec: CacheSpec, config: StateConfig | None = None) -> None:
+    def __init__(self, spec: CacheSpec, config: api.StateConfig | None = None) -> None:
         super().__init__(CacheState(spec, config))
 
     def call(self, method: str, *args: Any) -> Any:
@@ -208,7 +196,7 @@ class ActorMetadata:
     def get_spec(self) -> CacheSpec:
         return self._call("get_spec")  # type: ignore[no-any-return]
 
-    def register_owner(self, owner: ShardId, pools: Mapping[str, PoolConfig],
+    def register_owner(self, owner: ShardId, pools: Mapping[str, api.PoolConfig],
                        instance: int = 0) -> int:
         return int(self._call("register_owner", owner, dict(pools), instance))
 
@@ -219,54 +207,44 @@ class ActorMetadata:
                         instance: int = 0) -> int | None:
         return self._call("mark_owner_lost", owner, list(witnesses), instance)  # type: ignore[no-any-return]
 
-    def confirm(self, owner: ShardId, reports: Sequence[ObjectReport], incarnation: int) -> int:
+    def confirm(self, owner: ShardId, reports: Sequence[api.ObjectReport], incarnation: int) -> int:
         return int(self._call("confirm", owner, list(reports), incarnation))
 
-    def confirm_objects(self, owner: ShardId, reports: Sequence[ObjectReport], incarnation: int
+    def confirm_objects(self, owner: ShardId, reports: Sequence[api.ObjectReport], incarnation: int
                         ) -> list[ObjectId | None]:
         return self._call("confirm_objects", owner, list(reports), incarnation)  # type: ignore[no-any-return]
 
-    def allocate(
-        self,
-        block_hashes: Sequence[BlockHash],
-        requests: Sequence[AllocRequest],
-        owner: ShardId | None = None,
-        first_block: int = 0,
-    ) -> list[Allocation]:
+    def allocate(self, block_hashes: Sequence[BlockHash], requests: Sequence[api.AllocRequest],
+                 owner: ShardId | None = None, first_block: int = 0) -> list[api.Allocation]:
         return self._call("allocate", list(block_hashes), list(requests), owner,  # type: ignore[no-any-return]
                           first_block)
 
-    def transition(
-        self,
-        object_id: ObjectId,
-        event: Event,
-        params: Params | None = None,
-        generation: int | None = None,
-    ) -> TransitionResult:
+    def transition(self, object_id: ObjectId, event: Event, params: api.Params | None = None,
+                   generation: int | None = None) -> api.TransitionResult:
         return self._call("transition", object_id, event, params, generation)  # type: ignore[no-any-return]
 
-    def transition_many(self, items: Sequence[ObjectTransitions]
-                        ) -> list[TransitionResult | HkvError]:
+    def transition_many(self, items: Sequence[api.ObjectTransitions]
+                        ) -> list[api.TransitionResult | HkvError]:
         # one actor call; a refused item's error comes back as a value (pickled whole, fields
         # and all), not raised
-        return self._call("transition_many", [ObjectTransitions(*it) for it in items])  # type: ignore[no-any-return]
+        return self._call("transition_many", [api.ObjectTransitions(*it) for it in items])  # type: ignore[no-any-return]
 
     def evict(self, object_id: ObjectId) -> None:
         self._call("evict", object_id)
 
-    def begin_offload(self, object_id: ObjectId, disk_owner: ShardId) -> Handle:
+    def begin_offload(self, object_id: ObjectId, disk_owner: ShardId) -> api.Handle:
         return self._call("begin_offload", object_id, disk_owner)  # type: ignore[no-any-return]
 
-    def begin_load(self, object_id: ObjectId, owner: ShardId | None = None) -> Handle:
+    def begin_load(self, object_id: ObjectId, owner: ShardId | None = None) -> api.Handle:
         return self._call("begin_load", object_id, owner)  # type: ignore[no-any-return]
 
-    def lookup(self, req: LookupRequest) -> Match:
+    def lookup(self, req: api.LookupRequest) -> api.Match:
         return self._call("lookup", req)  # type: ignore[no-any-return]
 
     def release_lease(self, lease_id: LeaseId) -> None:
         self._call("release_lease", lease_id)
 
-    def check_read(self, handle: Handle, lease_id: LeaseId | None = None) -> None:
+    def check_read(self, handle: api.Handle, lease_id: LeaseId | None = None) -> None:
         self._call("check_read", handle, lease_id)
 
     def expire_owners(self) -> list[ShardId]:

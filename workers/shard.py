@@ -49,24 +49,20 @@ from typing import Any
 
 import numpy as np
 
-from hkv_service.core.admission import AdmissionCap
-from hkv_service.core.allocator import PoolConfig
+from hkv_service.core.api import AdmissionCap, Handle, ObjectReport, Params, PoolConfig
+from hkv_service.core.contracts import CONTRACTS
 from hkv_service.core.errors import (
     HkvError,
     UnknownOwner,
     WrongSize,
 )
 from hkv_service.core.ids import BlockHash, ObjectId, ShardId
+from hkv_service.core.inputs import check_report
 from hkv_service.core.layout import Layout
 from hkv_service.core.partitions import partition_of_id, partition_of_route
-from hkv_service.core.records import Handle
-from hkv_service.core.state_view import (
-    ObjectReport,
-    check_report,
-)
+from hkv_service.core.port import MetadataPort
 from hkv_service.core.states import Event, Kind, State
-from hkv_service.core.transitions import Params
-from hkv_service.settings import TlsConfig
+from hkv_service.settings import SYSTEM_DEFAULTS, SystemSettings, TlsConfig
 from storage import CorruptEntry, DiskKey, DiskTier, NotOnDisk
 
 from .commits import commit_many, commit_one, failure
@@ -79,20 +75,8 @@ from .partitioned import (
     pool_ranges,
 )
 from .pool import BlockPool, HandleBatch, PoolSet, StaleRead, StaleWrite
-from .ports import (
-    TAG,
-    BlockTag,
-    Commit,
-    ItemResult,
-    MetadataPort,
-    Outcome,
-    PackedRead,
-    commit_bytes,
-    decode_tagged,
-    encode_tagged,
-    payload_bytes,
-    tag_bytes,
-)
+from .ports import Commit, ItemResult, Outcome, PackedRead, commit_bytes, payload_bytes
+from .tags import TAG, BlockTag, decode_tagged, encode_tagged, tag_bytes
 
 __all__ = ["PACK_BELOW", "REGISTER_ATTEMPTS", "ShardActor", "ShardConfig", "new_instance"]
 
@@ -105,12 +89,15 @@ _WRITTEN = ItemResult(Outcome.OK)  # one shared object: a batch of them pickles 
 _UNREAD = ItemResult(Outcome.FAILED, "not read")  # placeholder while a read is assembled
 
 log = logging.getLogger(__name__)
-_HELD = {  # the state a block whose commit landed is vouched for in
-    Kind.COMPRESSED: State.COMPRESSED_READY,
-    Kind.SWA: State.SWA_VALID,
-    Kind.TAIL: State.TAIL_COMPLETE,
-    Kind.INDEXER: State.INDEXER_SYNCED,
-}
+
+
+_HELD = {k: c.ready_state for k, c in CONTRACTS.items()}  # what a block is vouched for in
+
+
+def heartbeat_interval_s(timeout_s: float) -> float:
+    """How often a shard heartbeats a service that declares an owner lost after ``timeout_s``
+    of silence: four beats a timeout, at most five a second."""
+    return max(0.2, timeout_s / 4)
 
 
 def new_instance() -> int:
@@ -123,11 +110,11 @@ class ShardConfig:
     shard_id: str
     metadata: Any  # "host:port" (gRPC), a MetadataActor handle, or a MetadataPort
     data_dir: str
-    blocks_per_group: int = 256
-    disk_budget_bytes: int = 1 << 30
-    admission: AdmissionCap = field(default_factory=AdmissionCap)
+    blocks_per_group: int = SYSTEM_DEFAULTS.blocks_per_group
+    disk_budget_bytes: int = SYSTEM_DEFAULTS.disk_budget_bytes
+    admission: AdmissionCap = field(default_factory=AdmissionCap)  # (the service's defaults)
     heartbeat_interval_s: float = 2.0
-    device: str = "auto"
+    device: str = SYSTEM_DEFAULTS.device
     token: str | None = None
     metadata_timeout_s: float = 10.0
     tls: TlsConfig | None = None  # reaching the service over TLS: roots (+ client cert, mTLS)
@@ -135,9 +122,23 @@ class ShardConfig:
     # Bytes of padding after every pool block. Not 0 only to make a shard whose block stride
     # is no multiple of a reader's alignment (the demo's misaligned_handle fault, tests).
     pool_stride_pad: int = 0
-    # TEST ONLY, a planted bug: read_blocks skips its generation/occupant re-check and hands
-    # out whatever the block holds. The demo's --check must then find silent errors.
-    unsafe_skip_read_check: bool = False
+
+    @classmethod
+    def from_settings(cls, settings: SystemSettings, shard_id: str, metadata: Any, *,
+                      token: str | None = None, tls: TlsConfig | None = None,
+                      node_id: str = "", pool_stride_pad: int = 0) -> ShardConfig:
+        """The config of a shard ``hkv up``'s settings place: the one place its pools, disk
+        tier, admission cap and heartbeat are derived from them. ``metadata``, ``token`` and
+        ``tls``: how it reaches the service (``System.endpoint``/``token``/``tls``)."""
+        return cls(
+            shard_id, metadata, str(Path(settings.data_dir).resolve()),
+            blocks_per_group=settings.blocks_per_group,
+            disk_budget_bytes=settings.disk_budget_bytes,
+            admission=AdmissionCap(settings.max_inflight_objects, settings.max_inflight_bytes),
+            heartbeat_interval_s=heartbeat_interval_s(settings.heartbeat_timeout_s),
+            device=settings.device, token=token, tls=tls, node_id=node_id,
+            pool_stride_pad=pool_stride_pad,
+        )
 
 
 class ShardActor:
@@ -523,8 +524,7 @@ class ShardActor:
                     spans[i] = ItemResult(Outcome.FAILED, f"bad handle: block {blocks[i]} is "
                                                           f"outside {pool.name!r}")
                 idx = idx[inside]
-                ok[idx] = True if self.config.unsafe_skip_read_check else \
-                    pool.readable(blocks[idx], gens[idx], oids[idx])
+                ok[idx] = pool.readable(blocks[idx], gens[idx], oids[idx])
                 self._stale(spans, pool, idx[~ok[idx]], blocks, gens, oids)
             buffers = self._take(spans, np.flatnonzero(ok), pools, slot, blocks, gens, oids)
             self._bump("reads", n)

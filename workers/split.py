@@ -22,12 +22,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from hkv_service.core.funnel import Downgrade, LookupRequest
+from hkv_service.core.api import AllocRequest, Downgrade, HandleColumn, LookupRequest, Match
 from hkv_service.core.ids import BlockHash, LeaseId
 from hkv_service.core.layout import Layout
 from hkv_service.core.partitions import range_anchor, ranges
-from hkv_service.core.records import HandleColumn
-from hkv_service.core.state_view import AllocRequest, Match
 
 __all__ = ["RangeAnswer", "fixed_point", "joined", "range_request", "split_slots"]
 

@@ -25,12 +25,13 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from ..core.funnel import LookupRequest, run_funnel, validate_request
+from ..core.api import LookupRequest, StateConfig
+from ..core.funnel import run_funnel, validate_request
 from ..core.hashing import ExtraKeys, hash_blocks, naive_hash_blocks
 from ..core.ids import BlockHash, PackedHashes, ShardId
 from ..core.layout import Layout
 from ..core.spec import CacheSpec, GroupKind, spec_from_dict
-from ..core.state_view import CacheState, StateConfig
+from ..core.state_view import CacheState
 from ..core.states import Kind
 from ..specs import default_spec
 from ..testing import commit_prefix, pools_for, question

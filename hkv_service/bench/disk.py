@@ -38,7 +38,7 @@ import numpy as np
 import xxhash
 import zstandard
 
-from hkv_service.core.admission import AdmissionCap
+from hkv_service.core.api import AdmissionCap
 from storage import DiskKey, DiskTier
 from storage.codec import Codec
 from storage.verify import VERIFY_CHUNK, copy_digest

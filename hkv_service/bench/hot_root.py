@@ -31,11 +31,11 @@ from typing import Any
 
 import xxhash
 
-from ..core.funnel import LookupRequest
+from ..core.api import LookupRequest, StateConfig
 from ..core.ids import BlockHash, ShardId
 from ..core.layout import Layout
 from ..core.partitions import Partition
-from ..core.state_view import CacheState, StateConfig
+from ..core.state_view import CacheState
 from ..specs import default_spec
 from ..testing import pools_for
 

@@ -52,14 +52,13 @@ from typing import Any
 import xxhash
 
 from ..client import MetadataClient
+from ..core.api import AllocRequest, LookupRequest, ObjectTransitions, Params, StateConfig
 from ..core.errors import HkvError
-from ..core.funnel import LookupRequest
 from ..core.ids import BlockHash, ShardId
 from ..core.layout import Layout
 from ..core.partitions import Partition
-from ..core.state_view import AllocRequest, CacheState, ObjectTransitions, StateConfig
+from ..core.state_view import CacheState
 from ..core.states import Event, Kind
-from ..core.transitions import Params
 from ..server.app import ServerConfig, Service, build_service
 from ..specs import default_spec
 from ..testing import pools_for

@@ -110,16 +110,22 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from ..core.allocator import PoolConfig
+from ..core.api import (
+    AllocRequest,
+    Handle,
+    LookupRequest,
+    ObjectReport,
+    Params,
+    PoolConfig,
+    StateConfig,
+)
+from ..core.contracts import CONTRACTS
 from ..core.errors import HkvError
-from ..core.funnel import LookupRequest
 from ..core.hashing import content_version
 from ..core.ids import BlockHash, ObjectId, PackedHashes, ShardId
 from ..core.layout import Layout
-from ..core.records import Handle
-from ..core.state_view import AllocRequest, CacheState, ObjectReport, StateConfig
+from ..core.state_view import CacheState
 from ..core.states import Event, Kind, State
-from ..core.transitions import Params
 from ..server import gcpolicy
 from ..server.serve import REAP_YIELD_S
 from ..specs import default_spec
@@ -145,8 +151,7 @@ PROGRESS_EVERY_S = 5.0
 SIZES_ENV = "HKV_BENCH_SCALE_SIZES"  # e.g. "10k,100k,1m": a run of other sizes
 REAP_WAIT_S = 120.0  # the most the owner-loss phase waits for reaping to finish
 
-_READY = {Kind.COMPRESSED: State.COMPRESSED_READY, Kind.SWA: State.SWA_VALID,
-          Kind.INDEXER: State.INDEXER_SYNCED, Kind.TAIL: State.TAIL_COMPLETE}
+_READY = {k: c.ready_state for k, c in CONTRACTS.items()}
 _DEAD_ROW = -2  # a book row whose object left (evicted after its offload)
 _MAX_ITEMS = 1024  # items per transition_many call (the view refuses more than 4,096)
 

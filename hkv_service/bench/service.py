@@ -62,15 +62,15 @@ from typing import Any
 import grpc
 
 from ..client import MetadataClient
-from ..core.funnel import LookupRequest
+from ..core.api import LookupRequest, StateConfig
 from ..core.ids import BlockHash, ShardId
-from ..core.state_view import CacheState, StateConfig
+from ..core.state_view import CacheState
 from ..proto_gen.hkv.v1 import hkv_pb2 as pb
 from ..server.app import ServerConfig, Service, build_service
-from ..server.codec import encode_lookup
 from ..server.servicer import MetadataServicer
 from ..specs import default_spec
 from ..testing import commit_prefix, pools_for, prompt_hashes, question
+from ..wire.codec import encode_lookup
 from . import hot_root as hot_root_bench
 from . import partitions as partitions_bench
 from .lockstats import LockStats, TimedLock

@@ -35,10 +35,9 @@ import numpy as np
 import ray
 import torch
 
-from hkv_service.core.admission import AdmissionCap
+from hkv_service.core.api import AdmissionCap, AllocRequest, StateConfig
 from hkv_service.core.ids import BlockHash
 from hkv_service.core.spec import spec_from_dict
-from hkv_service.core.state_view import AllocRequest, StateConfig
 from workers.pool import HandleBatch
 
 __all__ = ["run"]
@@ -86,8 +85,8 @@ def _setup(batch_blocks: dict[str, int], tmp: str) -> tuple[Any, Any, dict[str, 
 
     meta_actor = MetadataActor.remote(_spec(), StateConfig(AdmissionCap()))
     meta = ActorMetadata(meta_actor, timeout_s=60)
-    cfg = ShardConfig("bench", meta, tmp, max(batch_blocks.values()), 64 * MiB,
-                      heartbeat_interval_s=5.0, device="auto")
+    cfg = ShardConfig("bench", meta, tmp, blocks_per_group=max(batch_blocks.values()),
+                      disk_budget_bytes=64 * MiB, heartbeat_interval_s=5.0, device="auto")
     shard = shard_actor_class(0, 0).remote(cfg)
     ray.get(shard.ping.remote(), timeout=120)
     handles = {}

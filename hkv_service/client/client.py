@@ -19,45 +19,26 @@ from typing import Any
 
 import grpc
 
-from hkv_service.core.allocator import PoolConfig
+from hkv_service.core import api
 from hkv_service.core.errors import (
     AdmissionRefused,
     FailedPrecondition,
     HkvError,
     IllegalTransition,
 )
-from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.ids import BlockHash, CaptureId, LeaseId, ObjectId, ShardId
-from hkv_service.core.records import Handle
 from hkv_service.core.spec import CacheSpec, spec_from_dict
-from hkv_service.core.state_view import (
-    Allocation,
-    AllocRequest,
-    Match,
-    ObjectReport,
-    ObjectTransitions,
-    TransitionEvent,
-    TransitionResult,
-)
 from hkv_service.core.states import Event
-from hkv_service.core.transitions import Params
 from hkv_service.proto_gen.hkv.v1 import hkv_pb2 as pb
 from hkv_service.proto_gen.hkv.v1 import hkv_pb2_grpc as pb_grpc
-from hkv_service.server import codec
-from hkv_service.server.status_map import ERROR_CLASS_KEY, RETRY_AFTER_KEY, error_class
 from hkv_service.settings import TlsConfig  # the client's TLS: defined with the settings
+from hkv_service.wire import codec
+from hkv_service.wire.rpc import RpcFailed  # raised here; its own home: a worker reads its code
+from hkv_service.wire.status_map import ERROR_CLASS_KEY, RETRY_AFTER_KEY, error_class
 
 __all__ = ["MetadataClient", "RetryPolicy", "RpcFailed", "TlsConfig", "TransitionItem"]
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
-
-
-class RpcFailed(HkvError):
-    """A gRPC failure with no domain meaning; ``code`` is the status code's name."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +54,7 @@ class TransitionItem:
 
     object_id: ObjectId
     event: Event
-    params: Params | None = None
+    params: api.Params | None = None
     generation: int | None = None
 
 
@@ -100,15 +81,15 @@ def _from_item_error(msg: Any) -> HkvError:
     return codec.decode_refusal(msg, err) if isinstance(err, IllegalTransition) else err
 
 
-def _outcomes(resp: Any) -> list[TransitionResult | HkvError]:
+def _outcomes(resp: Any) -> list[api.TransitionResult | HkvError]:
     return [codec.decode_result(o.result) if o.HasField("result") else _from_item_error(o.error)
             for o in resp.outcomes]
 
 
-def _as_item(it: ObjectTransitions | TransitionItem) -> ObjectTransitions:
+def _as_item(it: api.ObjectTransitions | TransitionItem) -> api.ObjectTransitions:
     if isinstance(it, TransitionItem):
-        return ObjectTransitions(it.object_id, (it.event,), (it.params,), it.generation)
-    return ObjectTransitions(*it)
+        return api.ObjectTransitions(it.object_id, (it.event,), (it.params,), it.generation)
+    return api.ObjectTransitions(*it)
 
 
 def _channel(endpoint: str, tls: TlsConfig | None) -> grpc.Channel:
@@ -169,7 +150,7 @@ class MetadataClient:
         resp = self._call("GetSpec", pb.GetSpecRequest(), idempotent=True)
         return spec_from_dict(json.loads(resp.spec_json))
 
-    def register_owner(self, owner: str, pools: Mapping[str, PoolConfig],
+    def register_owner(self, owner: str, pools: Mapping[str, api.PoolConfig],
                        instance: int = 0) -> int:
         req = pb.RegisterOwnerRequest(owner=owner, instance=instance)
         for name, cfg in pools.items():
@@ -191,11 +172,11 @@ class MetadataClient:
         reply = self._call("MarkOwnerLost", req, idempotent=False)
         return None if reply.stale else int(reply.lost)
 
-    def confirm(self, owner: str, reports: Sequence[ObjectReport], incarnation: int) -> int:
+    def confirm(self, owner: str, reports: Sequence[api.ObjectReport], incarnation: int) -> int:
         """How many of ``reports`` :meth:`confirm_objects` re-created."""
         return sum(1 for oid in self.confirm_objects(owner, reports, incarnation) if oid)
 
-    def confirm_objects(self, owner: str, reports: Sequence[ObjectReport], incarnation: int
+    def confirm_objects(self, owner: str, reports: Sequence[api.ObjectReport], incarnation: int
                         ) -> list[ObjectId | None]:
         """Vouch for ``reports`` after a service restart, as the incarnation ``register_owner``
         returned; per report, the id its object has now (None: not re-created). Not retried
@@ -211,16 +192,16 @@ class MetadataClient:
 
     # ---- allocation and transitions -----------------------------------------------------
 
-    def allocate(self, block_hashes: Sequence[BlockHash], requests: Sequence[AllocRequest],
-                 owner: ShardId | str | None = None, first_block: int = 0) -> list[Allocation]:
+    def allocate(self, block_hashes: Sequence[BlockHash], requests: Sequence[api.AllocRequest],
+                 owner: ShardId | str | None = None, first_block: int = 0) -> list[api.Allocation]:
         req = pb.AllocateRequest(block_hashes=block_hashes, owner=owner or "",
                                  first_block=first_block)
         for r in requests:
             req.slots.add(depth=r.depth, column=r.column, replace=r.replace)
         return codec.decode_allocations(self._call("Allocate", req, idempotent=True))
 
-    def transition_many(self, items: Sequence[ObjectTransitions | TransitionItem]
-                        ) -> list[TransitionResult | HkvError]:
+    def transition_many(self, items: Sequence[api.ObjectTransitions | TransitionItem]
+                        ) -> list[api.TransitionResult | HkvError]:
         """One ``TransitionMany`` RPC: items in order, each item's events in order and all
         or none of them (a :class:`TransitionItem` is an item of one event). A refused item
         comes back as its domain error, an IllegalTransition with the refused move's fields;
@@ -230,8 +211,8 @@ class MetadataClient:
             codec.encode_object_transitions(_as_item(it), req.items.add())
         return _outcomes(self._call("TransitionMany", req, idempotent=False))
 
-    def transition(self, object_id: ObjectId | int, event: Event, params: Params | None = None,
-                   generation: int | None = None) -> TransitionResult:
+    def transition(self, object_id: ObjectId | int, event: Event, params: api.Params | None = None,
+                   generation: int | None = None) -> api.TransitionResult:
         req = pb.TransitionRequest()
         msg = req.items.add(object_id=object_id, event=codec.EVENTS.to_pb[event])
         if params is not None:
@@ -249,17 +230,17 @@ class MetadataClient:
     def evict(self, object_id: ObjectId | int) -> None:
         self._call("Evict", pb.EvictRequest(object_id=object_id), idempotent=False)
 
-    def begin_offload(self, object_id: ObjectId | int, disk_owner: str) -> Handle:
+    def begin_offload(self, object_id: ObjectId | int, disk_owner: str) -> api.Handle:
         req = pb.BeginOffloadRequest(object_id=object_id, disk_owner=disk_owner)
         return codec.decode_handle(self._call("BeginOffload", req, idempotent=False).handle)
 
-    def begin_load(self, object_id: ObjectId | int, owner: str | None = None) -> Handle:
+    def begin_load(self, object_id: ObjectId | int, owner: str | None = None) -> api.Handle:
         req = pb.BeginLoadRequest(object_id=object_id, owner=owner or "")
         return codec.decode_handle(self._call("BeginLoad", req, idempotent=False).handle)
 
     # ---- lookup -------------------------------------------------------------------------
 
-    def lookup_many(self, requests: Sequence[LookupRequest]) -> list[Match]:
+    def lookup_many(self, requests: Sequence[api.LookupRequest]) -> list[api.Match]:
         req = pb.LookupBatchRequest()
         for r in requests:
             codec.encode_lookup(r, req.requests.add())
@@ -267,11 +248,11 @@ class MetadataClient:
         resp = self._call("Lookup", req, idempotent=not leased)
         return [codec.decode_match(m) for m in resp.matches]
 
-    def lookup(self, request: LookupRequest) -> Match:
-        return self.lookup_many([request])[0]
+    def lookup(self, req: api.LookupRequest) -> api.Match:
+        return self.lookup_many([req])[0]
 
-    def lookup_stream(self, batches: Iterable[Sequence[LookupRequest]],
-                      timeout_s: float | None = None) -> Iterator[list[Match] | HkvError]:
+    def lookup_stream(self, batches: Iterable[Sequence[api.LookupRequest]],
+                      timeout_s: float | None = None) -> Iterator[list[api.Match] | HkvError]:
         """One result per batch, in order, over one bidirectional stream."""
         def requests() -> Iterator[Any]:
             for tag, batch in enumerate(batches):
@@ -296,13 +277,13 @@ class MetadataClient:
     def release_lease(self, lease_id: LeaseId | int) -> None:
         self._call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=lease_id), idempotent=False)
 
-    def check_read(self, handle: Handle, lease_id: LeaseId | int | None = None) -> None:
+    def check_read(self, handle: api.Handle, lease_id: LeaseId | int | None = None) -> None:
         req = pb.CheckReadRequest(handle=codec.encode_handle(handle))
         if lease_id is not None:
             req.lease_id = lease_id
         self._call("CheckRead", req, idempotent=True)
 
-    def register_capture(self, handles: Sequence[Handle]) -> tuple[CaptureId, int]:
+    def register_capture(self, handles: Sequence[api.Handle]) -> tuple[CaptureId, int]:
         req = pb.RegisterCaptureRequest(handles=[codec.encode_handle(h) for h in handles])
         resp = self._call("RegisterCapture", req, idempotent=False)
         return CaptureId(resp.capture_id), int(resp.topology_epoch)
@@ -319,7 +300,7 @@ class MetadataClient:
     # ---- watch and stats ----------------------------------------------------------------
 
     def watch(self, from_seq: int = 0, timeout_s: float | None = None
-              ) -> Iterator[TransitionEvent]:
+              ) -> Iterator[api.TransitionEvent]:
         """Events with seq > from_seq until ``timeout_s`` passes (DEADLINE_EXCEEDED ends the
         iteration quietly) or the caller stops iterating."""
         stream = self._stub.Watch(pb.WatchRequest(from_seq=from_seq), timeout=timeout_s,

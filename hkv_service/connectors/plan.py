@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from hkv_service.core.api import Match
 from hkv_service.core.ids import BlockHash
 from hkv_service.core.layout import Layout
-from hkv_service.core.state_view import Match
 
 from .geometry import Geometry
 

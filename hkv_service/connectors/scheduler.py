@@ -26,12 +26,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from hkv_service.core.funnel import Downgrade, LookupRequest
+from hkv_service.core.api import Downgrade, LookupRequest, Match
 from hkv_service.core.hashing import ExtraKeys, hash_blocks
 from hkv_service.core.ids import BlockHash
 from hkv_service.core.layout import Layout
-from hkv_service.core.state_view import Match
-from workers.ports import MetadataPort
+from hkv_service.core.port import MetadataPort
 
 from .geometry import Geometry
 from .plan import LoadJob, SaveJob, load_copies, save_items

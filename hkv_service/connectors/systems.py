@@ -15,9 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from hkv_service.core.port import MetadataPort
 from hkv_service.core.spec import CacheSpec
 from workers.dataplane import DataPlane
-from workers.ports import MetadataPort
 
 from .config import ConnectorConfig
 from .errors import BadConnectorConfig

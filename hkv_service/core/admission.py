@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from . import defaults
 from .errors import AdmissionRefused, InvalidInput
 
 __all__ = ["AdmissionCap", "AdmissionGate", "AdmissionStats", "Ticket"]
@@ -24,8 +25,8 @@ __all__ = ["AdmissionCap", "AdmissionGate", "AdmissionStats", "Ticket"]
 
 @dataclass(frozen=True, slots=True)
 class AdmissionCap:
-    max_objects: int = 64
-    max_bytes: int = 256 * 1024 * 1024
+    max_objects: int = defaults.MAX_INFLIGHT_OBJECTS
+    max_bytes: int = defaults.MAX_INFLIGHT_BYTES
 
 
 class Ticket(NamedTuple):

@@ -11,7 +11,7 @@ Eviction policies, chosen through ``EVICTION_POLICIES[kind]`` (lower key = evict
   group's window after them: ``swa_need`` keeps one 32-bit count per SWA column) go first,
   then least recently used.
 * COMPRESSED and INDEXER: least recently used, deepest first among equals. A lookup ages the
-  whole path it used (``CacheState._age``) and a write ages the path it wrote, so a block is
+  whole path it used (``PrefixTree.age``) and a write ages the path it wrote, so a block is
   never more recent than its parent: a block with a deeper block of its column behind it
   goes only after that one (evicting a parent makes every descendant unusable), a shared
   root last. An INDEXER goes with its KV and vice versa: the state view evicts both columns
@@ -170,7 +170,7 @@ class BlockPool:
     def forget(self, block: int) -> None:
         """A retired pool (its owner incarnation lost) lets go of ``block``'s books as the
         reaper passes it, and of as many queued free blocks: dropped whole when the reap
-        ends, one incarnation's books (125k blocks at 1M objects) held the GIL 51 ms."""
+        ends, one incarnation's books are freed in one step that holds the GIL."""
         self.owner.pop(block, None)
         self.generation.pop(block, None)
         self._free.discard(block)

@@ -26,6 +26,7 @@ __all__ = [
     "F_TAIL",
     "LOAD",
     "READY",
+    "READY_STATES",
     "RecoveryContract",
     "Verdict",
     "column_verdict",
@@ -67,7 +68,14 @@ class RecoveryContract:
     readable_when: str
     validated: str
     fallback: str
-    ready_states: frozenset[State]
+    ready_states: frozenset[State]  # the one home of what "ready" is, per kind
+
+    @property
+    def ready_state(self) -> State:
+        """The state an object of this kind is read in (each kind has one): what a writer's
+        commit reaches and what an owner vouches for it in after a restart."""
+        (state,) = self.ready_states
+        return state
 
 
 CONTRACTS: dict[Kind, RecoveryContract] = {
@@ -112,22 +120,12 @@ CONTRACTS: dict[Kind, RecoveryContract] = {
 Served = tuple[ObjRecord | None, Verdict]  # the copy that serves a column, and its verdict
 # Read per column of every summary: module globals, not class attributes (an enum member
 # read through its class costs ~0.1 us in Python 3.11, EnumType.__getattr__)
-_READY_STATES = {k: c.ready_states for k, c in CONTRACTS.items()}
+READY_STATES = {k: c.ready_states for k, c in CONTRACTS.items()}
 _INDEXER, _COMPRESSED = Kind.INDEXER, Kind.COMPRESSED
 
 
 def column_verdict(entry: PrefixEntry, column: int, layout: Layout) -> Verdict:
     return served(entry, column, layout)[1]
-
-
-# TEST ONLY, a planted bug: layer 3 off. The funnel then reports every whole LCM block whose
-# hash is present as usable ("the hash matched") and each column serves whatever copy it has,
-# in whatever state. The demo's --check must find silent errors with it (tests/demo).
-UNSAFE_LAYER3_OFF = False
-
-
-def _any_copy(entry: PrefixEntry, column: int) -> ObjRecord | None:
-    return entry.mem[column] or (entry.disk[column] if entry.disk else None)
 
 
 Pairs = dict[int, tuple[Served, dict[int, Served]]]  # KV column -> its copies chosen together
@@ -143,10 +141,6 @@ def served(entry: PrefixEntry, column: int, layout: Layout, pairs: Pairs | None 
     (:func:`swa_cover`); this gives the best copy regardless of range. ``pairs``: the KV
     copies chosen with their indexers at this entry, kept across calls for its columns (a
     summary asks for the KV and each indexer: the choice is made once)."""
-    if UNSAFE_LAYER3_OFF:
-        rec = _any_copy(entry, column)
-        if rec is not None:
-            return rec, READY if rec.block >= 0 else LOAD
     col = layout.columns[column]
     kind = col.kind
     if kind is _INDEXER:
@@ -167,7 +161,7 @@ def _candidates(entry: PrefixEntry, column: int) -> list[tuple[ObjRecord, Verdic
     """Usable copies at ``entry``/``column``, best first: memory, loaded disk, disk at rest."""
     out: list[tuple[ObjRecord, Verdict]] = []
     mem = entry.mem[column]
-    if mem is not None and mem.state in _READY_STATES[mem.kind]:
+    if mem is not None and mem.state in READY_STATES[mem.kind]:
         out.append((mem, READY))
     disk = entry.disk[column] if entry.disk else None
     if disk is not None:
@@ -245,12 +239,12 @@ def _both_in_memory(entry: PrefixEntry, kv: int, layout: Layout
     candidate lists): no loads, the first KV candidate, its indexers' first candidates, so
     nothing can rank before it. None otherwise (the general rule decides)."""
     rec = entry.mem[kv]
-    if rec is None or not rec.version or rec.state not in _READY_STATES[rec.kind]:
+    if rec is None or not rec.version or rec.state not in READY_STATES[rec.kind]:
         return None
     chosen: dict[int, Served] = {}
     for ix in layout.indexers_of[kv]:
         m = entry.mem[ix]
-        if m is None or m.version != rec.version or m.state not in _READY_STATES[m.kind]:
+        if m is None or m.version != rec.version or m.state not in READY_STATES[m.kind]:
             return None
         chosen[ix] = (m, READY)
     return (rec, READY), chosen
@@ -264,8 +258,6 @@ def swa_cover(entry: PrefixEntry, column: int, need_lo: int, need_hi: int, layou
     disk copy (loaded, or at rest: placed by its load) when that is. The funnel accepts the
     block with it and the handles point at the same record, so a partly rewritten memory
     object never hides a whole disk copy, nor a misaligned copy an aligned one."""
-    if UNSAFE_LAYER3_OFF:
-        return _any_copy(entry, column)
     for rec, _ in _candidates(entry, column):
         if rec.lo <= need_lo and rec.hi >= need_hi and (
                 align == 1 or rec.block < 0 or (align_of is not None and align_of(rec) >= align)):
@@ -363,7 +355,7 @@ def _plan(layout: Layout) -> tuple[tuple[_Step, ...], ...]:
     if got is not None and got[0] is layout:
         return got[1]
     plan = tuple(
-        tuple((col, _READY_STATES[kind], _BITS[kind][0], _BITS[kind][0] == F_MONO,
+        tuple((col, READY_STATES[kind], _BITS[kind][0], _BITS[kind][0] == F_MONO,
                layout.columns[col].indexes) for col, kind in attached)
         for attached in layout.kinds_attached)
     _PLANS[id(layout)] = (layout, plan)  # (the layout kept: its id is never another's)
@@ -378,11 +370,9 @@ def _memory_only(entry: PrefixEntry, layout: Layout,
     is no other candidate, and :func:`_best_pair` either pairs exactly these or serves the
     KV alone); no LOAD bit. False, changing nothing,
     where a disk copy is present: the general rule decides. (Most summaries end here: a
-    write's, and a settle's after a re-confirm, ~91% of whose entries have no disk copy; the
-    settle of a 1M-object view's re-confirm took 230 -> 160 ms, ad-hoc, median of 3
-    interleaved runs.)"""
+    write's, and a settle's after a re-confirm, ~91% of whose entries have no disk copy.)"""
     disk = entry.disk
-    if UNSAFE_LAYER3_OFF or (disk is not None and any(disk)):
+    if disk is not None and any(disk):
         return False
     mem = entry.mem
     flags = F_MONO | F_TAIL | F_SWA

@@ -1,4 +1,4 @@
-"""The one error hierarchy of hkv. Edges translate it (gRPC: ``server/status_map.py``).
+"""The one error hierarchy of hkv. Edges translate it (gRPC: ``wire/status_map.py``).
 
 ::
 

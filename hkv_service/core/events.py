@@ -2,19 +2,13 @@
 
 The log is bounded (``capacity`` events): a watcher that falls behind is told of the gap, not
 sent what is gone. The log keeps each event's record and the state it reached, and builds
-the event when it is read. Building every event under the state lock (a 7-field tuple, its
-column name and hash looked up, the oldest event let go) was 15% of a confirm's samples in a
-4M-object view's re-confirm (py-spy, ad-hoc), for history that a restart's re-confirm of
-500k records overwrites mostly unread; built when read (then as chunks a call), that
-re-confirm ran 148k -> 164k reports/s (ad-hoc, best of 2 per process, median of 3
-interleaved processes).
+the event when it is read: under the state lock a re-confirm logs hundreds of thousands of
+events that are mostly overwritten unread, so building them there was a share of its cost.
 
 The log is a ring of ``capacity`` slots made once (a list of records, a list of states, an
-array of clock readings), written in place: logging an event makes no object. Chunks made 3
-(a chunk and two tuples) a call, and a write logs its transitions one call each, so they
-were 2/3 of the young objects each of the service's bounded collections walked
-(``server/gcpolicy.py``; a 4M-object fill and owner loss, ad-hoc: ~15k of them a
-collection, up to 37 ms at 4M, with a lookup stall of 46 ms against the 50 ms target).
+array of clock readings), written in place: logging an event makes no object, so logging
+adds nothing to what the service's bounded collections walk (``server/gcpolicy.py``). What
+each choice saved: ``benchmarks/README.md``, "Measured while deciding".
 """
 
 from __future__ import annotations

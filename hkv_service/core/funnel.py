@@ -27,7 +27,7 @@ import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from . import contracts, segments
+from . import segments
 from .contracts import F_MONO, F_TAIL, LOAD, READY, column_verdict, served, swa_cover
 from .errors import BadHash, InvalidInput, PositionBeyondHashes, UnknownGroup
 from .ids import BlockHash, GroupName, PackedHashes, check_hash_lengths
@@ -132,8 +132,6 @@ def run_funnel(
     abi = _abi_downgrades(req, layout)
     if abi:
         return FunnelResult(0, 0, (), abi)
-    if contracts.UNSAFE_LAYER3_OFF:
-        return _hash_level_hit(index, layout, req, limit)
     hb, first, hashes = layout.hash_block, req.first_block, req.block_hashes
     max_entries = min(limit // hb, first + len(hashes)) - first  # of this request's hashes
     need = req.alignment
@@ -162,20 +160,6 @@ def run_funnel(
         usable, (first + n) * hb, entries[: max(0, usable // hb - first)], tuple(downgrades),
         entries, runs, first,
     )
-
-
-def _hash_level_hit(index: PrefixIndex, layout: Layout,
-                    req: LookupRequest, limit: int) -> FunnelResult:
-    """TEST ONLY (``contracts.UNSAFE_LAYER3_OFF``): every whole LCM block of present hashes."""
-    entries = []
-    for h in itertools.islice(req.block_hashes, limit // layout.hash_block):
-        e = index.get(h)
-        if e is None:
-            break
-        entries.append(e)
-    usable = len(entries) * layout.hash_block // layout.lcm * layout.lcm
-    return FunnelResult(usable, len(entries) * layout.hash_block,
-                        entries[: usable // layout.hash_block], (), entries)
 
 
 def _packed(hashes: Sequence[BlockHash]) -> bytes | None:

@@ -19,7 +19,7 @@ next walk) drops the entry's memos, so a memo never outlives the state it was co
 
 A walk that stops at a hash the index lacks answers what a lookup of the hashes before it
 would (a plain miss adds no downgrade), so new questions over one cached document share the
-document's memo (``CacheState._prefix_memo`` says why finding the stop by bisection is sound).
+document's memo (``Lookups._prefix_memo`` says why finding the stop by bisection is sound).
 
 A memo is made on the second lookup of the same key (a prefix looked up once never pays for
 the registration), and the table is bounded by count and bytes (least recently used first).
@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 
 from .funnel import FunnelResult, LookupRequest
 from .ids import BLOCK_HASH_BYTES, BlockHash, PackedHashes
-from .match import Match, Memo, MemoKey
+from .match import KeyFields, Match, Memo, MemoKey
 from .records import ObjRecord, drop_memos, register
 
 __all__ = ["LookupMemo", "Memo", "MemoKey", "drop_memos", "register"]
@@ -67,18 +67,18 @@ class LookupMemo:
         self.encoder: Callable[[Match], bytes] | None = None
         self.nbytes = 0
         self.hits = self.misses = 0
-        self._memos: OrderedDict[MemoKey, Memo] = OrderedDict()
-        self._seen: OrderedDict[MemoKey, None] = OrderedDict()  # keys looked up once
+        self._memos: OrderedDict[KeyFields, Memo] = OrderedDict()
+        self._seen: OrderedDict[KeyFields, None] = OrderedDict()  # keys looked up once
 
     def __len__(self) -> int:
         return len(self._memos)
 
-    def key(self, req: LookupRequest, limit: int, owners_epoch: int) -> MemoKey | None:
+    def key(self, req: LookupRequest, limit: int, owners_epoch: int) -> KeyFields | None:
         """The memo key of ``req``; None where a walk is cheap enough not to memoise."""
         return self.key_at(req, len(req.block_hashes), limit, owners_epoch)
 
     def key_at(self, req: LookupRequest, count: int, limit: int, owners_epoch: int
-               ) -> MemoKey | None:
+               ) -> KeyFields | None:
         """The memo key of ``req`` cut to its first ``count`` hashes, looked up to ``limit``
         tokens: the key a lookup of just that prefix has when ``limit`` is all of it."""
         if self.capacity <= 0 or self.max_bytes <= 0 or count < self.min_blocks:
@@ -87,7 +87,7 @@ class LookupMemo:
         return (req.block_hashes[count - 1], count, limit, req.alignment, req.handles, abi,
                 req.first_block, req.open_end, owners_epoch)
 
-    def get(self, key: MemoKey, hashes: Sequence[BlockHash], count: int | None = None
+    def get(self, key: KeyFields, hashes: Sequence[BlockHash], count: int | None = None
             ) -> Memo | None:
         """The live memo for ``key`` whose prefix is byte-equal to ``hashes`` (to their first
         ``count``, if given; a malformed hash raises BadHash here, as the walk would)."""
@@ -107,7 +107,7 @@ class LookupMemo:
         if self._memos.get(memo.key) is memo:
             self._memos.move_to_end(memo.key)
 
-    def put(self, key: MemoKey, hashes: Sequence[BlockHash], match: Match, result: FunnelResult,
+    def put(self, key: KeyFields, hashes: Sequence[BlockHash], match: Match, result: FunnelResult,
             records: dict[str, tuple[ObjRecord, ...]] | None) -> Memo | None:
         """Keep ``match`` (lease-free) if ``key`` was looked up before (else remember that it
         was)."""
@@ -128,7 +128,7 @@ class LookupMemo:
         if old is not None:
             self.nbytes -= old.nbytes
             old.drop()
-        memo = Memo(key, packed, result, columns, records, nbytes, wire)
+        memo = Memo(MemoKey(*key), packed, result, columns, records, nbytes, wire)
         register(memo, result.walked)
         self._memos[key] = memo
         self.nbytes += nbytes
@@ -136,7 +136,7 @@ class LookupMemo:
             self._forget(next(iter(self._memos)))
         return memo
 
-    def _forget(self, key: MemoKey) -> None:
+    def _forget(self, key: KeyFields) -> None:
         memo = self._memos.pop(key)
         self.nbytes -= memo.nbytes
         memo.drop()

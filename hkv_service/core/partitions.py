@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .defaults import MAX_PARTITIONS
 from .errors import InvalidInput
 
 __all__ = [
@@ -53,7 +54,6 @@ __all__ = [
     "route_key",
 ]
 
-MAX_PARTITIONS = 64
 _SLOT_BITS = 32  # core/objects.py: id = serial << 32 | slot
 _U64 = (1 << 64) - 1
 

@@ -5,14 +5,13 @@ go, copying all of it, when the inserts since the last resize have used up its f
 and churn (entries made for new prompts, freed when evicted) keeps using them up at a steady
 size, under the view's lock and the GIL. ``hkv bench scale`` times that insert at each size
 (``flat_index_resize_ms``, one dict of every entry, beside ``index_resize_ms``, the fullest
-part; ``benchmarks/README.md``, runs I and J): 69-279 ms at 4M objects (~960k entries)
-against 0.03-0.05 ms. Split by the hash's first byte (block hashes are xxh3 digests:
-uniform), each part holds ~1/256 of the entries. The rule that picks a part
+part; ``benchmarks/README.md``, runs I and J). Split by the hash's first byte (block hashes
+are xxh3 digests: uniform), each part holds ~1/256 of the entries. The rule that picks a part
 (``parts[h[0]]``) is inlined where a lookup is hot (``segments.walk_blocks``, the
-re-confirm's checked hashes in ``CacheState``); ``test_prefix_index`` pins it.
+re-confirm's checked hashes in ``Rebuild``); ``test_prefix_index`` pins it.
 
-Reads pay one list subscript and one byte read more than a flat dict (~25-35 ns a hash,
-ad-hoc timing; ``hkv bench core``'s ``lookup_vs_dict_walk`` shows it on the block walk).
+Reads pay one list subscript and one byte read more than a flat dict (``hkv bench core``'s
+``lookup_vs_dict_walk`` shows it on the block walk).
 """
 
 from __future__ import annotations
@@ -55,7 +54,7 @@ class PrefixIndex:
         return self.part_of(h)[h]
 
     def __setitem__(self, h: BlockHash, entry: PrefixEntry) -> None:
-        self.parts[h[0]][h] = entry  # (keys are checked 16-byte hashes: _check_hashes)
+        self.parts[h[0]][h] = entry  # (keys are checked 16-byte hashes: inputs.check_hashes)
 
     def __delitem__(self, h: BlockHash) -> None:
         del self.part_of(h)[h]
@@ -90,15 +89,14 @@ class Orphans:
     """Entries made before their parent's: a re-confirm in random order reports a block
     before the block above it (a chain's report names its parent's hash, whose entry is not
     there yet). Each waits for the entry of that hash (its ``awaits``), which adopts it when
-    it is made (``CacheState._entry_under``): else it stayed parentless for good once no
+    it is made (``PrefixTree.entry_under``): else it stayed parentless for good once no
     later report named it, and what walks up the parents (the SWA policy's resume-point
     counts) stopped short there, and its parent, counting no child, could be dropped under
     it. A hash most often has one orphan waiting (a chain), kept bare; siblings in a dict.
     (A re-confirm of one owner of eight leaves ~90% of its entries waiting: the parents are
     the other owners'.) Those that wait for an entry made are adopted a slice per lock
-    hold (``CacheState.ADOPT_SLICE``, ``_adopt_some``): all at once, 50k children of one
-    root held the lock 13 ms (ad-hoc), so a root with hundreds of thousands would have held
-    it past the 50 ms pause target."""
+    hold (``tree.ADOPT_SLICE``, ``PrefixTree.adopt_some``): all at once, a root with hundreds
+    of thousands of children would hold the lock past the 50 ms pause target."""
 
     __slots__ = ("_waiting",)
 

@@ -361,9 +361,8 @@ def register(item: Dependent, entries: Iterable[PrefixEntry]) -> None:
     Most entries carry one (a tuple: ~40 bytes less than a list, one per entry of a run); an
     entry many share (a hot root's, on every memo through it: up to the table's 1,024) gets a
     list, appended to, and pruned of dropped ones' shells when its length reaches a power of
-    two from :data:`_PRUNE_AT` on: O(1) a registration amortised. (Rebuilding the tuple each
-    time, filtered, was O(n) a registration: a memo over a 64-block system prompt shared by
-    200 prompts cost ~3x a walk.)"""
+    two from :data:`_PRUNE_AT` on: O(1) a registration amortised (rebuilding the tuple each
+    time, filtered, is O(n) a registration)."""
     one = (item,)
     for e in entries:
         memos = e.memos

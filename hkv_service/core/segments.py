@@ -31,15 +31,15 @@ import struct
 from collections.abc import Callable, Iterable, Sequence
 
 from .contracts import settled
-from .errors import MisplacedHash
+from .defaults import DEFAULT_SEGMENT_BLOCKS
+from .errors import InvalidInput, MisplacedHash
 from .ids import BLOCK_HASH_BYTES, BlockHash, PackedHashes
 from .layout import Layout
 from .prefix_index import PrefixIndex
 from .records import ObjRecord, PrefixEntry, Segment, register
 
-__all__ = ["DEFAULT_SEGMENT_BLOCKS", "Segment", "first_missing", "walk"]
+__all__ = ["DEFAULT_SEGMENT_BLOCKS", "Segment", "first_missing", "segment_blocks_for", "walk"]
 
-DEFAULT_SEGMENT_BLOCKS = 64
 _GATE = operator.attrgetter("gate")
 AlignOf = Callable[[ObjRecord], int]
 
@@ -143,3 +143,17 @@ def first_missing(index: PrefixIndex, hashes: Sequence[BlockHash],
         else:
             lo = mid + 1
     return lo
+
+
+def segment_blocks_for(layout: Layout, asked: int | None) -> int:
+    """The walk segment size: ``asked`` if the layout can take it (0 = off, else a multiple
+    of its period: runs must start where the layout repeats), else InvalidInput; None: the
+    smallest multiple of the period from DEFAULT_SEGMENT_BLOCKS up (a spec's period need not
+    divide 64: block sizes 64 and 96 repeat every 6 hash blocks of 32)."""
+    period = layout.period
+    if asked is None:
+        return -(-DEFAULT_SEGMENT_BLOCKS // period) * period
+    if asked < 0 or asked % period:
+        raise InvalidInput(f"segment_blocks must be 0 (off) or a positive multiple of "
+                           f"{period} (the layout's period), got {asked}")
+    return asked

@@ -35,21 +35,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from hkv_service.core.errors import HkvError
-from hkv_service.core.funnel import LookupRequest
+from hkv_service.core.api import AllocRequest, Handle, LookupRequest, Match, Params
+from hkv_service.core.contracts import CONTRACTS
+from hkv_service.core.errors import HkvError, PoolExhausted
 from hkv_service.core.ids import BlockHash, LeaseId, ObjectId, ShardId
 from hkv_service.core.layout import Column, Layout
-from hkv_service.core.records import Handle
-from hkv_service.core.state_view import AllocRequest, Match
 from hkv_service.core.states import TERMINAL_STATES, Event, Kind, Reason, State
-from hkv_service.core.transitions import Params
 from hkv_service.refmodel import BlockRun
-from hkv_service.testing import flip_on_disk
 from workers import outage
 from workers.dataplane import PendingLoad, Recompute
 from workers.link import ShardUnavailable
-from workers.ports import BlockTag, Commit
+from workers.ports import Commit
+from workers.tags import BlockTag
 
+from .faults import flip_on_disk
 from .wiring import EVENTS_BATCH, Wiring
 
 __all__ = [
@@ -160,8 +159,7 @@ def place_column(blocks: Blocks, tails: Tails, lay: Layout, col: Column,
         place_block(blocks, tails, lay, col, d, torch.from_numpy(np.array(a, copy=True)), usable)
 
 
-_HELD_STATES = frozenset({State.COMPRESSED_READY, State.SWA_VALID, State.TAIL_COMPLETE,
-                          State.INDEXER_SYNCED})
+_HELD_STATES = frozenset(c.ready_state for k, c in CONTRACTS.items() if k is not Kind.DISK)
 
 
 class _Books:
@@ -436,7 +434,8 @@ class DemoBackend:
             rep.existing += wr.existing
             if wr.failed:
                 self.events["write_failed"] += len(wr.failed)
-                rep.pool_exhausted += sum("xhaust" in r.detail for r in wr.failed.values())
+                rep.pool_exhausted += sum(r.cause is not None and issubclass(r.cause, PoolExhausted)
+                                          for r in wr.failed.values())
             done: list[tuple[Slot, Handle]] = []
             known = self.books.known() | set(self.faulty.values())
             for s, h in sorted(wr.handles.items()):
@@ -653,6 +652,33 @@ class DemoBackend:
             ok = res is not None and bool(res[0].ok)
             self.events["evict_race_reused" if ok else "evict_race_not_reused"] += 1
             return True  # evicted either way: the read must not serve it
+
+    def push_to_disk(self, lk: Lookup, pick: int) -> bool:
+        """Evict the memory copy of one matched block a disk bit flip can land in (COMPRESSED
+        or SWA, of 2 KiB or more) whose disk copy the write-through made: the next lookup of
+        the prompt loads it. (The lookup's lease is released.)"""
+        with self.lock:
+            lay = self.layout
+            cands = []
+            for hs in lk.handles.values():
+                for h in hs:
+                    col = lay.columns[h.column]
+                    if h.block < 0 or col.kind not in (Kind.COMPRESSED, Kind.SWA) or \
+                            col.nbytes < 2048:
+                        continue
+                    key = self.books.key_of.get(int(h.object_id))
+                    held = self.books.copies.get(key, {}) if key is not None else {}
+                    if any(o in self.disk_oids for o in held):
+                        cands.append(h)
+            if not cands:
+                return False
+            h = cands[pick % len(cands)]
+            try:
+                self.meta.evict(h.object_id)
+            except HkvError:
+                return False
+            self.events["pushed_to_disk"] += 1
+            return True
 
     def inject_disk_bitflip(self, lk: Lookup, pick: int) -> bool:
         """Flip one bit of a record the match is about to load, in its shard's LMDB file."""

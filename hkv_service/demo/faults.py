@@ -16,15 +16,20 @@ opportunity came after its turn; the report names it in ``faults_missing`` with 
 
 from __future__ import annotations
 
+import mmap
+import os
 import random
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from hkv_service.core.states import Reason
 
-__all__ = ["DEFAULT_RATES", "EXPECTED", "OPPORTUNITY", "FaultPlan", "FaultSpecError",
-           "parse_faults"]
+__all__ = [
+    "DEFAULT_RATES", "EXPECTED", "OPPORTUNITY", "FaultPlan", "FaultSpecError", "flip_on_disk",
+    "parse_faults",
+]
 
 DEFAULT_RATES: dict[str, float] = {
     "evict_race": 0.15,  # evict a matched block between lookup and read (reader has no lease)
@@ -133,6 +138,12 @@ class FaultPlan:
         with self._lock:
             self._started += 1
 
+    def owed(self, name: str) -> bool:
+        """``name`` is on, its turn has come, and it has not landed yet."""
+        with self._lock:
+            return (self.rates.get(name, 0.0) > 0.0 and not self.injected[name]
+                    and self._started > self.turn[name])
+
     def roll(self, name: str) -> bool:
         """Inject ``name`` at this opportunity? Yes while it is owed; else a draw at its rate."""
         rate = self.rates.get(name, 0.0)
@@ -155,3 +166,25 @@ class FaultPlan:
         """Requested faults not injected (so far)."""
         with self._lock:
             return sorted(name for name in self.turn if not self.injected[name])
+
+def flip_on_disk(data_dir: str | os.PathLike[str], head: bytes) -> int:
+    """Flip one bit 100 bytes past every copy of ``head`` (a payload's first bytes) in the LMDB
+    data files under ``data_dir`` (old pages may hold copies too); returns how many. The page
+    cache is shared, so a shard that has the file mapped sees the flip at once: its checksum
+    must catch it. Fault injection for the demo and tests."""
+    n = 0
+    for target in sorted(Path(data_dir).rglob("data.mdb")):
+        fd = os.open(target, os.O_RDWR)
+        try:
+            with mmap.mmap(fd, os.fstat(fd).st_size, access=mmap.ACCESS_READ) as mm:
+                spots, at = [], mm.find(head)
+                while at >= 0:
+                    spots.append(at)
+                    at = mm.find(head, at + 1)
+            for at in spots:
+                byte = os.pread(fd, 1, at + 100)
+                os.pwrite(fd, bytes([byte[0] ^ (1 << 3)]), at + 100)
+                n += 1
+        finally:
+            os.close(fd)
+    return n

@@ -1,10 +1,10 @@
 """``hkv demo``: drive the reference-model workload through hkv and report.
 
-Wiring choice (``cli.py`` has no flag for it): ``HKV_DEMO_BACKEND=system`` or ``inprocess``
-(``wiring.py``); the same backend and the same real shards, disk tiers and data plane run on
-both, and every fault is injected on both. ``hkv demo`` defaults to the embedded system;
-``run_workload`` to in-process. When the system cannot start, the demo says so on stderr and
-runs in-process.
+Wiring choice (``--backend``, a setting of ``settings.DemoSettings``): ``system`` or
+``inprocess`` (``wiring.py``); the same backend and the same real shards, disk tiers and data
+plane run on both, and every fault is injected on both. ``hkv demo`` defaults to the embedded
+system, and when it cannot start says so on stderr and runs in-process; a wiring asked for by
+name that cannot start is an error. ``run_workload`` defaults to in-process.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from hkv_service.core.errors import InvalidInput
 from hkv_service.core.layout import Layout
 from hkv_service.core.partitions import check_range_blocks
 from hkv_service.refmodel import RefModel
-from hkv_service.settings import MAX_PARTITIONS
+from hkv_service.settings import DemoSettings, SettingsError
 from hkv_service.specs import default_spec
 
 from .backend import DemoBackend
@@ -33,20 +33,10 @@ from .faults import EXPECTED, OPPORTUNITY, FaultPlan, FaultSpecError, parse_faul
 from .worker import Totals, Worker
 from .workload import long_prompt_workload, make_workload
 
-__all__ = ["DemoConfig", "run_demo", "run_long_prompts", "run_workload"]
+__all__ = ["run_demo", "run_long_prompts", "run_workload"]
 
 NORMAL_POOL = 192  # blocks per column per shard; long prompts spill to disk
 PRESSURE_POOL = 96  # pool_pressure: constant eviction
-
-
-class DemoConfig(argparse.Namespace):
-    requests: int = 48
-    duration: float | None = None
-    seed: int = 0
-    faults: str = "none"
-    check: bool = False
-    workers: int = 2
-    json: bool = False
 
 
 def _shapes(model: RefModel) -> dict[str, tuple[int, ...]]:
@@ -59,34 +49,28 @@ def _shapes(model: RefModel) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def backend_choice(default: str = "system") -> str:
-    """``HKV_DEMO_BACKEND`` if set, else ``default`` (``hkv demo``: system; the library
-    entry point ``run_workload``: in-process, so callers that pick nothing need no Ray)."""
-    choice = os.environ.get("HKV_DEMO_BACKEND", "").strip().lower() or default
-    if choice not in ("inprocess", "system"):
-        raise FaultSpecError(f"HKV_DEMO_BACKEND must be 'inprocess' or 'system', got {choice!r}")
-    return choice
-
-
 def pool_pressure_on(rates: dict[str, float]) -> bool:
     return rates.get("pool_pressure", 0.0) > 0.0
 
 
 def make_backend(model: RefModel, rates: dict[str, float], note: Any = None,
-                 default: str = "system", unsafe_skip_read_check: bool = False,
-                 partitions: int = 1, range_blocks: int = 0) -> DemoBackend:
-    """The backend on the chosen wiring. ``unsafe_skip_read_check`` (TEST ONLY, in-process):
-    the shards skip their read re-check, a planted bug ``--check`` must catch."""
+                 backend: str | None = None, partitions: int = 1, range_blocks: int = 0
+                 ) -> DemoBackend:
+    """The backend on the wiring ``backend`` names (``system`` or ``inprocess``); None: the
+    system, or in-process with a note when it cannot start."""
     from .wiring import InProcessWiring, SystemWiring, Wiring
 
-    choice = backend_choice(default)
-    # asked for by name (HKV_DEMO_BACKEND): a system that cannot start is an error, never a
-    # silent run on the other wiring; only the default falls back, and says so
-    asked = bool(os.environ.get("HKV_DEMO_BACKEND", "").strip())
+    if backend not in (None, "system", "inprocess"):
+        raise FaultSpecError(f"the demo's backend must be 'inprocess' or 'system', "
+                             f"got {backend!r}")
+    choice = backend or "system"
+    # asked for by name: a system that cannot start is an error, never a silent run on the
+    # other wiring; only the default falls back, and says so
+    asked = backend is not None
     pool = PRESSURE_POOL if pool_pressure_on(rates) else NORMAL_POOL
     odd = rates.get("misaligned_handle", 0.0) > 0
     wiring: Wiring | None = None
-    if choice == "system" and not unsafe_skip_read_check:
+    if choice == "system":
         try:
             wiring = SystemWiring(model.spec, pool, odd, emit=note, partitions=partitions,
                                   range_blocks=range_blocks)
@@ -97,8 +81,7 @@ def make_backend(model: RefModel, rates: dict[str, float], note: Any = None,
                 note(f"the system backend could not start ({type(err).__name__}: "
                      f"{str(err).splitlines()[0] if str(err) else ''}); running in-process")
     if wiring is None:
-        wiring = InProcessWiring(model.spec, pool, odd, unsafe_skip_read_check, partitions,
-                                 range_blocks)
+        wiring = InProcessWiring(model.spec, pool, odd, partitions, range_blocks)
     return DemoBackend(wiring, _shapes(model))
 
 
@@ -110,16 +93,14 @@ def run_workload(
     workers: int = 2,
     duration: float | None = None,
     progress: Any = None,
-    backend: str = "inprocess",
-    unsafe_skip_read_check: bool = False,
+    backend: str | None = "inprocess",
     partitions: int = 1,
     range_blocks: int = 0,
 ) -> dict[str, Any]:
     rates = parse_faults(faults) if isinstance(faults, str) else dict(faults)
     spec = default_spec()
     model = RefModel(spec)
-    be = make_backend(model, rates, progress, backend, unsafe_skip_read_check, partitions,
-                      range_blocks)
+    be = make_backend(model, rates, progress, backend, partitions, range_blocks)
     plan = FaultPlan(rates, seed, requests)
     if pool_pressure_on(rates):
         plan.count("pool_pressure")  # it is the whole run's pools (make_backend sized them)
@@ -296,32 +277,30 @@ def run_demo(args: argparse.Namespace) -> int:
         sys.stderr.write(f"hkv demo: {msg}\n")
 
     try:
-        rates = parse_faults(args.faults)
+        cfg = DemoSettings.from_args(args)
+    except SettingsError as err:
+        sys.stderr.write(f"hkv: error: {err}.\n")
+        return 2
+    try:
+        rates = parse_faults(cfg.faults)
     except FaultSpecError as err:
         sys.stderr.write(f"hkv: error: {err}.\n")
         return 2
-    if args.requests < 1 or args.workers < 1:
-        sys.stderr.write("hkv: error: --requests and --workers must be at least 1.\n")
-        return 2
     try:
-        check_range_blocks(args.range_blocks, Layout(default_spec()).period)
+        check_range_blocks(cfg.range_blocks, Layout(default_spec()).period)
     except InvalidInput as err:
         sys.stderr.write(f"hkv: error: --range-blocks: {err}.\n")
         return 2
-    if not 1 <= args.service_replicas <= MAX_PARTITIONS:
-        sys.stderr.write(f"hkv: error: --service-replicas must be between 1 and "
-                         f"{MAX_PARTITIONS}.\n")
-        return 2
-    out = _json_stdout() if args.json else sys.stdout
+    out = _json_stdout() if cfg.json else sys.stdout
     try:
-        rep = run_workload(args.requests, args.seed, rates, args.check, args.workers,
-                           args.duration, note, backend="system",
-                           partitions=args.service_replicas, range_blocks=args.range_blocks)
+        rep = run_workload(cfg.requests, cfg.seed, rates, cfg.check, cfg.workers,
+                           cfg.duration, note, backend=cfg.backend,
+                           partitions=cfg.service_replicas, range_blocks=cfg.range_blocks)
     except FaultSpecError as err:
         sys.stderr.write(f"hkv: error: {err}.\n")
         return 2
     rep.pop("per_request", None)
-    text = json.dumps(rep, sort_keys=True) if args.json else _summary(rep)
+    text = json.dumps(rep, sort_keys=True) if cfg.json else _summary(rep)
     out.write(text + "\n")
     out.flush()  # before interpreter teardown (ray/grpc threads) can lose a pipe buffer
-    return 1 if args.check and rep["silent_errors"] else 0
+    return 1 if cfg.check and rep["silent_errors"] else 0

@@ -20,8 +20,8 @@ from grpc_reflection.v1alpha import reflection
 from hkv_service.core.state_view import CacheState
 from hkv_service.proto_gen.hkv.v1 import hkv_pb2, hkv_pb2_grpc
 from hkv_service.specs import default_spec
+from hkv_service.wire import codec
 
-from . import codec
 from .auth import (
     DEFAULT_EXEMPT,
     CommonNameInterceptor,

@@ -1,10 +1,11 @@
 """The metadata service's garbage-collection policy: no full collection over the whole heap.
 
 A state view of millions of records is millions of GC-tracked objects; CPython's automatic
-full collection walks all of them (1.0-1.3 s at 1M objects, ~3.5-5 s at 4M, measured for
-issue 19), and every lookup waits for it (the GIL). The core creates no reference cycles
-that become garbage (``tests/core/test_no_cycles.py`` churns it and finds none): records,
-entries, memos and segments are freed by reference counting the moment the view drops them.
+full collection walks all of them (seconds at millions of objects: ``hkv bench scale``'s
+``service_gc_vs_full_gc_*``), and every lookup waits for it (the GIL). The core creates no
+reference cycles that become garbage (``tests/core/test_no_cycles.py`` churns it and finds
+none): records, entries, memos and segments are freed by reference counting the moment the
+view drops them.
 So the service process:
 
 * turns automatic collection off, and freezes what exists at start (``gc.freeze``: frozen
@@ -16,11 +17,9 @@ So the service process:
   allocation rate times the interval, not the state's size; the interval halves while
   pauses run over :data:`PAUSE_TARGET_S` (down to :data:`MIN_EVERY_S`) and grows back while
   they are well under it (:func:`next_wait`), and a burst of :data:`YOUNG_OBJECTS` new
-  objects is collected at once (:func:`due`). (`hkv bench scale` at 1M objects, 2026-12-02:
-  at a fixed 1 s the longest collection was 114 ms, during the re-confirm that rebuilds the
-  view; at a fixed 0.25 s, 38 ms, and 66-90 ms once the re-confirm ran twice as fast.
-  Scanning each new object once costs the same at any interval.) Cycles made by other
-  libraries (gRPC, logging) that are
+  objects is collected at once (:func:`due`). (Scanning each new object once costs the same
+  at any interval; what fixed intervals gave: ``benchmarks/README.md``, "Measured while
+  deciding".) Cycles made by other libraries (gRPC, logging) that are
   garbage by then are collected; one that becomes garbage only after it was frozen stays
   (the price of never walking the heap; the core makes none).
 
@@ -88,7 +87,8 @@ def _collect_loop(stop: threading.Event, every_s: float, stats: GcStats,
 def due(elapsed: float, wait: float, young: int) -> bool:
     """Whether to collect now: the interval is over, or :data:`YOUNG_OBJECTS` new objects
     wait (a burst after an idle stretch, when the interval has grown: a re-confirm starting
-    made 0.25 s of its objects one 94 ms pause before the interval could shrink). ``young``
+    made its first interval's objects one long pause before the interval could shrink).
+    ``young``
     is ``gc.get_count()[0]``, new tracked objects less those freed, frozen or not: it can
     read low while old objects die, so the interval still bounds the wait."""
     return elapsed >= wait or young >= YOUNG_OBJECTS
@@ -109,11 +109,10 @@ def next_wait(wait: float, pause: float, longest: float = COLLECT_EVERY_S) -> fl
 def freeze_confirmed() -> None:
     """A confirm just re-created objects that live as long as the view: freeze them now,
     unscanned (the servicer's Confirm calls this, and ``hkv bench scale``'s re-confirm as it
-    does). A collection scans each new object once, ~0.8 us at 1M objects (1.8 objects a
-    report; ad-hoc: one collection after a 1M re-confirm with collection off). Whatever else
-    is young is frozen with them, so a
-    cycle already garbage then is kept; the service makes none (lookups, transitions, their
-    refusals, confirms: 0 objects in garbage cycles a call, measured 2026-12-03). Nothing
+    does): a collection would scan each of them once, for nothing. Whatever else is young is
+    frozen with them, so a cycle already garbage then is kept; the service makes none
+    (lookups, transitions, their refusals, confirms make no garbage cycle:
+    ``tests/core/test_no_cycles.py``). Nothing
     unless the policy is installed and running; skipped while it collects or a caller walks
     the heap (``paused``): that collection freezes them anyway."""
     if _running is None or _running.is_set() or not _ONE_AT_A_TIME.acquire(blocking=False):

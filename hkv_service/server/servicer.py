@@ -19,17 +19,18 @@ from typing import Any, NoReturn, TypeVar
 import grpc
 from google.protobuf.message import DecodeError
 
-from hkv_service.core.allocator import PoolConfig
+from hkv_service.core.api import AllocRequest, Match, PoolConfig
 from hkv_service.core.errors import HkvError, IllegalTransition, InvalidInput
 from hkv_service.core.ids import BlockHash, CaptureId, LeaseId, ObjectId, ShardId
-from hkv_service.core.state_view import AllocRequest, CacheState, Match
+from hkv_service.core.state_view import CacheState
 from hkv_service.core.throttle import Throttle
 from hkv_service.proto_gen.hkv.v1 import hkv_pb2 as pb
 from hkv_service.proto_gen.hkv.v1 import hkv_pb2_grpc as pb_grpc
+from hkv_service.wire import codec
+from hkv_service.wire.status_map import map_error
 
-from . import codec, gcpolicy, validation
+from . import gcpolicy, validation
 from .replies import ReplyCache
-from .status_map import map_error
 
 log = logging.getLogger(__name__)
 

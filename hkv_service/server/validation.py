@@ -11,22 +11,20 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from hkv_service.core.allocator import PoolConfig
+from hkv_service.core.api import LookupRequest, PoolConfig
 from hkv_service.core.errors import BadHash, InvalidInput, UnknownGroup, UnknownOwner
-from hkv_service.core.funnel import LookupRequest, validate_request
+from hkv_service.core.funnel import validate_request
 from hkv_service.core.ids import BLOCK_HASH_BYTES, ShardId
+from hkv_service.core.inputs import check_pool, lease_ttl_exceeded
 from hkv_service.core.state_view import CacheState
 
 __all__ = [
-    "MAX_POOL_BLOCKS",
     "check_columns",
     "check_hashes",
     "check_lookups",
     "check_owner",
     "check_pools",
 ]
-
-MAX_POOL_BLOCKS = 1 << 24  # the metadata twin of a pool costs ~3 words per block
 
 
 def check_owner(state: CacheState, owner: str, where: str) -> ShardId:
@@ -47,14 +45,7 @@ def check_columns(state: CacheState, names: Iterable[str], where: str) -> None:
 def check_pools(state: CacheState, pools: Mapping[str, PoolConfig]) -> None:
     check_columns(state, pools, "RegisterOwner")
     for name, cfg in pools.items():
-        if not 0 < cfg.num_blocks <= MAX_POOL_BLOCKS:
-            raise InvalidInput(f"pool {name!r}: num_blocks must be in [1, {MAX_POOL_BLOCKS}], "
-                               f"got {cfg.num_blocks}")
-        if cfg.stride <= 0:
-            raise InvalidInput(f"pool {name!r}: stride must be > 0 bytes, got {cfg.stride}")
-        if cfg.base_align & (cfg.base_align - 1):
-            raise InvalidInput(f"pool {name!r}: base_align must be a power of two, "
-                               f"got {cfg.base_align}")
+        check_pool(name, cfg)  # the core's bounds (core/inputs.py), before any is taken
 
 
 def check_hashes(hashes: Sequence[bytes], where: str) -> None:
@@ -75,8 +66,7 @@ def check_lookups(state: CacheState, requests: Sequence[LookupRequest]) -> None:
         except InvalidInput as err:
             raise type(err)(f"lookup {i}: {err}") from None
         if req.lease_ttl_s > max_ttl:
-            raise InvalidInput(f"lookup {i}: lease_ttl_s {req.lease_ttl_s} exceeds the "
-                               f"maximum {max_ttl}")
+            raise lease_ttl_exceeded(req.lease_ttl_s, max_ttl, f"lookup {i}: ")
         try:
             state.check_placed(req)
         except InvalidInput as err:

@@ -102,8 +102,8 @@ def test_stats_dead_endpoint_is_one_sentence() -> None:
 def test_stats_json_over_two_partitions_sums_them_and_keeps_each() -> None:
     """``hkv stats --endpoint A,B`` (the endpoint ``hkv up --service-replicas 2`` prints):
     counters summed, each partition's under ``partitions``, in order."""
+    from hkv_service.core.api import StateConfig
     from hkv_service.core.partitions import Partition, partition_of_root
-    from hkv_service.core.state_view import StateConfig
 
     states = [CacheState(default_spec(), StateConfig(partition=Partition(i, 2)))
               for i in range(2)]

@@ -196,7 +196,7 @@ def certified(endpoint: str, spec_path: Path, tokens: list[int]) -> tuple[int, i
     the last token): a match-only lookup over gRPC, hashed as the connector hashes them for
     this engine's spec."""
     from hkv_service.client import MetadataClient
-    from hkv_service.core.funnel import LookupRequest
+    from hkv_service.core.api import LookupRequest
     from hkv_service.core.hashing import ExtraKeys, hash_blocks
     from hkv_service.core.spec import load_spec
 

@@ -30,13 +30,13 @@ from vllm_harness import (
     write_tiny_config,
 )
 
-from hkv_service.core.funnel import LookupRequest
+from hkv_service.core.api import AllocRequest, LookupRequest
 from hkv_service.core.hashing import hash_blocks
 from hkv_service.core.ids import ShardId
 from hkv_service.core.layout import Layout
-from hkv_service.core.state_view import AllocRequest
 from hkv_service.core.states import Event, Reason
-from workers.ports import BlockTag, Commit
+from workers.ports import Commit
+from workers.tags import BlockTag
 
 N = 400  # prompt tokens
 

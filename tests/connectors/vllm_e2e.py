@@ -101,9 +101,9 @@ def kv_of(worker: Any, column: str, block_id: int) -> bytes:
 
 def flip_on_disk(shard_dir: Path, head: bytes) -> int:
     """Flip one bit 100 bytes past every copy of ``head`` in the shard's LMDB files."""
-    from hkv_service import testing
+    from hkv_service.demo.faults import flip_on_disk as flip
 
-    return testing.flip_on_disk(shard_dir, head)
+    return flip(shard_dir, head)
 
 
 def shutdown(llm: Any) -> None:
@@ -127,7 +127,7 @@ def main(work: Path) -> dict[str, Any]:
     from vllm_harness import prompt
 
     from hkv_service.connectors import systems
-    from hkv_service.core.funnel import LookupRequest
+    from hkv_service.core.api import LookupRequest
     from hkv_service.core.hashing import ExtraKeys, hash_blocks
     from hkv_service.core.layout import Layout
     from workers.inprocess import InProcessConfig, InProcessSystem
@@ -204,7 +204,7 @@ def _diff(a: dict[int, float], b: dict[int, float]) -> float:
 
 
 def _inject(fault: str, system: Any, hashes: list[Any], limit: int, work: Path) -> int:
-    from hkv_service.core.funnel import LookupRequest
+    from hkv_service.core.api import LookupRequest
 
     m = system.meta.lookup(LookupRequest(hashes, limit))
     handles = [h for col in m.handles.values() for h in col]

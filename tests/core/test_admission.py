@@ -5,7 +5,8 @@ import time
 
 import pytest
 
-from hkv_service.core.admission import AdmissionCap, AdmissionGate
+from hkv_service.core.admission import AdmissionGate
+from hkv_service.core.api import AdmissionCap
 from hkv_service.core.errors import AdmissionRefused, InvalidInput
 
 

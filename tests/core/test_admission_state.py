@@ -10,12 +10,11 @@ import threading
 
 import pytest
 
-from hkv_service.core.admission import AdmissionCap
+from hkv_service.core.api import AdmissionCap, Handle, StateConfig
 from hkv_service.core.errors import AdmissionRefused, PoolExhausted, ResourceExhausted
 from hkv_service.core.ids import ObjectId, ShardId
-from hkv_service.core.records import Handle
 from hkv_service.core.spec import CacheSpec
-from hkv_service.core.state_view import CacheState, StateConfig
+from hkv_service.core.state_view import CacheState
 from hkv_service.core.states import Event, State
 from hkv_service.testing import commit_prefix, pools_for, prompt_hashes
 

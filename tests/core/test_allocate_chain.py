@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from hkv_service.core.api import AllocRequest
 from hkv_service.core.errors import BadHash
-from hkv_service.core.state_view import AllocRequest, CacheState
+from hkv_service.core.state_view import CacheState
 from hkv_service.testing import prompt_hashes
 
 

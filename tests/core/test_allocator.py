@@ -6,15 +6,13 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies
 
-from hkv_service.core.allocator import PoolConfig
+from hkv_service.core.api import AllocRequest, LookupRequest, Params, PoolConfig
 from hkv_service.core.errors import PoolExhausted
-from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.hashing import ExtraKeys, hash_blocks
 from hkv_service.core.ids import ShardId
 from hkv_service.core.spec import CacheSpec
-from hkv_service.core.state_view import AllocRequest, CacheState
+from hkv_service.core.state_view import CacheState
 from hkv_service.core.states import Event, State
-from hkv_service.core.transitions import Params
 from hkv_service.testing import commit_prefix, pools_for, prompt_hashes
 
 

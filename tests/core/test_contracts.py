@@ -106,7 +106,7 @@ def whole_entries(draw: st.DrawFn) -> PrefixEntry:
     for col in LAYOUT.attached[depth % LAYOUT.period]:
         kind = LAYOUT.columns[col].kind
         if draw(st.integers(0, 4)):  # mostly present
-            ready = next(s for s in ALL_MEM_STATES[kind] if s in contracts._READY_STATES[kind])
+            ready = next(s for s in ALL_MEM_STATES[kind] if s in contracts.READY_STATES[kind])
             state = ready if draw(st.integers(0, 3)) else draw(
                 st.sampled_from(ALL_MEM_STATES[kind]))
             v = version if draw(st.integers(0, 3)) else draw(st.integers(0, 2))
@@ -146,7 +146,7 @@ def test_the_summary_shortcut_is_taken_without_disk_copies() -> None:
             for col in filter(keep, LAYOUT.attached[depth]):
                 kind = LAYOUT.columns[col].kind
                 ready = next(s for s in ALL_MEM_STATES[kind]
-                             if s in contracts._READY_STATES[kind])
+                             if s in contracts.READY_STATES[kind])
                 entry.mem[col] = _rec(kind, col, entry, ready, 3, block=8 * (col + 1))
             assert contracts._memory_only(entry, LAYOUT, _align)
             flags, gate = entry.flags, entry.gate

@@ -20,25 +20,16 @@ from collections.abc import Sequence
 import pytest
 
 from hkv_service.core import contracts, segments
+from hkv_service.core.api import LookupRequest, Match, ObjectReport
 from hkv_service.core.contracts import F_PENDING
-from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.ids import BlockHash, PackedHashes, ShardId
-from hkv_service.core.match import Match
-from hkv_service.core.state_view import CacheState, ObjectReport
+from hkv_service.core.state_view import CacheState
 from hkv_service.specs import default_spec
 from hkv_service.testing import commit_prefix, pools_for, prompt_hashes
+from tests.helpers import reports_of
 
 S0 = ShardId("s0")
 BLOCKS = 130  # two whole 64-block runs (segments) and a per-block rest
-
-
-def _reports(st: CacheState) -> list[ObjectReport]:
-    return [
-        ObjectReport(r.entry.block_hash, r.entry.parent.block_hash if r.entry.parent else None,
-                     r.entry.depth, st.layout.columns[r.column].name, r.state, r.block,
-                     r.generation, r.version, r.lo, r.hi)
-        for r in st.objects.values()
-    ]
 
 
 def _old(prompts: Sequence[Sequence[BlockHash]]) -> CacheState:
@@ -70,7 +61,7 @@ def _prompts() -> list[list[BlockHash]]:
 def test_confirmed_entries_wait_for_a_walk_and_then_answer_as_before() -> None:
     prompts = _prompts()
     old = _old(prompts)
-    reports = _reports(old)
+    reports = reports_of(old)
     random.Random(7).shuffle(reports)
     new = _restarted(old, reports)
     assert len(new.index) == len(old.index)
@@ -88,7 +79,7 @@ def test_confirmed_entries_wait_for_a_walk_and_then_answer_as_before() -> None:
     walked = [new.index[h] for hs in prompts for h in hs]
     for e in walked:  # each summarised once, by the walk, as summarise would now
         flags, gate = e.flags, e.gate
-        contracts.summarise(e, lay, new._align_of)
+        contracts.summarise(e, lay, new._tables.align_of)
         assert (flags, gate) == (e.flags, e.gate) and not flags & F_PENDING
 
 
@@ -99,7 +90,7 @@ def test_a_confirm_into_a_walked_entry_drops_its_memos_and_segments() -> None:
     hs = prompts[0]
     old = _old(prompts)
     lay = old.layout
-    reports = _reports(old)
+    reports = reports_of(old)
     last = len(hs) - 1
     tail_at_end = [r for r in reports if r.depth == last and r.column == "c4.tail"]
     assert len(tail_at_end) == 1
@@ -119,7 +110,7 @@ def test_a_walk_that_cannot_summarise_stops_at_a_pending_entry(by_runs: bool) ->
     prompts = _prompts()[:1]
     hs = prompts[0]
     old = _old(prompts)
-    new = _restarted(old, _reports(old))
+    new = _restarted(old, reports_of(old))
     data = PackedHashes.of(hs).data
     size = 64 if by_runs else 1
     entries, _ = segments.walk(new.index, data, len(hs), 1, size)  # no layout: no summary
@@ -127,5 +118,5 @@ def test_a_walk_that_cannot_summarise_stops_at_a_pending_entry(by_runs: bool) ->
     entries, _ = segments.walk(new.index, data, len(hs), 1, size, new.layout)  # no alignments
     assert entries == []
     assert new.index[hs[0]].flags == F_PENDING  # left as it was
-    entries, _ = segments.walk(new.index, data, len(hs), 1, size, new.layout, new._align_of)
+    entries, _ = segments.walk(new.index, data, len(hs), 1, size, new.layout, new._tables.align_of)
     assert [e.block_hash for e in entries] == hs

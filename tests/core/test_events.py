@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hkv_service.core.events import EventLog, TransitionEvent
+from hkv_service.core.api import TransitionEvent
+from hkv_service.core.events import EventLog
 from hkv_service.core.ids import BlockHash, ObjectId, ShardId
 from hkv_service.core.records import ObjRecord, PrefixEntry, new_record
 from hkv_service.core.states import Kind, State

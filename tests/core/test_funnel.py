@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hkv_service.core.allocator import PoolConfig
+from hkv_service.core.api import AllocRequest, LookupRequest, Params, PoolConfig, StateConfig
 from hkv_service.core.errors import (
     IllegalTransition,
     MisplacedHash,
@@ -12,12 +12,10 @@ from hkv_service.core.errors import (
     StaleHandle,
     UnknownGroup,
 )
-from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.ids import ShardId
 from hkv_service.core.spec import spec_from_dict
-from hkv_service.core.state_view import AllocRequest, CacheState, StateConfig
+from hkv_service.core.state_view import CacheState
 from hkv_service.core.states import Event, Reason, State
-from hkv_service.core.transitions import Params
 from hkv_service.testing import commit_prefix, pools_for, prompt_hashes
 
 N = 8  # hash blocks of 64 tokens -> 512 tokens, resume points every 128

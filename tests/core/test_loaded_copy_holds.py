@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 
+from hkv_service.core.api import Handle, LookupRequest
 from hkv_service.core.errors import IllegalTransition, StaleHandle
-from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.ids import BlockHash, ObjectId, ShardId
-from hkv_service.core.state_view import CacheState, Handle
+from hkv_service.core.state_view import CacheState
 from hkv_service.core.states import Event, Kind, State
 from hkv_service.specs import default_spec
 from hkv_service.testing import commit_prefix, pools_for, prompt_hashes

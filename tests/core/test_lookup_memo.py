@@ -10,14 +10,13 @@ from dataclasses import replace
 
 import pytest
 
-from hkv_service.core import state_view
+from hkv_service.core import lookups
+from hkv_service.core.api import AllocRequest, LookupRequest, Match, Params, StateConfig
 from hkv_service.core.errors import BadHash, IllegalTransition, MisplacedHash
-from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.ids import BlockHash, ObjectId, PackedHashes, ShardId
 from hkv_service.core.records import _PRUNE_AT
-from hkv_service.core.state_view import AllocRequest, CacheState, Match, StateConfig
+from hkv_service.core.state_view import CacheState
 from hkv_service.core.states import Event, State
-from hkv_service.core.transitions import Params
 from hkv_service.specs import default_spec
 from hkv_service.testing import commit_prefix, pools_for, prompt_hashes, question
 
@@ -357,8 +356,8 @@ def test_a_question_over_a_memoised_prefix_is_answered_without_a_walk(prefix, mo
     for seed in (1, 2):
         st.lookup(LookupRequest(_asking(hs, seed)))
     walks: list[int] = []
-    real = state_view.run_funnel
-    monkeypatch.setattr(state_view, "run_funnel", lambda *a: walks.append(1) or real(*a))
+    real = lookups.run_funnel
+    monkeypatch.setattr(lookups, "run_funnel", lambda *a: walks.append(1) or real(*a))
     req = LookupRequest(_asking(hs, 3))
     m = st.lookup(req)
     assert not walks and m.memo is not None and not m.repeatable

@@ -4,11 +4,10 @@ live record's object, block, generation and shard."""
 
 from __future__ import annotations
 
-from hkv_service.core.funnel import LookupRequest
+from hkv_service.core.api import AllocRequest, LookupRequest, Match, Params
 from hkv_service.core.ids import ShardId
-from hkv_service.core.state_view import AllocRequest, CacheState, Match
+from hkv_service.core.state_view import CacheState
 from hkv_service.core.states import Event
-from hkv_service.core.transitions import Params
 from hkv_service.testing import commit_prefix, pools_for, prompt_hashes
 
 N = 16
@@ -67,6 +66,6 @@ def test_rows_identical_to_the_general_path(spec) -> None:
     assert fast.handles == leased.handles and _assert_live(state, fast)
     assert {h.shard for hs_ in fast.handles.values() for h in hs_} == {"a", "b"}
     entries = [state.index[h] for h in hs]
-    rows = state._packed_columns(entries, N * 64)
-    recs = state._resolve(entries, N * 64, 1)
-    assert rows == {name: state._snapshot(r) for name, r in recs.items()}
+    rows = state._packer.packed_columns(entries, N * 64)
+    recs = state._packer.resolve(entries, N * 64, 1)
+    assert rows == {name: state._packer.snapshot(r) for name, r in recs.items()}

@@ -14,11 +14,10 @@ from collections.abc import Iterator
 
 import pytest
 
+from hkv_service.core.api import Handle, LookupRequest, StateConfig
 from hkv_service.core.errors import HkvError
-from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.ids import ShardId
-from hkv_service.core.records import Handle
-from hkv_service.core.state_view import CacheState, StateConfig
+from hkv_service.core.state_view import CacheState
 from hkv_service.core.states import Event, State
 from hkv_service.specs import default_spec
 from hkv_service.testing import commit_prefix, pools_for, prompt_hashes, question

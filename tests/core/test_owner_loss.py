@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import pytest
 
+from hkv_service.core.api import AllocRequest, Handle, LookupRequest, ObjectReport, Params
 from hkv_service.core.errors import IllegalTransition, StaleHandle, UnknownObject, UnknownOwner
-from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.ids import BlockHash, ObjectId, ShardId
-from hkv_service.core.records import Handle
-from hkv_service.core.state_view import AllocRequest, CacheState, ObjectReport
+from hkv_service.core.state_view import CacheState
 from hkv_service.core.states import Event, Kind, State
-from hkv_service.core.transitions import Params
 from hkv_service.specs import default_spec
 from hkv_service.testing import commit_prefix, pools_for, prompt_hashes
 
@@ -41,7 +39,7 @@ def _handles(st: CacheState, hashes: list[BlockHash]) -> list[Handle]:
 def test_the_loss_buries_nothing_under_the_lock(monkeypatch: pytest.MonkeyPatch) -> None:
     st, _, ids = _state()
     buried: list[object] = []
-    monkeypatch.setattr(st, "_bury", buried.append)
+    monkeypatch.setattr(st._tables, "bury", buried.append)
     held = st.mark_owner_lost(S1)
     assert held == len(ids)  # it says what the owner held ...
     assert buried == [] and len(st.objects) == len(ids)  # ... and touched none of it
@@ -146,13 +144,13 @@ def test_a_disk_copy_on_a_lost_tier_is_not_offered_and_a_new_one_can_be_made() -
 
 def _counting_burials(st: CacheState, monkeypatch: pytest.MonkeyPatch) -> list[ObjectId]:
     buried: list[ObjectId] = []
-    bury = st._bury
+    bury = st._tables.bury
 
     def counted(rec):  # type: ignore[no-untyped-def]
         buried.append(rec.object_id)
         bury(rec)
 
-    monkeypatch.setattr(st, "_bury", counted)
+    monkeypatch.setattr(st._tables, "bury", counted)
     return buried
 
 
@@ -318,7 +316,7 @@ def test_a_loss_report_about_a_replaced_incarnation_is_ignored() -> None:
     ids = commit_prefix(st, new, owner=S1)  # what the successor holds
     assert st.mark_owner_lost(S1, _witnesses(old)) is None
     st.heartbeat(S1, inc)  # still current: no UnknownOwner
-    assert all(not st._dead(st.objects[o]) for o in ids.values())
+    assert all(not st._tables.dead(st.objects[o]) for o in ids.values())
     assert st.lookup(LookupRequest(new)).usable_tokens > 0
     assert st.stats()["events"]["stale_loss_report"] == 1  # type: ignore[index]
 

@@ -9,9 +9,9 @@ import itertools
 
 import pytest
 
-from hkv_service.core.allocator import BlockPool, PoolConfig
+from hkv_service.core.allocator import BlockPool
+from hkv_service.core.api import AllocRequest, LookupRequest, PoolConfig, StateConfig
 from hkv_service.core.errors import InvalidInput, WrongPartition
-from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.hashing import ExtraKeys, hash_blocks
 from hkv_service.core.layout import Layout
 from hkv_service.core.partitions import (
@@ -24,7 +24,7 @@ from hkv_service.core.partitions import (
     partition_of_lease,
     partition_of_root,
 )
-from hkv_service.core.state_view import AllocRequest, CacheState, StateConfig
+from hkv_service.core.state_view import CacheState
 from hkv_service.settings import MAX_PARTITIONS as SETTINGS_MAX
 from hkv_service.specs import default_spec
 from hkv_service.testing import commit_prefix, pools_for

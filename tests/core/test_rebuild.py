@@ -20,6 +20,7 @@ service runs with, so the reader's ABI is what is checked, on every lookup (test
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
@@ -28,21 +29,22 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hkv_service.core import state_view
+from hkv_service.core import tree
 from hkv_service.core.allocator import SWA_LANE_BITS
+from hkv_service.core.api import AllocRequest, LookupRequest, ObjectReport, Params
 from hkv_service.core.errors import BadHash, HkvError, InvalidInput, UnknownGroup, UnknownOwner
-from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.hashing import ExtraKeys, hash_blocks
 from hkv_service.core.ids import BlockHash, ShardId
 from hkv_service.core.layout import Layout
 from hkv_service.core.records import PrefixEntry
 from hkv_service.core.spec import CacheSpec, GroupKind
-from hkv_service.core.state_view import AllocRequest, CacheState, ObjectReport
+from hkv_service.core.state_view import CacheState
 from hkv_service.core.states import Event, Kind, Reason, State
-from hkv_service.core.transitions import Params
 from hkv_service.specs import default_spec
 from hkv_service.testing import commit_prefix, pools_for, prompt_hashes
+from tests.helpers import reports_of
 
+_reports = functools.partial(reports_of, ordered=True)  # (sorted: deterministic)
 S0 = ShardId("s0")
 _LAYOUT = Layout(default_spec())
 COLUMNS = tuple(c.name for c in _LAYOUT.columns)  # c4, c128, swa, idx, c4.tail
@@ -65,17 +67,6 @@ NOT_AT_REST = [s for s in State if s not in AT_REST]
 def _inc(st: CacheState, owner: ShardId = S0) -> int:
     """The incarnation ``owner``'s last registration returned (what a confirm must carry)."""
     return st.owners[owner].incarnation
-
-
-def _reports(st: CacheState) -> list[ObjectReport]:
-    """What an owner would report of every object of ``st`` (sorted: deterministic)."""
-    out = [
-        ObjectReport(r.entry.block_hash, r.entry.parent.block_hash if r.entry.parent else None,
-                     r.entry.depth, st.layout.columns[r.column].name, r.state, r.block,
-                     r.generation, r.version, r.lo, r.hi)
-        for r in st.objects.values()
-    ]
-    return sorted(out, key=lambda r: (r.depth, r.column, r.block_hash))
 
 
 def _old(spec: CacheSpec, prefixes: Sequence[Sequence[BlockHash]]) -> CacheState:
@@ -599,7 +590,7 @@ def _lanes(st: CacheState) -> dict[BlockHash, tuple[int, ...]]:
     return got
 
 
-@pytest.mark.parametrize("adopt_slice", [state_view.ADOPT_SLICE, 1])
+@pytest.mark.parametrize("adopt_slice", [tree.ADOPT_SLICE, 1])
 @settings(max_examples=40, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
@@ -613,7 +604,7 @@ def test_resume_points_are_counted_whatever_order_reports_come_in(
     and borrowed from the next SWA column's lane). With orphans adopted one a lock hold, the
     counts are those of the links made so far at every step, and the in-order rebuild's
     once the reaper has adopted the rest."""
-    monkeypatch.setattr(state_view, "ADOPT_SLICE", adopt_slice)
+    monkeypatch.setattr(tree, "ADOPT_SLICE", adopt_slice)
     hs = prompt_hashes(spec, 8)
     old = _old(spec, [hs])
     reports = _reports(old)
@@ -632,7 +623,7 @@ def test_resume_points_are_counted_whatever_order_reports_come_in(
             evicted = True
         assert _lanes(new) == _lanes_from_scratch(new)
     new.reap_all()  # (the orphans left to adopt in the reaper's slices)
-    assert not new._orphans or evicted
+    assert not new._tables.tree.orphans or evicted
     if not evicted:
         assert _lanes(new) == _lanes(old)
     tails = [r for r in new.objects.values() if r.kind is Kind.TAIL]
@@ -657,7 +648,7 @@ def test_an_orphan_is_adopted_when_its_parents_report_arrives(spec: CacheSpec) -
     assert orphan.parent is None and orphan.awaits == hs[2]
     new.confirm(S0, [r for r in reports if r.depth < 3], _inc(new))
     assert orphan.parent is new.index[hs[2]] and new.index[hs[2]].children == 1
-    assert not new._orphans
+    assert not new._tables.tree.orphans
     assert _hit(new, hs) == _hit(_old(spec, [hs]), hs)
 
 
@@ -682,7 +673,7 @@ def test_an_orphan_that_leaves_the_index_waits_no_more(spec: CacheSpec) -> None:
     for oid in ids:
         if oid is not None and new.objects.get(oid) is not None:  # (a KV takes its indexer)
             new.evict(oid)
-    assert hs[3] not in new.index and not new._orphans
+    assert hs[3] not in new.index and not new._tables.tree.orphans
     new.confirm(S0, [r for r in reports if r.depth < 3], _inc(new))  # adopts nothing gone
     assert new.index[hs[2]].children == 0
 
@@ -736,7 +727,7 @@ def test_a_parent_of_many_orphans_adopts_them_a_slice_at_a_time(
     Meanwhile every prompt hits as it did before the restart (the walk reads no parent
     link), the resume-point counts are those of the links made so far, and a write naming a
     waiting child under the hub adopts it at once."""
-    monkeypatch.setattr(state_view, "ADOPT_SLICE", 4)
+    monkeypatch.setattr(tree, "ADOPT_SLICE", 4)
     chains = _fan(spec, 11)
     old = _old(spec, chains)
     reports = _reports(old)
@@ -746,7 +737,7 @@ def test_a_parent_of_many_orphans_adopts_them_a_slice_at_a_time(
     assert len([e for e in new.index.values() if e.awaits == hub_hash]) == 11
     new.confirm(S0, [r for r in reports if r.depth < 2], _inc(new))
     hub = new.index[hub_hash]
-    assert hub.children == 4 and new._orphans.waits_for(hub_hash)
+    assert hub.children == 4 and new._tables.tree.orphans.waits_for(hub_hash)
     assert _lanes(new) == _lanes_from_scratch(new)
     assert [_hit(new, hs) for hs in chains] == [_hit(old, hs) for hs in chains]
     waiting = [e for e in new.index.values() if e.awaits == hub_hash]
@@ -756,7 +747,7 @@ def test_a_parent_of_many_orphans_adopts_them_a_slice_at_a_time(
     # the write adopts the child its path names at once, and a slice as it returns
     assert waiting[-1].parent is hub and waiting[-1].awaits is None and hub.children == 9
     assert new.reap() is False  # the last 2: nothing left
-    assert hub.children == 11 and not new._orphans and not new._adopting
+    assert hub.children == 11 and not new._tables.tree.orphans and not new._tables.tree.adopting
     assert all(new.index[hs[2]].parent is hub for hs in chains)
     assert _lanes(new) == _lanes(old) == _lanes_from_scratch(new)
 
@@ -766,7 +757,7 @@ def test_a_waiting_parent_that_left_the_index_adopts_nothing(
     """An entry made with more orphans waiting than a slice, gone from the index before the
     reaper's slice (its records evicted): the reaper passes it by, and what it did not take
     waits for the next entry of its hash, as if it had never been made."""
-    monkeypatch.setattr(state_view, "ADOPT_SLICE", 1)
+    monkeypatch.setattr(tree, "ADOPT_SLICE", 1)
     chains = _fan(spec, 3)
     reports = _reports(_old(spec, chains))
     new = _fresh(spec)
@@ -777,13 +768,14 @@ def test_a_waiting_parent_that_left_the_index_adopts_nothing(
     hub_reports = [r for r in reports if r.depth == 1]
     ids = new.confirm_objects(S0, hub_reports, _inc(new))
     hub = new.index[hub_hash]
-    assert hub.children == 0 and new._adopting  # (both its slices were liars)
+    assert hub.children == 0 and new._tables.tree.adopting  # (both its slices were liars)
     for oid in ids:
         if oid is not None and new.objects.get(oid) is not None:
             new.evict(oid)
     assert hub_hash not in new.index
-    assert len(liars) == 3 and new.reap() is False and not new._adopting
-    assert new._orphans.waits_for(hub_hash)  # (one taken as the call returned, one by reap)
+    assert len(liars) == 3 and new.reap() is False and not new._tables.tree.adopting
+    # (one taken as the call returned, one by reap)
+    assert new._tables.tree.orphans.waits_for(hub_hash)
 
 
 def test_a_call_that_makes_many_hubs_adopts_one_slice(
@@ -791,7 +783,7 @@ def test_a_call_that_makes_many_hubs_adopts_one_slice(
     """Three hubs made in one confirm, each with 5 children confirmed before it: the call
     adopts one slice in all, not one per hub (256 hubs of a batch, each with a slice
     waiting, would have held the lock for 256 slices); the reaper adopts the rest."""
-    monkeypatch.setattr(state_view, "ADOPT_SLICE", 4)
+    monkeypatch.setattr(tree, "ADOPT_SLICE", 4)
     fans = [_fan(spec, 5, seed) for seed in (3, 4, 5)]
     reports = _reports(_old(spec, [hs for fan in fans for hs in fan]))
     new = _fresh(spec)
@@ -800,4 +792,4 @@ def test_a_call_that_makes_many_hubs_adopts_one_slice(
     hubs = [new.index[fan[0][1]] for fan in fans]
     assert sum(h.children for h in hubs) == 4
     new.reap_all()
-    assert [h.children for h in hubs] == [5, 5, 5] and not new._orphans
+    assert [h.children for h in hubs] == [5, 5, 5] and not new._tables.tree.orphans

@@ -7,12 +7,11 @@ from dataclasses import replace
 
 import pytest
 
+from hkv_service.core.api import HandleColumn, LookupRequest, Params
 from hkv_service.core.errors import IllegalTransition
-from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.ids import BlockHash, GroupName, ObjectId, ShardId
 from hkv_service.core.records import (
     _PRUNE_AT,
-    HandleColumn,
     PrefixEntry,
     drop_memos,
     new_record,
@@ -21,7 +20,6 @@ from hkv_service.core.records import (
 )
 from hkv_service.core.state_view import CacheState
 from hkv_service.core.states import Event, Kind, State
-from hkv_service.core.transitions import Params
 from hkv_service.testing import commit_prefix, prompt_hashes
 
 
@@ -83,8 +81,8 @@ def test_holds_empty_again_after_leases_and_captures_end(state: CacheState, spec
 
 
 def test_a_malformed_handle_column_from_the_wire_is_refused() -> None:
+    from hkv_service.core.api import HandleColumn
     from hkv_service.core.ids import GroupName
-    from hkv_service.core.records import HandleColumn
 
     def col(records: bytes, names: tuple[str, ...], strides: tuple[int, ...]) -> HandleColumn:
         return HandleColumn(0, GroupName("c4"), Kind.COMPRESSED, 64, 1, records,

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import pytest
 
+from hkv_service.core.api import AllocRequest, LookupRequest, Match, ObjectReport, Params
 from hkv_service.core.errors import BadHash, UnsetVersion
-from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.ids import ObjectId, ShardId
-from hkv_service.core.state_view import AllocRequest, CacheState, Match, ObjectReport
+from hkv_service.core.state_view import CacheState
 from hkv_service.core.states import Event, Kind, Reason, State
-from hkv_service.core.transitions import Params
 from hkv_service.testing import commit_prefix, pools_for, prompt_hashes
 
 N = 8

@@ -6,7 +6,13 @@ import sys
 
 import pytest
 
-from hkv_service.core.admission import AdmissionCap
+from hkv_service.core.api import (
+    AdmissionCap,
+    AllocRequest,
+    LookupRequest,
+    ObjectReport,
+    StateConfig,
+)
 from hkv_service.core.errors import (
     AdmissionRefused,
     IllegalTransition,
@@ -15,11 +21,11 @@ from hkv_service.core.errors import (
     UnknownObject,
     UnknownOwner,
 )
-from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.ids import ObjectId, ShardId
-from hkv_service.core.state_view import AllocRequest, CacheState, ObjectReport, StateConfig
+from hkv_service.core.state_view import CacheState
 from hkv_service.core.states import Event, Kind, Reason, State
 from hkv_service.testing import commit_prefix, pools_for, prompt_hashes
+from tests.helpers import reports_of
 
 S0 = ShardId("s0")
 
@@ -81,15 +87,6 @@ def test_rebuild_only_from_confirmed_objects(spec, clock) -> None:
     assert new.lookup(LookupRequest(hs)).usable_tokens == 256
 
 
-def _reports(st: CacheState) -> list[ObjectReport]:
-    return [
-        ObjectReport(r.entry.block_hash, r.entry.parent.block_hash if r.entry.parent else None,
-                     r.entry.depth, st.layout.columns[r.column].name, r.state, r.block,
-                     r.generation, r.version, r.lo, r.hi)
-        for r in st.objects.values()
-    ]
-
-
 def test_kv_versions_issued_after_a_restart_never_repeat_confirmed_ones(spec, clock) -> None:
     """Regression: the version counter restarted at 1, so a KV rewritten after a service
     restart could get the very version an old indexer was synced to, and that stale indexer
@@ -101,7 +98,7 @@ def test_kv_versions_issued_after_a_restart_never_repeat_confirmed_ones(spec, cl
     synced = old.objects[ids[(3, "idx")]].version
     new = CacheState(spec, clock=clock)
     inc = new.register_owner(S0, pools_for(new.layout, 64))
-    reports = _reports(old)
+    reports = reports_of(old)
     assert new.confirm(S0, reports, inc) == len(reports)
     idx = next(r for r in new.objects.values() if r.kind is Kind.INDEXER and r.entry.depth == 3)
     new.holds.pins[idx] = 1  # a reader holds the indexer: each KV goes alone
@@ -126,8 +123,8 @@ def test_a_kv_rewritten_with_the_same_bytes_keeps_its_indexer(
     """Content versions: the KV evicted under a held indexer and written again with the very
     same bytes has the very same version, so the indexer is still in sync; other bytes make
     it INDEXER_STALE. Content versions never move the view's own counter."""
+    from hkv_service.core.api import Params
     from hkv_service.core.hashing import CONTENT_VERSION_BASE, content_version
-    from hkv_service.core.transitions import Params
 
     hs = prompt_hashes(spec, 8)
     ids = commit_prefix(state, hs)

@@ -23,13 +23,12 @@ from hypothesis.stateful import (
     rule,
 )
 
+from hkv_service.core.api import AllocRequest, LookupRequest, Match, Params, StateConfig
 from hkv_service.core.errors import IllegalTransition, StaleHandle, UnsetVersion
-from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.hashing import ExtraKeys, hash_blocks
 from hkv_service.core.ids import ShardId
-from hkv_service.core.state_view import AllocRequest, CacheState, Match, StateConfig
+from hkv_service.core.state_view import CacheState
 from hkv_service.core.states import Event
-from hkv_service.core.transitions import Params
 from hkv_service.specs import default_spec
 from hkv_service.testing import pools_for
 

@@ -45,23 +45,25 @@ from hypothesis.stateful import (
     rule,
 )
 
-from hkv_service.core.allocator import PoolConfig, alignment
+from hkv_service.core.allocator import alignment
+from hkv_service.core.api import (
+    AllocRequest,
+    Handle,
+    LookupRequest,
+    Match,
+    ObjectReport,
+    Params,
+    PoolConfig,
+    StateConfig,
+)
 from hkv_service.core.errors import HkvError, StaleHandle
-from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.hashing import ExtraKeys, hash_blocks
 from hkv_service.core.ids import BlockHash, ShardId
 from hkv_service.core.layout import Layout
-from hkv_service.core.records import Handle, ObjRecord, PrefixEntry
+from hkv_service.core.records import ObjRecord, PrefixEntry
 from hkv_service.core.spec import CacheSpec, spec_from_dict
-from hkv_service.core.state_view import (
-    AllocRequest,
-    CacheState,
-    Match,
-    ObjectReport,
-    StateConfig,
-)
+from hkv_service.core.state_view import CacheState
 from hkv_service.core.states import TERMINAL_STATES, Event, Kind, State
-from hkv_service.core.transitions import Params
 from hkv_service.specs import default_spec
 from hkv_service.testing import pools_for
 

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import pytest
 
-from hkv_service.core.funnel import LookupRequest
+from hkv_service.core.api import AllocRequest, LookupRequest, Params
 from hkv_service.core.ids import ShardId
-from hkv_service.core.state_view import AllocRequest, CacheState
+from hkv_service.core.state_view import CacheState
 from hkv_service.core.states import Event, Reason, State
-from hkv_service.core.transitions import Params
 from hkv_service.specs import default_spec
 from hkv_service.testing import commit_prefix, pools_for, prompt_hashes
 

@@ -12,6 +12,13 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from hkv_service.core.api import (
+    AllocRequest,
+    LookupRequest,
+    ObjectTransitions,
+    Params,
+    TransitionResult,
+)
 from hkv_service.core.errors import (
     FutureGeneration,
     HkvError,
@@ -21,17 +28,11 @@ from hkv_service.core.errors import (
     UnknownObject,
     UnsetVersion,
 )
-from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.ids import ObjectId, ShardId
 from hkv_service.core.spec import CacheSpec
-from hkv_service.core.state_view import (
-    AllocRequest,
-    CacheState,
-    ObjectTransitions,
-    TransitionResult,
-)
+from hkv_service.core.state_view import CacheState
 from hkv_service.core.states import Event, Kind, State
-from hkv_service.core.transitions import TABLE, Params
+from hkv_service.core.transitions import TABLE
 from hkv_service.testing import commit_prefix, pools_for, prompt_hashes
 
 S0 = ShardId("s0")
@@ -60,7 +61,7 @@ def view(state: CacheState) -> tuple[object, ...]:
     objs = sorted((r.object_id, r.state, r.version, r.lo, r.hi, r.seq, r.block, r.generation)
                   for r in state.objects.values())
     log = [(e.seq, e.object_id, e.state) for e in state.log]
-    return objs, log, state._next_version, state.counters.snapshot()
+    return objs, log, state._tables.next_version, state.counters.snapshot()
 
 
 def states(state: CacheState, ids: Sequence[ObjectId]) -> list[State]:
@@ -207,9 +208,9 @@ def test_a_malformed_item_rejects_the_whole_call(spec: CacheSpec, item: ObjectTr
 
 def test_a_call_too_large_to_hold_the_lock_for_is_refused(spec: CacheSpec,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    import hkv_service.core.state_view as sv
+    from hkv_service.core import reports
 
-    monkeypatch.setattr(sv, "MAX_TRANSITION_ITEMS", 2)
+    monkeypatch.setattr(reports, "MAX_TRANSITION_ITEMS", 2)
     state, ids = fresh(spec)
     before = view(state)
     with pytest.raises(InvalidInput, match=r"3 items .* at most 2 .* split the call"):

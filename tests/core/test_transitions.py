@@ -9,11 +9,12 @@ import itertools
 import pytest
 
 from hkv_service.core.allocator import _EVICTABLE
+from hkv_service.core.api import Params
 from hkv_service.core.errors import IllegalTransition, VersionConflict
 from hkv_service.core.ids import BlockHash, ObjectId, ShardId
 from hkv_service.core.records import ObjRecord, PrefixEntry, new_record
 from hkv_service.core.states import Event, Kind, State
-from hkv_service.core.transitions import TABLE, Params, apply
+from hkv_service.core.transitions import TABLE, apply
 
 
 class Ctx:

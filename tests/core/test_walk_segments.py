@@ -11,13 +11,14 @@ import pytest
 from test_lookup_memo import CHANGES, Ids, N, _fresh, _same, _state, refuses_same_bytes_malformed
 
 from hkv_service.core import segments
+from hkv_service.core.api import LookupRequest, Match, StateConfig
 from hkv_service.core.errors import InvalidInput
-from hkv_service.core.funnel import LookupRequest, run_funnel
+from hkv_service.core.funnel import run_funnel
 from hkv_service.core.ids import BlockHash, PackedHashes
 from hkv_service.core.prefix_index import PrefixIndex
 from hkv_service.core.records import PrefixEntry
 from hkv_service.core.segments import Segment
-from hkv_service.core.state_view import CacheState, Match, StateConfig
+from hkv_service.core.state_view import CacheState
 from hkv_service.specs import default_spec
 from hkv_service.testing import commit_prefix, prompt_hashes
 

@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 import torch
 
-from hkv_service.core import contracts
 from hkv_service.core.hashing import hash_blocks
 from hkv_service.core.layout import Layout
 from hkv_service.demo.backend import DemoBackend, place_column
@@ -74,16 +73,16 @@ def test_no_faults_reuses_everything_safe() -> None:
     assert rep["reused_tokens"] >= 0.4 * rep["prompt_tokens"]
 
 
-def test_layer3_off_in_the_core_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(contracts, "UNSAFE_LAYER3_OFF", True)
+@pytest.mark.usefixtures("layer3_off")
+def test_layer3_off_in_the_core_is_caught() -> None:
     # one worker: the interleaving (and so the count) is the same every run
     rep = run_workload(requests=48, seed=3, faults=RATES, check=True, workers=1)
     assert rep["silent_errors"] > 0
 
 
+@pytest.mark.usefixtures("read_check_skipped")
 def test_shard_read_check_skipped_is_caught() -> None:
-    rep = run_workload(requests=32, seed=3, faults={"evict_race": 0.6}, check=True, workers=1,
-                       unsafe_skip_read_check=True)
+    rep = run_workload(requests=32, seed=3, faults={"evict_race": 0.6}, check=True, workers=1)
     assert rep["faults_injected"]["evict_race"] > 0
     assert rep["silent_errors"] > 0
 

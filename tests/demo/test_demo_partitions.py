@@ -32,8 +32,8 @@ def _assert_campaign(rep: dict[str, Any], requests: int, partitions: int = 2) ->
 
 
 def test_every_fault_over_two_partitions_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HKV_DEMO_BACKEND", "inprocess")
-    rep = run_workload(requests=60, seed=0, faults=RATES, check=True, workers=1, partitions=2)
+    rep = run_workload(requests=60, seed=0, faults=RATES, check=True, workers=1, partitions=2,
+                       backend="inprocess")
     assert rep["backend"] == "inprocess"
     _assert_campaign(rep, 60)
 
@@ -44,11 +44,10 @@ def test_every_fault_over_chains_split_across_partitions_in_process(
     ranges): writes, lookups (the fixed point over the ranges' partitions), reads, and the
     shards' re-confirm after each service restart all go range by range, and every output
     still equals a full recompute."""
-    monkeypatch.setenv("HKV_DEMO_BACKEND", "inprocess")
     # (misaligned writes more often: a misaligned range is then looked up before it ages out)
     rates = {**RATES, "misaligned_handle": 0.3}
     rep = run_workload(requests=60, seed=0, faults=rates, check=True, workers=1, partitions=3,
-                       range_blocks=2)
+                       range_blocks=2, backend="inprocess")
     assert rep["backend"] == "inprocess" and rep["range_blocks"] == 2
     _assert_campaign(rep, 60, partitions=3)
 
@@ -60,24 +59,24 @@ def system_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None
     if ray.is_initialized():
         ray.shutdown()
     clear_stale_ray()
-    monkeypatch.setenv("HKV_DEMO_BACKEND", "system")
     monkeypatch.chdir(tmp_path)
     yield
     if ray.is_initialized():
         ray.shutdown()
 
 
-@pytest.mark.slow  # ~2.5 min on 2 cores; the default run has test_up_partitions.py on the system
+# ~2.5 min on 2 cores; the default run has test_launcher.py's partition test on the system
+@pytest.mark.slow
 def test_every_fault_over_two_partitions_on_the_system(system_env: None) -> None:
     rep = run_workload(requests=48, seed=1, faults=RATES, check=True, workers=1, partitions=2,
-                       range_blocks=4)
+                       range_blocks=4, backend="system")
     assert rep["backend"] == "system", rep
     _assert_campaign(rep, 48)
     assert not (Path.cwd() / "hkv-data").exists()
 
 
 def test_merged_events_renumber_and_a_reset_starts_over() -> None:
-    from hkv_service.core.state_view import TransitionEvent
+    from hkv_service.core.api import TransitionEvent
     from hkv_service.core.states import Kind, State
 
     def ev(seq: int, oid: int) -> TransitionEvent:

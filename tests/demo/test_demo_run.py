@@ -27,16 +27,14 @@ def test_a_system_asked_for_by_name_that_cannot_start_is_an_error(
         failing_system: None, monkeypatch: pytest.MonkeyPatch) -> None:
     # regression: under load the system wiring failed to start and the run went on
     # in-process with no word (note=None): a test asking for the system passed on the other
-    monkeypatch.setenv("HKV_DEMO_BACKEND", "system")
     with pytest.raises(_NoRay):
-        run.make_backend(RefModel(default_spec()), {}, note=None)
+        run.make_backend(RefModel(default_spec()), {}, note=None, backend="system")
 
 
 def test_the_default_system_falls_back_in_process_and_says_so(
         failing_system: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("HKV_DEMO_BACKEND", raising=False)
     notes: list[str] = []
-    be = run.make_backend(RefModel(default_spec()), {}, note=notes.append)
+    be = run.make_backend(RefModel(default_spec()), {}, note=notes.append, backend=None)
     try:
         assert be.name == "inprocess"
         assert any("could not start" in n and "_NoRay" in n for n in notes), notes

@@ -7,7 +7,6 @@ seeds, and close() leaves no process it started behind.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,7 +43,6 @@ def system_run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
     if ray.is_initialized():  # another module's Ray: the wiring must own its instance
         ray.shutdown()
     clear_stale_ray()
-    monkeypatch.setenv("HKV_DEMO_BACKEND", "system")
     monkeypatch.chdir(tmp_path)
     built: list[SystemWiring] = []
     real_init = SystemWiring.__init__
@@ -74,7 +72,8 @@ def _assert_clean(built: list[SystemWiring]) -> None:
 
 def test_demo_on_system_backend_reuses_catches_evict_race_and_stops_cleanly(
         system_run: list[SystemWiring]) -> None:
-    rep = run_workload(requests=10, seed=1, faults={"evict_race": 0.6}, check=True, workers=2)
+    rep = run_workload(requests=10, seed=1, faults={"evict_race": 0.6}, check=True, workers=2,
+                       backend="system")
     assert rep["backend"] == "system", rep
     assert rep["checked"] == rep["requests"] == 10
     assert rep["silent_errors"] == 0
@@ -84,13 +83,13 @@ def test_demo_on_system_backend_reuses_catches_evict_race_and_stops_cleanly(
     assert rep["transitions"]["COMPRESSED"]["COMPRESSED_READY"] > 0
     assert rep["transitions"]["DISK"]["ON_DISK"] > 0  # write-through to the LMDB tiers
     _assert_clean(system_run)
-    assert os.environ["HKV_DEMO_BACKEND"] == "system"
 
 
 @pytest.mark.parametrize("seed", [6, 7])
 def test_all_ten_faults_on_the_system_no_silent_errors(system_run: list[SystemWiring],
                                                         seed: int) -> None:
-    rep = run_workload(requests=120, seed=seed, faults=RATES, check=True, workers=1)
+    rep = run_workload(requests=120, seed=seed, faults=RATES, check=True, workers=1,
+                       backend="system")
     assert rep["backend"] == "system", rep
     assert rep["checked"] == rep["requests"] == 120
     assert rep["silent_errors"] == 0

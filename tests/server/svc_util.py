@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hkv_service.client import MetadataClient, TransitionItem
+from hkv_service.core.api import AllocRequest, Params
 from hkv_service.core.ids import BlockHash, ObjectId, ShardId
 from hkv_service.core.layout import Layout
-from hkv_service.core.state_view import AllocRequest, CacheState
+from hkv_service.core.state_view import CacheState
 from hkv_service.core.states import Event, Kind
-from hkv_service.core.transitions import Params
 from hkv_service.server.app import ServerConfig, Service, build_service
 from hkv_service.specs import default_spec
 from hkv_service.testing import pools_for, prompt_hashes

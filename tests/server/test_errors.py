@@ -14,14 +14,14 @@ from svc_util import Live, commit_remote, hashes, register, start_live
 
 from hkv_service.client import MetadataClient
 from hkv_service.core import errors as E
-from hkv_service.core.admission import AdmissionCap
+from hkv_service.core.api import AdmissionCap, StateConfig
 from hkv_service.core.ids import ObjectId
-from hkv_service.core.state_view import CacheState, StateConfig
+from hkv_service.core.state_view import CacheState
 from hkv_service.core.states import Event
 from hkv_service.proto_gen.hkv.v1 import hkv_pb2 as pb
 from hkv_service.proto_gen.hkv.v1 import hkv_pb2_grpc as pb_grpc
-from hkv_service.server import status_map
 from hkv_service.specs import default_spec
+from hkv_service.wire import status_map
 from storage import errors as S
 
 C = grpc.StatusCode
@@ -229,7 +229,7 @@ def test_item_errors_in_a_transition_batch(stub: pb_grpc.MetadataServiceStub,
 
 
 def test_unknown_hash_is_a_miss_not_an_error(client: MetadataClient, filled: Filled) -> None:
-    from hkv_service.core.funnel import LookupRequest
+    from hkv_service.core.api import LookupRequest
 
     m = client.lookup(LookupRequest(hashes(3, seed=42)))
     assert m.usable_tokens == 0 and not m.handles

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from svc_util import Live, commit_remote, hashes, register, start_live
 
 from hkv_service.client import MetadataClient
-from hkv_service.core.funnel import LookupRequest
+from hkv_service.core.api import LookupRequest
 from hkv_service.core.ids import BlockHash
 from hkv_service.core.state_view import CacheState
 from hkv_service.proto_gen.hkv.v1 import hkv_pb2 as pb

@@ -15,7 +15,7 @@ import pytest
 from svc_util import hashes, register, start_live
 
 from hkv_service.client import MetadataClient
-from hkv_service.core.state_view import ObjectReport
+from hkv_service.core.api import ObjectReport
 from hkv_service.core.states import State
 from hkv_service.server import gcpolicy
 

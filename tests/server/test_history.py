@@ -13,10 +13,10 @@ from collections import defaultdict
 from svc_util import Live, hashes, register
 
 from hkv_service.client import MetadataClient
+from hkv_service.core.api import AllocRequest, Params
 from hkv_service.core.errors import HkvError
-from hkv_service.core.state_view import AllocRequest
 from hkv_service.core.states import TERMINAL_STATES, Event, Kind, State
-from hkv_service.core.transitions import TABLE, Params
+from hkv_service.core.transitions import TABLE
 
 THREADS, OPS = 8, 200  # (no event rewrites a ready object's bytes: fewer are legal)
 EVENTS = {

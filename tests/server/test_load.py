@@ -7,9 +7,8 @@ import threading
 from svc_util import Live, commit_remote, hashes, register
 
 from hkv_service.client import MetadataClient
-from hkv_service.core.funnel import LookupRequest
+from hkv_service.core.api import LookupRequest, Params
 from hkv_service.core.states import Event
-from hkv_service.core.transitions import Params
 
 THREADS, OPS = 8, 250
 

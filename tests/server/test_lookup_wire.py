@@ -9,15 +9,15 @@ import pytest
 from svc_util import Live, commit_remote, hashes, register
 
 from hkv_service.client import MetadataClient
-from hkv_service.core.funnel import LookupRequest
+from hkv_service.core.api import LookupRequest, Match
 from hkv_service.core.ids import PackedHashes, ShardId
 from hkv_service.core.memo import Memo
-from hkv_service.core.state_view import CacheState, Match
+from hkv_service.core.state_view import CacheState
 from hkv_service.proto_gen.hkv.v1 import hkv_pb2 as pb
-from hkv_service.server import codec
 from hkv_service.server.replies import ReplyCache
 from hkv_service.specs import default_spec
 from hkv_service.testing import commit_prefix, pools_for, prompt_hashes
+from hkv_service.wire import codec
 
 N = 40  # long enough for the memo (>= 32 blocks)
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 from prometheus_client import generate_latest
 
-from hkv_service.core.admission import AdmissionCap
+from hkv_service.core.api import AdmissionCap, StateConfig
 from hkv_service.core.errors import AdmissionRefused
 from hkv_service.core.ids import ShardId
-from hkv_service.core.state_view import CacheState, StateConfig
+from hkv_service.core.state_view import CacheState
 from hkv_service.server.metrics import make_registry
 from hkv_service.specs import default_spec
 from hkv_service.testing import commit_prefix, pools_for, prompt_hashes

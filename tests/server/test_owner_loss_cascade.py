@@ -15,8 +15,9 @@ import time
 from svc_util import start_live
 
 from hkv_service.client import MetadataClient
+from hkv_service.core.api import StateConfig
 from hkv_service.core.ids import ShardId
-from hkv_service.core.state_view import CacheState, StateConfig
+from hkv_service.core.state_view import CacheState
 from hkv_service.server.serve import start_maintenance
 from hkv_service.specs import default_spec
 from hkv_service.testing import commit_prefix, pools_for, prompt_hashes

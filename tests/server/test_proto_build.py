@@ -8,7 +8,7 @@ import sys
 from svc_util import ROOT
 
 from hkv_service.proto_gen.hkv.v1 import hkv_pb2
-from hkv_service.server import codec
+from hkv_service.wire import codec
 
 
 def test_proto_gen_is_up_to_date() -> None:

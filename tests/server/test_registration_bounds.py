@@ -13,9 +13,8 @@ from svc_util import Proc, commit_remote, default_spec_layout, hashes, start_ser
 
 from hkv_service.client import MetadataClient
 from hkv_service.core import errors as E
-from hkv_service.core.allocator import PoolConfig
-from hkv_service.core.funnel import LookupRequest
-from hkv_service.core.state_view import CacheState, StateConfig
+from hkv_service.core.api import LookupRequest, PoolConfig, StateConfig
+from hkv_service.core.state_view import CacheState
 from hkv_service.specs import default_spec
 from hkv_service.testing import pools_for
 

@@ -9,11 +9,16 @@ from svc_util import Live, commit_remote, hashes, register
 
 from hkv_service.client import MetadataClient, TransitionItem
 from hkv_service.core import errors as E
-from hkv_service.core.funnel import LookupRequest
+from hkv_service.core.api import (
+    AllocRequest,
+    LookupRequest,
+    Match,
+    ObjectReport,
+    Params,
+    TransitionEvent,
+)
 from hkv_service.core.ids import BlockHash, ObjectId
-from hkv_service.core.state_view import AllocRequest, Match, ObjectReport, TransitionEvent
 from hkv_service.core.states import Event, Kind, State
-from hkv_service.core.transitions import Params
 from hkv_service.specs import default_spec
 
 

@@ -9,6 +9,7 @@ import signal
 import socket
 import struct
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -21,10 +22,10 @@ from svc_util import ROOT, Proc, commit_remote, hashes, register, serve_cmd, sta
 
 from hkv_service.cli import build_parser
 from hkv_service.client import MetadataClient, RetryPolicy, RpcFailed, TlsConfig
+from hkv_service.core.api import LookupRequest, ObjectReport
 from hkv_service.core.errors import Unavailable
-from hkv_service.core.funnel import LookupRequest
-from hkv_service.core.state_view import ObjectReport
 from hkv_service.core.states import State
+from tests.helpers import free_port as _free_port
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -65,10 +66,21 @@ SERVE_FLAGS = (
 
 
 def test_segment_default_is_the_cores() -> None:
-    """The settings keep their own copy of the default (--help stays fast): they must agree."""
+    """The settings take the core's default from its import-free home (core/defaults.py)."""
     from hkv_service import settings
     from hkv_service.core.segments import DEFAULT_SEGMENT_BLOCKS
     assert settings.DEFAULT_SEGMENT_BLOCKS == DEFAULT_SEGMENT_BLOCKS
+
+
+def test_settings_import_nothing_heavy() -> None:
+    """``hkv --help`` imports the settings: they must not pull the core's heavy modules (numpy)
+    in to read the defaults they share with it."""
+    code = ("import sys, hkv_service.settings; "
+            "print(sorted(m for m in sys.modules if m.startswith(('numpy', 'hkv_service'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == str(["hkv_service", "hkv_service.core", "hkv_service.core.defaults",
+                               "hkv_service.settings"])
 
 
 def _serve_parser_flags() -> set[str]:
@@ -220,12 +232,6 @@ def test_a_spec_whose_period_does_not_divide_64_serves_with_the_default(
     assert out.returncode == 2 and "multiple of 6" in out.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_insecure_allows_any_host_with_a_warning(procs: list[Proc]) -> None:
     metrics_port = _free_port()
     p = start_serve("--host", "0.0.0.0", "--port", "0", "--insecure",
@@ -323,7 +329,7 @@ def test_restart_rebuilds_only_from_confirmed_objects(procs: list[Proc]) -> None
 
 def test_lookup_memo_flag_sizes_or_turns_off_the_memo() -> None:
     from hkv_service.cli import build_parser
-    from hkv_service.core.funnel import LookupRequest as Req
+    from hkv_service.core.api import LookupRequest as Req
     from hkv_service.core.state_view import CacheState
     from hkv_service.settings import ServiceSettings
     from hkv_service.specs import default_spec

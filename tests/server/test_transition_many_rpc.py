@@ -13,13 +13,12 @@ from svc_util import Live, hashes, register
 
 from hkv_service.client import MetadataClient, TransitionItem
 from hkv_service.core import errors as E
+from hkv_service.core.api import AllocRequest, ObjectTransitions, Params, TransitionResult
 from hkv_service.core.ids import ObjectId, ShardId
-from hkv_service.core.state_view import AllocRequest, ObjectTransitions, TransitionResult
+from hkv_service.core.port import MetadataPort
 from hkv_service.core.states import Event, State
-from hkv_service.core.transitions import Params
 from hkv_service.testing import pools_for
 from workers.local import LocalMetadata
-from workers.ports import MetadataPort
 
 
 @pytest.fixture(params=["local", "grpc"])

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import storage
-from hkv_service.core.admission import AdmissionCap
+from hkv_service.core.api import AdmissionCap
 from storage import DiskKey, DiskTier
 
 KINDS = ("COMPRESSED", "TAIL", "SWA", "INDEXER")

@@ -26,7 +26,7 @@ import lmdb_pages
 import numpy as np
 import pytest
 
-from hkv_service.core.admission import AdmissionCap
+from hkv_service.core.api import AdmissionCap
 from storage import CorruptEntry, DiskKey, DiskTier, NotOnDisk, lmdb_store
 from storage.envprobe import ChildWalk
 from storage.lmdb_store import DB_NAMES

@@ -8,7 +8,7 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from hkv_service.core.admission import AdmissionCap
+from hkv_service.core.api import AdmissionCap
 from storage import DiskFull, DiskKey, DiskTier, StorageFailure
 from storage.lmdb_store import DB_NAMES, DiskStore, StoreConfig, translate
 from storage.record import FORMAT_VERSION

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hkv_service.core.admission import AdmissionCap
+from hkv_service.core.api import AdmissionCap
 from hkv_service.core.errors import AdmissionRefused, InvalidInput
 from storage import DiskFull, DiskKey, DiskTier, NotOnDisk
 from storage.codec import Codec

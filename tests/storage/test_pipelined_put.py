@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from hkv_service.core.admission import AdmissionCap
+from hkv_service.core.api import AdmissionCap
 from storage import DiskFull, DiskTier
 from storage import tier as tier_module
 

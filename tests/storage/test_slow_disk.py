@@ -19,7 +19,7 @@ import lmdb
 import numpy as np
 import pytest
 
-from hkv_service.core.admission import AdmissionCap
+from hkv_service.core.api import AdmissionCap
 from hkv_service.core.errors import AdmissionRefused
 from storage import DiskKey, DiskTier
 from storage.lmdb_store import DiskStore

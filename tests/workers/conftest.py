@@ -15,13 +15,15 @@ import numpy as np
 import pytest
 import ray
 
+from hkv_service.core.api import StateConfig
 from hkv_service.core.hashing import ExtraKeys, hash_blocks
 from hkv_service.core.ids import BlockHash
 from hkv_service.core.layout import Layout
-from hkv_service.core.state_view import StateConfig
+from hkv_service.core.state_view import CacheState
 from hkv_service.specs import default_spec
 from workers.inprocess import InProcessConfig, InProcessSystem
 from workers.launcher import clear_stale_ray, init_local_ray, worker_pythonpath
+from workers.local import LocalMetadata
 from workers.raylink import ActorMetadata, MetadataActor
 
 
@@ -91,6 +93,12 @@ def ray_local() -> Iterator[None]:
                    runtime_env={"env_vars": {"PYTHONPATH": worker_pythonpath()}})
     yield
     ray.shutdown()
+
+
+@pytest.fixture
+def meta() -> LocalMetadata:
+    """A fresh state view of the reference spec behind the in-process port."""
+    return LocalMetadata(CacheState(default_spec(), StateConfig()))
 
 
 @pytest.fixture

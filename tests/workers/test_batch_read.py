@@ -12,20 +12,14 @@ import numpy as np
 import pytest
 
 import workers.shard as shard_mod
+from hkv_service.core.api import AllocRequest, Handle
 from hkv_service.core.ids import ShardId
-from hkv_service.core.records import Handle
-from hkv_service.core.state_view import AllocRequest, CacheState, StateConfig
 from hkv_service.core.states import Event
-from hkv_service.specs import default_spec
 from workers.local import LocalMetadata
 from workers.pool import HandleBatch
-from workers.ports import BlockTag, Commit, ItemResult, Outcome, PackedRead
+from workers.ports import Commit, ItemResult, Outcome, PackedRead
 from workers.shard import ShardActor, ShardConfig
-
-
-@pytest.fixture
-def meta() -> LocalMetadata:
-    return LocalMetadata(CacheState(default_spec(), StateConfig()))
+from workers.tags import BlockTag
 
 
 @pytest.fixture

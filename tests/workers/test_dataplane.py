@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import ray
 
-from hkv_service.core.funnel import LookupRequest
+from hkv_service.core.api import LookupRequest, StateConfig
 from hkv_service.core.ids import ShardId
-from hkv_service.core.state_view import CacheState, StateConfig
+from hkv_service.core.state_view import CacheState
 from hkv_service.server.app import ServerConfig, build_service
 from hkv_service.specs import default_spec
 from workers.dataplane import DataPlane, Recompute
@@ -298,8 +298,8 @@ def test_write_prefix_refuses_a_wrong_size_before_allocating(system: Any, w: Any
 def test_the_metadata_actor_reports_many_transitions_in_one_call(w: Any) -> None:
     """ActorMetadata.transition_many: a refused item comes back as a value, its fields intact
     through Ray's pickling; the unary transition's raised error reads them as well."""
+    from hkv_service.core.api import AllocRequest, ObjectTransitions, TransitionResult
     from hkv_service.core.errors import IllegalTransition
-    from hkv_service.core.state_view import AllocRequest, ObjectTransitions, TransitionResult
     from hkv_service.core.states import Event, State
     from hkv_service.testing import pools_for
 

@@ -15,23 +15,17 @@ import numpy as np
 import pytest
 import torch
 
+from hkv_service.core.api import AllocRequest, Params
 from hkv_service.core.ids import BlockHash, ShardId
-from hkv_service.core.state_view import AllocRequest, CacheState, StateConfig
 from hkv_service.core.states import Event, State
-from hkv_service.core.transitions import Params
-from hkv_service.specs import default_spec
 from workers.local import LocalMetadata
 from workers.pool import BlockPool
-from workers.ports import BlockTag, Commit, Outcome
+from workers.ports import Commit, Outcome
 from workers.shard import ShardActor, ShardConfig
+from workers.tags import BlockTag
 
 C4 = 2048  # bytes of one c4 block in the reference spec
 TOKEN = 2 * 16 * 4  # bytes of one token of c4.tail and swa (head (2, 16), float32)
-
-
-@pytest.fixture
-def meta() -> LocalMetadata:
-    return LocalMetadata(CacheState(default_spec(), StateConfig()))
 
 
 @pytest.fixture

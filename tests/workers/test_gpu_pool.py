@@ -13,14 +13,16 @@ import numpy as np
 import pytest
 import torch
 
+from hkv_service.core.api import AllocRequest
 from hkv_service.core.ids import ShardId
-from hkv_service.core.state_view import AllocRequest, CacheState
+from hkv_service.core.state_view import CacheState
 from hkv_service.core.states import Event, State
 from hkv_service.specs import default_spec
 from workers.local import LocalMetadata
 from workers.pool import BlockPool, StaleRead
-from workers.ports import BlockTag, Commit
+from workers.ports import Commit
 from workers.shard import ShardActor, ShardConfig
+from workers.tags import BlockTag
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

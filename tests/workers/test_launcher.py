@@ -19,17 +19,12 @@ from typing import Any
 import pytest
 import ray
 
+from hkv_service.core.api import LookupRequest
 from hkv_service.core.errors import HkvError
-from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.partitions import partition_of_root
+from tests.helpers import child_env as _env
 from workers.attach import attach
 from workers.launcher import clear_stale_ray
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _env() -> dict[str, str]:
-    return dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
 
 
 def _group_pids(pgid: int) -> list[int]:

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
+from hkv_service.core.api import LookupRequest
 from hkv_service.core.errors import HkvError
-from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.ids import ShardId
 from workers.dataplane import DataPlane, Recompute
 from workers.inprocess import InProcessSystem

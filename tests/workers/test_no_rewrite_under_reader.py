@@ -16,12 +16,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hkv_service.core.funnel import LookupRequest
+from hkv_service.core.api import LookupRequest
 from hkv_service.core.states import Event, State
 from workers.dataplane import DataPlane, Recompute
 from workers.inprocess import InProcessSystem
 from workers.pool import BlockPool, StaleWrite
-from workers.ports import BlockTag
+from workers.tags import BlockTag
 
 Payload = dict[tuple[int, str], np.ndarray]
 

@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from hkv_service.core.funnel import LookupRequest
+from hkv_service.core.api import LookupRequest, StateConfig
 from hkv_service.core.partitions import Partition, partition_of_id, partition_of_root
-from hkv_service.core.state_view import CacheState, StateConfig
+from hkv_service.core.state_view import CacheState
 from workers.dataplane import DataPlane, Recompute
 from workers.inprocess import InProcessSystem
 from workers.partitioned import PartitionedMetadata

@@ -7,19 +7,13 @@ from typing import Any
 
 import pytest
 
+from hkv_service.core.api import AllocRequest, LookupRequest, ObjectTransitions, Params, StateConfig
 from hkv_service.core.errors import InvalidInput, Unavailable, UnknownOwner, WrongPartition
-from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.ids import ShardId
 from hkv_service.core.layout import Layout
 from hkv_service.core.partitions import Partition, partition_of_id, partition_of_root
-from hkv_service.core.state_view import (
-    AllocRequest,
-    CacheState,
-    ObjectTransitions,
-    StateConfig,
-)
+from hkv_service.core.state_view import CacheState
 from hkv_service.core.states import Event, State
-from hkv_service.core.transitions import Params
 from hkv_service.specs import default_spec
 from hkv_service.testing import pools_for
 from workers.local import LocalMetadata, connect

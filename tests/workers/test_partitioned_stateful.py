@@ -39,8 +39,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, rule
 
+from hkv_service.core.api import AllocRequest, Handle, LookupRequest, StateConfig
 from hkv_service.core.errors import PoolExhausted, UnknownCapture, UnknownLease, WrongPartition
-from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.hashing import ExtraKeys, hash_blocks
 from hkv_service.core.ids import BlockHash, LeaseId, ObjectId, ShardId
 from hkv_service.core.partitions import (
@@ -50,8 +50,7 @@ from hkv_service.core.partitions import (
     partition_of_lease,
     partition_of_root,
 )
-from hkv_service.core.records import Handle
-from hkv_service.core.state_view import AllocRequest, CacheState, StateConfig
+from hkv_service.core.state_view import CacheState
 from hkv_service.testing import pools_for
 from workers.local import LocalMetadata
 from workers.partitioned import PartitionedMetadata, PartitionsLost

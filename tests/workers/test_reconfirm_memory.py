@@ -16,16 +16,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hkv_service.core.funnel import LookupRequest
+from hkv_service.core.api import AllocRequest, LookupRequest, Params
 from hkv_service.core.layout import Layout
-from hkv_service.core.state_view import AllocRequest
 from hkv_service.core.states import Event, Kind
-from hkv_service.core.transitions import Params
 from hkv_service.specs import default_spec
 from workers.commits import commit_many
 from workers.dataplane import DataPlane, Recompute
 from workers.inprocess import InProcessConfig, InProcessSystem
-from workers.ports import BlockTag, Commit, Outcome
+from workers.ports import Commit, Outcome
+from workers.tags import BlockTag
 
 BLOCKS = 8
 

@@ -12,7 +12,7 @@ import grpc
 import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from hkv_service.core.funnel import LookupRequest
+from hkv_service.core.api import LookupRequest
 from hkv_service.server.serve import OWNER_HEALTH_PREFIX
 from workers.dataplane import Recompute
 from workers.launcher import SystemConfig, dead_shards, reconcile_shards, start_system

@@ -9,20 +9,16 @@ from typing import Any
 import numpy as np
 import pytest
 
+from hkv_service.core.api import AllocRequest, LookupRequest, StateConfig
 from hkv_service.core.errors import UnknownOwner
-from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.ids import BlockHash, ShardId
-from hkv_service.core.state_view import AllocRequest, CacheState, StateConfig
+from hkv_service.core.state_view import CacheState
 from hkv_service.core.states import Event, State
 from hkv_service.specs import default_spec
 from workers.local import LocalMetadata
-from workers.ports import BlockTag, Commit, ItemResult, Outcome
+from workers.ports import Commit, ItemResult, Outcome
 from workers.shard import REGISTER_ATTEMPTS, ShardActor, ShardConfig
-
-
-@pytest.fixture
-def meta() -> LocalMetadata:
-    return LocalMetadata(CacheState(default_spec(), StateConfig()))
+from workers.tags import BlockTag
 
 
 def make_shard(meta: LocalMetadata, data_dir: Path, sid: str = "s0", **kw: Any) -> ShardActor:
@@ -222,8 +218,8 @@ class LossReportRacesRegistration(LocalMetadata):
         self.losses = losses
         self.registrations = 0
 
-    def register_owner(self, owner: ShardId, pools: Any) -> int:
-        incarnation = super().register_owner(owner, pools)
+    def register_owner(self, owner: ShardId, pools: Any, instance: int = 0) -> int:
+        incarnation = super().register_owner(owner, pools, instance)
         self.registrations += 1
         if self.losses:
             self.losses -= 1
@@ -271,7 +267,7 @@ def test_a_shard_declared_lost_at_every_registration_gives_up_with_a_clear_error
 
 
 def test_admission_refusal_is_reported(data_dir: Path, w: Any) -> None:
-    from hkv_service.core.admission import AdmissionCap
+    from hkv_service.core.api import AdmissionCap
 
     meta = LocalMetadata(CacheState(default_spec(), StateConfig(AdmissionCap(1, 1 << 20))))
     shard = make_shard(meta, data_dir)
@@ -353,7 +349,7 @@ def test_a_load_batch_with_one_corrupt_record(meta: LocalMetadata, data_dir: Pat
 def test_loads_under_a_one_object_cap_go_one_at_a_time(data_dir: Path, w: Any) -> None:
     """A cap of one object in transit: chunks shrink to one item, so a multi-item load is
     never refused by its own earlier items."""
-    from hkv_service.core.admission import AdmissionCap
+    from hkv_service.core.api import AdmissionCap
 
     meta = LocalMetadata(CacheState(default_spec(), StateConfig(AdmissionCap(1, 1 << 20))))
     shard = make_shard(meta, data_dir, admission=AdmissionCap(1, 1 << 20))

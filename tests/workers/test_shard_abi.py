@@ -14,15 +14,17 @@ from typing import Any
 
 import numpy as np
 
+from hkv_service.core.api import AllocRequest, StateConfig
 from hkv_service.core.ids import BlockHash, ShardId
 from hkv_service.core.spec import CacheSpec
-from hkv_service.core.state_view import AllocRequest, CacheState, StateConfig
+from hkv_service.core.state_view import CacheState
 from hkv_service.core.states import Event, State
 from hkv_service.specs import default_spec
 from storage import DiskKey
 from workers.local import LocalMetadata
-from workers.ports import BlockTag, Commit
+from workers.ports import Commit
 from workers.shard import ShardActor, ShardConfig
+from workers.tags import BlockTag
 
 
 def _shard(meta: LocalMetadata, data_dir: Path) -> ShardActor:

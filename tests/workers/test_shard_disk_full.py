@@ -19,27 +19,21 @@ from typing import Any
 import numpy as np
 import pytest
 
+from hkv_service.core.api import AllocRequest, Handle
 from hkv_service.core.ids import BlockHash, ShardId
-from hkv_service.core.records import Handle
-from hkv_service.core.state_view import AllocRequest, CacheState, StateConfig
 from hkv_service.core.states import Event, State
-from hkv_service.specs import default_spec
 from storage import DiskKey
 from storage.record import HEADER
 from workers.local import LocalMetadata
-from workers.ports import TAG, BlockTag, Commit, Outcome
+from workers.ports import Commit, Outcome
 from workers.shard import ShardActor, ShardConfig
+from workers.tags import TAG, BlockTag
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 C4_RECORD = HEADER.size + TAG.size + 2048  # a c4 block on disk (random bytes stay raw)
 SWA_RECORD = HEADER.size + TAG.size + 8192
 BUDGET = 3 * C4_RECORD + 64  # room for three c4 blocks, never for one swa block
 assert BUDGET < SWA_RECORD
-
-
-@pytest.fixture
-def meta() -> LocalMetadata:
-    return LocalMetadata(CacheState(default_spec(), StateConfig()))
 
 
 @pytest.fixture
@@ -219,7 +213,8 @@ from hkv_service.core.state_view import AllocRequest, CacheState, StateConfig
 from hkv_service.core.states import Event, State
 from hkv_service.specs import default_spec
 from workers.local import LocalMetadata
-from workers.ports import BlockTag, Commit, Outcome
+from workers.ports import Commit, Outcome
+from workers.tags import BlockTag
 from workers.shard import ShardActor, ShardConfig
 
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG from write(2), not killed

@@ -33,9 +33,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tests.helpers import Lines
+from tests.helpers import free_port as _free_port
+from tests.helpers import up_env as _env
 from workers.raylink import NAMESPACE
 
-ROOT = Path(__file__).resolve().parents[2]
 RAY = str(Path(sys.executable).with_name("ray"))
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -44,13 +46,6 @@ GONE_S = 20  # ...and everything it started must be gone this long after that
 # The test's own cluster runs without Ray's token auth: the default token (~/.ray/auth_token)
 # is shared with every other ray.init on this machine, which may replace it meanwhile.
 NO_AUTH = {"RAY_AUTH_MODE": "disabled"}
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT),
-               RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0")
-    env.pop("RAY_ADDRESS", None)
-    return env | extra
 
 
 # -- processes, ports -------------------------------------------------------------------------
@@ -108,12 +103,6 @@ def _kill(procs: dict[int, str]) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _port_held(port: int) -> bool:
     """Someone still listens on 127.0.0.1:port (TIME_WAIT left by closed connections does not
     count: SO_REUSEADDR; gRPC's SO_REUSEPORT listener does, since we do not set it)."""
@@ -127,36 +116,6 @@ def _port_held(port: int) -> bool:
 
 
 # -- the processes under test ----------------------------------------------------------------
-
-class Lines:
-    """Reads a child's merged stdout/stderr on a thread (a full pipe would block it)."""
-
-    def __init__(self, proc: subprocess.Popen[str], ready: str) -> None:
-        self.proc, self.lines, self.match = proc, [], ""
-        self._ready_prefix = ready
-        self.ready = threading.Event()
-        self.thread = threading.Thread(target=self._pump, daemon=True)
-        self.thread.start()
-
-    lines: list[str]
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip())
-            if not self.match and self._ready_prefix in line:
-                self.match = line.strip()
-                self.ready.set()
-        self.ready.set()
-
-    def wait(self, timeout_s: float) -> str:
-        self.ready.wait(timeout_s)
-        assert self.match, f"not ready within {timeout_s:.0f}s:\n{self.text()}"
-        return self.match
-
-    def text(self) -> str:
-        return "\n".join(self.lines[-80:])
-
 
 def start_up(tmp_path: Path, *extra: str, env: dict[str, str] | None = None
              ) -> tuple[subprocess.Popen[str], Lines]:

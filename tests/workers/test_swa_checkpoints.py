@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from hkv_service.core.funnel import LookupRequest
+from hkv_service.core.api import LookupRequest
 from hkv_service.core.hashing import ExtraKeys, hash_blocks
 from hkv_service.core.spec import spec_from_dict
 from workers.dataplane import Recompute

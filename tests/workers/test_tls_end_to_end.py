@@ -18,14 +18,9 @@ from typing import Any
 
 from tls_pki import Pki
 
-from hkv_service.core.funnel import LookupRequest
+from hkv_service.core.api import LookupRequest
+from tests.helpers import child_env as _env
 from workers.dataplane import Recompute
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _env() -> dict[str, str]:
-    return dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
 
 
 def _files(d: Path) -> tuple[Pki, Path, Path, Path]:

@@ -14,7 +14,7 @@ import xxhash
 from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from hkv_service.core.funnel import LookupRequest
+from hkv_service.core.api import LookupRequest
 from hkv_service.core.ids import BlockHash, ShardId
 from hkv_service.core.state_view import CacheState
 from hkv_service.server.app import ServerConfig, build_service

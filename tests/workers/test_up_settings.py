@@ -31,6 +31,7 @@ alive, and hkv up prints the endpoint only after that.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import shutil
@@ -54,19 +55,19 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tls_pki import Pki
 
 from hkv_service.client import MetadataClient, RetryPolicy, TlsConfig, TransitionItem
+from hkv_service.core.api import AllocRequest, LookupRequest, Params
 from hkv_service.core.errors import AdmissionRefused, HkvError, ResourceExhausted, Unavailable
-from hkv_service.core.funnel import LookupRequest
 from hkv_service.core.layout import Layout
-from hkv_service.core.state_view import AllocRequest
 from hkv_service.core.states import Event, Kind
-from hkv_service.core.transitions import Params
 from hkv_service.settings import ServiceSettings
 from hkv_service.specs import default_spec
 from hkv_service.testing import pools_for, prompt_hashes
+from tests.helpers import ROOT, Lines, up_env
+from tests.helpers import free_port as _free_port
 
-ROOT = Path(__file__).resolve().parents[2]
 RAY = str(Path(sys.executable).with_name("ray"))
 NO_AUTH = {"RAY_AUTH_MODE": "disabled"}  # the test cluster's own: see test_sigterm.py
+_env = functools.partial(up_env, **NO_AUTH)  # a child of these tests: hkv up or Ray
 PATHS = ("serve", "up", "up-address")
 SPEC_MODEL = "settings-probe-model"
 GRACE_S = 1.5
@@ -93,7 +94,7 @@ CHECKS = {
     "max_owners": "registering past the bound is refused",
     "lookup_memo_mib": "0: no memo hit on a repeated long lookup",
     "walk_segment_blocks": "hkv_settings_info shows the state's segment size",
-    # hkv up sets each replica's own (--service-replicas; test_up_partitions.py runs two)
+    # hkv up sets each replica's own (--service-replicas; test_launcher.py runs two)
     "partition": "Stats and hkv_settings_info say the state's partition, 0/1 here",
     # 64: the probe's 40-block prompt fits one range, so a plain client's lookup is served
     "range_blocks": "Stats and hkv_settings_info say where the state splits chains, 64",
@@ -105,49 +106,6 @@ def test_every_setting_has_a_check() -> None:
 
 
 # -- processes --------------------------------------------------------------------------------
-
-def _env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT),
-               RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0")
-    env.pop("RAY_ADDRESS", None)
-    return env | NO_AUTH | extra
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Lines:
-    """A child's merged output, read on a thread; ``wait`` for the line that says it is up."""
-
-    def __init__(self, proc: subprocess.Popen[str], ready: str) -> None:
-        self.proc, self.lines, self.ready_line = proc, [], ""
-        self._ready = ready
-        self.event = threading.Event()
-        self.thread = threading.Thread(target=self._pump, daemon=True)
-        self.thread.start()
-
-    lines: list[str]
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip())
-            if not self.ready_line and self._ready in line:
-                self.ready_line = line.strip()
-                self.event.set()
-        self.event.set()
-
-    def wait(self, timeout_s: float) -> str:
-        self.event.wait(timeout_s)
-        assert self.ready_line, f"not up within {timeout_s:.0f}s:\n{self.text()}"
-        return self.ready_line
-
-    def text(self) -> str:
-        return "\n".join(self.lines[-60:])
-
 
 def _start(argv: list[str], cwd: Path) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-m", "hkv_service.cli", *argv],

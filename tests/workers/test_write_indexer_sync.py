@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from hkv_service.core.funnel import LookupRequest
+from hkv_service.core.api import LookupRequest
 from hkv_service.core.states import Kind, State
 from workers.inprocess import InProcessSystem
 

@@ -20,8 +20,20 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
+from hkv_service.core.api import (
+    Allocation,
+    Downgrade,
+    Handle,
+    HandleColumn,
+    LookupRequest,
+    Match,
+    ObjectReport,
+    ObjectTransitions,
+    Params,
+    TransitionEvent,
+    TransitionResult,
+)
 from hkv_service.core.errors import BadHash, IllegalTransition, InvalidInput
-from hkv_service.core.funnel import Downgrade, LookupRequest
 from hkv_service.core.ids import (
     BlockHash,
     GroupName,
@@ -30,18 +42,8 @@ from hkv_service.core.ids import (
     PackedHashes,
     ShardId,
 )
-from hkv_service.core.records import Handle, HandleColumn
-from hkv_service.core.state_view import (
-    Allocation,
-    CacheState,
-    Match,
-    ObjectReport,
-    ObjectTransitions,
-    TransitionEvent,
-    TransitionResult,
-)
+from hkv_service.core.state_view import CacheState
 from hkv_service.core.states import Event, Kind, Reason, State
-from hkv_service.core.transitions import Params
 from hkv_service.proto_gen.hkv.v1 import hkv_pb2 as pb
 
 __all__ = [
