@@ -72,6 +72,7 @@ class InProcessLink:
         self.shard_id = shard_id
         self.shard = shard
         self._dead = threading.Event()
+        self._crash = threading.Lock()  # one crash at a time: two readers may crash it at once
         self._calls = ThreadPoolExecutor(1, thread_name_prefix=f"hkv-link-{shard_id}")
 
     @property
@@ -101,19 +102,27 @@ class InProcessLink:
     def kill(self, timeout_s: float = 30.0) -> None:
         """Crash the shard: calls fail from now on; its heartbeats stop and its disk tier is
         closed once the call it may be running is over (LMDB is crash-safe either way; closing
-        lets a successor open the same environment in this process)."""
-        self._dead.set()
-        done = self._calls.submit(self.shard.shutdown)
-        try:
-            done.result(timeout=timeout_s)
-        finally:
-            self._calls.shutdown(wait=False, cancel_futures=True)
+        lets a successor open the same environment in this process). A dead process cannot
+        die again: crashing a crashed shard is a no-op."""
+        with self._crash:
+            if self._dead.is_set():
+                return
+            self._dead.set()
+            done = self._calls.submit(self.shard.shutdown)
+            try:
+                done.result(timeout=timeout_s)
+            finally:
+                self._calls.shutdown(wait=False, cancel_futures=True)
 
     def revive(self, shard: Any) -> None:
         """The crashed shard's successor takes over this link (a restarted Ray actor keeps its
         handle): calls go to ``shard`` from now on."""
-        if not self._dead.is_set():
-            raise RuntimeError(f"shard {self.shard_id} is alive; kill it first")
+        with self._crash:
+            if not self._dead.is_set():
+                raise RuntimeError(f"shard {self.shard_id} is alive; kill it first")
+            self._revive(shard)
+
+    def _revive(self, shard: Any) -> None:
         self.shard = shard
         self._calls = ThreadPoolExecutor(1, thread_name_prefix=f"hkv-link-{self.shard_id}")
         self._dead.clear()

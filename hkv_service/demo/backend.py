@@ -735,7 +735,8 @@ class DemoBackend:
                 # It restarts with every other service restart: misaligned copies stay long
                 # enough for readers to meet them, and not for good.
                 self._odd_restarts += 1
-                if self._odd_restarts % 2 == 0:
+                # (one a reader already crashed is revived by ``_revive_crashed``, once)
+                if self._odd_restarts % 2 == 0 and self.odd_shard not in self._crashed:
                     self.wiring.crash_shard(self.odd_shard)
                     self.wiring.revive_shard(self.odd_shard)
             with self.books.lock:
