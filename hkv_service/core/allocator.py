@@ -18,6 +18,8 @@ Eviction policies, chosen through ``EVICTION_POLICIES[kind]`` (lower key = evict
   of the entry together.
 * TAIL: only complete tails (a tail being written, TAIL_PARTIAL, is never a candidate);
   those at resume points no longer prompt extends first, then LRU.
+* STATE (recurrent checkpoints): one inside a chain first; the latest of a chain and a
+  shared-prefix junction last (:func:`state_rank`); LRU among equals.
 * DISK: LRU by bytes inside the disk tier itself (``storage``), not here.
 
 Candidates are examined exactly when the pool holds few blocks and by a fixed-size sample
@@ -36,13 +38,14 @@ from .records import ObjRecord
 from .states import Kind, State
 
 __all__ = ["EVICTION_POLICIES", "SWA_LANE_BITS", "BlockPool", "Policy", "PoolConfig",
-           "swa_policy"]
+           "state_rank", "swa_policy"]
 
 _SAMPLE = 48
 _EVICTABLE = frozenset(
     {
         State.COMPRESSED_READY,
         State.TAIL_COMPLETE,
+        State.STATE_READY,
         State.SWA_VALID,
         State.ON_DISK_READY,
         State.INDEXER_WRITTEN,
@@ -230,9 +233,22 @@ def _tail_key(rec: ObjRecord) -> tuple[int, int]:
     return (1 if rec.entry.children else 0, rec.entry.last_used)
 
 
+def state_rank(rec: ObjRecord) -> int:
+    """Which recurrent checkpoints go first: 0 for one inside a chain (its entry has one
+    child: the prompt went on past it, to a later checkpoint as a rule), 1 for the latest of
+    a chain (no child) and for a shared-prefix junction (two or more: every prompt through
+    it can resume there)."""
+    return 0 if rec.entry.children == 1 else 1
+
+
+def _state_key(rec: ObjRecord) -> tuple[int, int]:
+    return (state_rank(rec), rec.entry.last_used)
+
+
 EVICTION_POLICIES: dict[Kind, Policy] = {
     Kind.SWA: swa_policy(0),
     Kind.COMPRESSED: _path_key,
     Kind.INDEXER: _path_key,
     Kind.TAIL: _tail_key,
+    Kind.STATE: _state_key,
 }

@@ -42,7 +42,7 @@ LOAD = "LOAD"
 Verdict = str | Reason  # READY, LOAD or the Reason it is unusable
 
 F_MONO = 1  # every COMPRESSED/INDEXER column at this entry is READY or LOAD
-F_TAIL = 2  # every TAIL column at this entry is READY or LOAD
+F_TAIL = 2  # every column needed at the resume point (TAIL, STATE) is READY or LOAD here
 F_SWA = 4  # every SWA column at this entry is READY or LOAD (range checked by the funnel)
 F_LOAD_MONO = 8
 F_LOAD_TAIL = 16
@@ -106,6 +106,14 @@ CONTRACTS: dict[Kind, RecoveryContract] = {
         "synced version == the served KV's version: KV and indexer copies chosen together",
         "recompute the block (KV and index)",
         frozenset({State.INDEXER_SYNCED}),
+    ),
+    Kind.STATE: RecoveryContract(
+        Kind.STATE,
+        "STATE_READY at exactly the resume point, for every recurrent group",
+        "the entry it lives at is the boundary; the ABI names the state's parts, dtypes, "
+        "layers and recurrence",
+        "resume at the previous boundary where every recurrent group has its state",
+        frozenset({State.STATE_READY}),
     ),
     Kind.DISK: RecoveryContract(
         Kind.DISK,
@@ -269,6 +277,7 @@ _BITS = {
     Kind.COMPRESSED: (F_MONO, F_LOAD_MONO),
     Kind.INDEXER: (F_MONO, F_LOAD_MONO),
     Kind.TAIL: (F_TAIL, F_LOAD_TAIL),
+    Kind.STATE: (F_TAIL, F_LOAD_TAIL),  # needed at the resume point only, as a tail is
     Kind.SWA: (F_SWA, F_LOAD_SWA),
 }
 

@@ -31,7 +31,7 @@ from . import segments
 from .contracts import F_MONO, F_TAIL, LOAD, READY, column_verdict, served, swa_cover
 from .errors import BadHash, InvalidInput, PositionBeyondHashes, UnknownGroup
 from .ids import BlockHash, GroupName, PackedHashes, check_hash_lengths
-from .layout import Layout
+from .layout import AT_BOUNDARY, Layout
 from .prefix_index import PrefixIndex
 from .records import ObjRecord, PrefixEntry
 from .segments import Segment
@@ -216,20 +216,27 @@ def _shrink(entries: list[PrefixEntry], first: int, reach: int, layout: Layout,
     return first * hb
 
 
+# What an object needed at the resume point says when there is none there at all
+_MISSING_AT_BOUNDARY = {Kind.TAIL: Reason.TAIL_INCOMPLETE, Kind.STATE: Reason.NO_STATE_AT_BOUNDARY}
+
+
 def _tail_reason(e: PrefixEntry, layout: Layout) -> tuple[Reason, GroupName | None]:
+    """Why the resume point at ``e`` lacks a tail or a recurrent state (F_TAIL is clear)."""
     for col in layout.attached[e.depth % layout.period]:
-        if layout.columns[col].kind is Kind.TAIL:
+        kind = layout.columns[col].kind
+        if kind in AT_BOUNDARY:
             verdict = column_verdict(e, col, layout)
             if verdict not in (READY, LOAD):
-                reason = Reason.TAIL_INCOMPLETE if verdict is Reason.MISSING_COMPONENT else verdict
-                return Reason(reason), layout.columns[col].name
-    raise AssertionError("F_TAIL clear but every tail column is ready")
+                missing = verdict is Reason.MISSING_COMPONENT
+                return Reason(_MISSING_AT_BOUNDARY[kind] if missing else verdict), \
+                    layout.columns[col].name
+    raise AssertionError("F_TAIL clear but every tail and state at the boundary is ready")
 
 
 def _tail_misaligned(e: PrefixEntry, layout: Layout, align: int, align_of: AlignOf | None
                      ) -> tuple[Reason, GroupName | None] | None:
     for col in layout.attached[e.depth % layout.period]:
-        if layout.columns[col].kind is Kind.TAIL:
+        if layout.columns[col].kind in AT_BOUNDARY:
             rec = served(e, col, layout)[0]
             if rec is not None and rec.block >= 0 and _aligned(rec, align, align_of) < align:
                 return Reason.MISALIGNED, layout.columns[col].name

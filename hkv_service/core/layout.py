@@ -12,6 +12,10 @@ whose end is a multiple of the LCM block size ``L``::
     c4  (bs 64)   x     x     x     x
     c128(bs128)         x           x
     c4.tail             x           x        <- resume points p = 128, 256 (c128: no tail)
+
+A RECURRENT group's column (Kind.STATE) lives at resume points too: its object there is the
+group's state as of exactly that boundary. Tails and states are the objects a reader needs
+*at* the resume point and nowhere else (:data:`AT_BOUNDARY`).
 """
 
 from __future__ import annotations
@@ -23,13 +27,17 @@ from .ids import GroupName
 from .spec import CacheSpec, GroupKind, GroupSpec
 from .states import Kind
 
-__all__ = ["Column", "Layout"]
+__all__ = ["AT_BOUNDARY", "Column", "Layout"]
 
 _KIND_OF_GROUP = {
     GroupKind.COMPRESSED: Kind.COMPRESSED,
     GroupKind.SWA: Kind.SWA,
     GroupKind.INDEXER: Kind.INDEXER,
+    GroupKind.RECURRENT: Kind.STATE,
 }
+# Objects needed exactly at the resume point (a tail's raw tokens, a recurrent state as of it)
+# and nowhere else: they live at resume points only and are checked there.
+AT_BOUNDARY = frozenset({Kind.TAIL, Kind.STATE})
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +110,7 @@ class Layout:
 
     def _lives_at(self, col: Column, depth: int) -> bool:
         end = (depth + 1) * self.hash_block
-        if col.kind is Kind.TAIL:
+        if col.kind in AT_BOUNDARY:
             return end % self.lcm == 0
         return end % col.group.block_size == 0
 
@@ -113,12 +121,13 @@ class Layout:
                       ) -> range:
         """Depths of the entries whose ``column`` objects a reader resuming at ``usable`` (a
         multiple of L) needs, in token order: every block in ``[0, usable)``; an SWA block only
-        if it meets ``[usable - W, usable)``; a TAIL only at ``usable`` itself. Only depths in
-        ``[lo, hi)`` (a range of a chain split across partitions: the ones it holds)."""
+        if it meets ``[usable - W, usable)``; a TAIL or a STATE only at ``usable`` itself.
+        Only depths in ``[lo, hi)`` (a range of a chain split across partitions: the ones it
+        holds)."""
         col = self.columns[column]
         n = usable // self.hash_block
         n_end = n if hi is None else min(n, hi)
-        if col.kind is Kind.TAIL:
+        if col.kind in AT_BOUNDARY:
             return range(n - 1, n) if n and lo <= n - 1 < n_end else range(0)
         every = col.group.block_size // self.hash_block
         first = every - 1
@@ -151,4 +160,4 @@ class Layout:
         """Token range [start, end) covered by the block of ``column`` ending at ``depth``."""
         end = (depth + 1) * self.hash_block
         col = self.columns[column]
-        return (end, end) if col.kind is Kind.TAIL else (end - col.group.block_size, end)
+        return (end, end) if col.kind in AT_BOUNDARY else (end - col.group.block_size, end)

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from . import contracts
-from .allocator import BlockPool, Policy, swa_policy
+from .allocator import BlockPool, Policy, state_rank, swa_policy
 from .api import Allocation, AllocRequest
 from .errors import IllegalTransition, PoolExhausted
 from .ids import BlockHash, ObjectId, ShardId
@@ -32,6 +32,9 @@ from .transitions import Params
 from .tree import other_parent, unchained
 
 __all__ = ["Placement"]
+
+# state_rank -> the event counted when the eviction policy gives such a checkpoint up
+_STATE_EVICTED = ("state_evicted_inside_chain", "state_evicted_latest_or_junction")
 
 _PARTNER_EVICTABLE = {
     (Kind.INDEXER, State.INDEXER_SYNCED),
@@ -184,6 +187,8 @@ class Placement:
                              self._policies.get(col))
         if victim is None:
             return False
+        if victim.kind is Kind.STATE:  # which checkpoints the policy gives up, counted
+            self.t.counters.events[_STATE_EVICTED[state_rank(victim)]] += 1
         self.evict(victim.object_id)
         return True
 

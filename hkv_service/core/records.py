@@ -32,6 +32,7 @@ __all__ = [
     "ObjRecord",
     "PrefixEntry",
     "Segment",
+    "StateRecord",
     "SwaRecord",
     "TailRecord",
     "VersionedRecord",
@@ -233,6 +234,12 @@ class TailRecord(ObjRecord):
 
 
 @dataclass(slots=True, eq=False)
+class StateRecord(ObjRecord):
+    """A recurrent state as of its boundary: the entry it lives at says which; nothing
+    moves but its state."""
+
+
+@dataclass(slots=True, eq=False)
 class DiskRecord(ObjRecord):
     """A DISK object: a copy of a memory object in an owner's disk tier."""
 
@@ -248,6 +255,7 @@ _KIND_BASE: dict[Kind, type[ObjRecord]] = {
     Kind.INDEXER: VersionedRecord,
     Kind.SWA: SwaRecord,
     Kind.TAIL: TailRecord,
+    Kind.STATE: StateRecord,
     Kind.DISK: DiskRecord,
 }
 
@@ -284,6 +292,8 @@ def new_record(
         return make(object_id, entry, state, shard, block, generation, 0, lo, hi)
     if base is TailRecord:
         return make(object_id, entry, state, shard, block, generation, 0, hi)
+    if base is StateRecord:
+        return make(object_id, entry, state, shard, block, generation, 0)
     assert base is DiskRecord
     return make(object_id, entry, state, shard, block, generation, 0, version, lo, hi, inner,
                 disk_owner)

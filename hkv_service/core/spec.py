@@ -12,6 +12,7 @@ at a multiple of :attr:`CacheSpec.lcm_block_size` (funnel layer 1).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import json
@@ -32,6 +33,7 @@ __all__ = [
     "GroupKind",
     "GroupSpec",
     "KernelAbi",
+    "StatePart",
     "load_spec",
     "spec_from_dict",
 ]
@@ -52,11 +54,25 @@ def _digest(text: str) -> int:
 
 
 class GroupKind(enum.StrEnum):
-    """What a cache group stores. A COMPRESSED group always has a TAIL object per boundary."""
+    """What a cache group stores. A COMPRESSED group with an overlap has a TAIL object per
+    boundary; a RECURRENT group one state object per boundary the engine kept a state at."""
 
     COMPRESSED = "COMPRESSED"
     SWA = "SWA"
     INDEXER = "INDEXER"
+    RECURRENT = "RECURRENT"
+
+
+@dataclass(frozen=True, slots=True)
+class StatePart:
+    """One tensor of a recurrent layer's state (e.g. GDN's conv state, then its SSM state)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_BYTES[self.dtype]
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +105,12 @@ class GroupSpec:
     overlap: int = 0  # extra raw tokens each compressed entry pools from the previous window
     window: int = 0  # SWA window W in tokens
     indexes: GroupName | None = None  # INDEXER: the COMPRESSED group whose entries it indexes
+    # RECURRENT: what one layer's state holds (its parts, in the order they are stored), how
+    # many layers the group's state object carries, and which recurrence (GDN, MAMBA2, ...);
+    # all of it is in the ABI (abi.layout), so a state in another dtype or shape never serves
+    state: tuple[StatePart, ...] = ()
+    layers: int = 1
+    state_kind: str = ""
 
     @property
     def entries_per_block(self) -> int:
@@ -100,6 +122,9 @@ class GroupSpec:
 
     @property
     def bytes_per_block(self) -> int:
+        """One block's bytes; a RECURRENT group's object is one state of every layer."""
+        if self.kind is GroupKind.RECURRENT:
+            return self.layers * sum(p.nbytes for p in self.state)
         return self.entries_per_block * self.element_bytes
 
     @property
@@ -159,10 +184,15 @@ def _group_to_dict(g: GroupSpec) -> dict[str, Any]:
     }
     if g.indexes is not None:
         out["indexes"] = g.indexes
+    if g.kind is GroupKind.RECURRENT:
+        out["abi"]["layout"] = g.abi.layout.split("|", 1)[0]  # the state is said below
+        out.update(state_kind=g.state_kind, layers=g.layers,
+                   state=[{"shape": list(p.shape), "dtype": p.dtype} for p in g.state])
     return out
 
 
-_GROUP_KEYS = {"name", "kind", "block_size", "ratio", "overlap", "window", "indexes", "abi"}
+_GROUP_KEYS = {"name", "kind", "block_size", "ratio", "overlap", "window", "indexes", "abi",
+               "state", "layers", "state_kind"}
 _ABI_KEYS = {"dtype", "layout", "head_shape", "kernel_version"}
 
 
@@ -232,16 +262,59 @@ def _group_from(raw: Any, index: int, hash_block: int) -> GroupSpec:
     indexes = raw.get("indexes")
     if kind is GroupKind.INDEXER and not isinstance(indexes, str):
         raise BadSpecField(f"{where}: an INDEXER group must name the group it 'indexes'")
+    abi = _abi_from(raw.get("abi"), where, block_size, ratio)
+    state, layers, state_kind = _state_from(raw, kind, where)
+    if kind is GroupKind.RECURRENT:  # the state's parts, layers and recurrence are its ABI
+        abi = dataclasses.replace(abi, layout=f"{abi.layout}|{state_kind}|{layers}|" + ";".join(
+            f"{'x'.join(map(str, p.shape))}:{p.dtype}" for p in state))
     return GroupSpec(
         name=GroupName(name),
         kind=kind,
         block_size=block_size,
-        abi=_abi_from(raw.get("abi"), where, block_size, ratio),
+        abi=abi,
         ratio=ratio,
         overlap=overlap,
         window=window,
         indexes=GroupName(indexes) if isinstance(indexes, str) else None,
+        state=state,
+        layers=layers,
+        state_kind=state_kind,
     )
+
+
+def _state_from(raw: Mapping[str, Any], kind: GroupKind, where: str
+                ) -> tuple[tuple[StatePart, ...], int, str]:
+    """A RECURRENT group's ``state`` (a list of ``{shape, dtype}``, one layer's parts in the
+    order they are stored), ``layers`` and ``state_kind``; other kinds take none of them."""
+    given = {"state", "layers", "state_kind"} & set(raw)
+    if kind is not GroupKind.RECURRENT:
+        if given:
+            raise BadSpecField(f"{where}: {sorted(given)} belong to a RECURRENT group only")
+        return (), 1, ""
+    parts_raw = raw.get("state")
+    if not isinstance(parts_raw, list) or not parts_raw:
+        raise BadSpecField(f"{where}: a RECURRENT group needs 'state': a non-empty list of "
+                           "{shape, dtype} (one layer's state tensors, in stored order)")
+    parts = []
+    for i, p in enumerate(parts_raw):
+        if not isinstance(p, Mapping) or set(p) - {"shape", "dtype"}:
+            raise BadSpecField(f"{where}: state part #{i} must be a mapping of shape and dtype")
+        shape, dtype = p.get("shape"), p.get("dtype")
+        if not isinstance(shape, list | tuple) or not shape or not all(
+                isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape):
+            raise BadSpecField(f"{where}: state part #{i}'s shape must be a non-empty list of "
+                               "positive integers")
+        if dtype not in DTYPE_BYTES:
+            raise BadSpecField(f"{where}: state part #{i}'s dtype {dtype!r} is not one of "
+                               f"{sorted(DTYPE_BYTES)}")
+        parts.append(StatePart(tuple(shape), dtype))
+    layers = _int_field(raw, "layers", where, 1)
+    if layers == 0:
+        raise BadSpecField(f"{where}: 'layers' must be at least 1")
+    state_kind = raw.get("state_kind", "")
+    if not isinstance(state_kind, str) or not state_kind:
+        raise BadSpecField(f"{where}: 'state_kind' must name the recurrence (GDN, MAMBA2, ...)")
+    return tuple(parts), layers, state_kind
 
 
 def _check_kind_fields(

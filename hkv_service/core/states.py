@@ -17,6 +17,9 @@ class Kind(enum.StrEnum):
     SWA = "SWA"  # sliding-window raw KV
     INDEXER = "INDEXER"  # sparse-router index keys of a compressed block
     DISK = "DISK"  # any of the above, swapped out to the disk tier
+    # a recurrent group's whole-history state (GatedDeltaNet / Mamba conv + SSM state) as of
+    # exactly one boundary: usable only to resume there
+    STATE = "STATE"
 
 
 class State(enum.StrEnum):
@@ -35,6 +38,7 @@ class State(enum.StrEnum):
     EVICTED = "EVICTED"  # terminal: freed by policy
     LOST = "LOST"  # terminal: the owner of the bytes died
     CORRUPT = "CORRUPT"  # terminal: checksum mismatch, quarantined
+    STATE_READY = "STATE_READY"  # STATE: the state as of its boundary, readable
 
 
 TERMINAL_STATES = frozenset({State.EVICTED, State.LOST, State.CORRUPT})
@@ -78,3 +82,6 @@ class Reason(enum.StrEnum):
     TOPOLOGY_CHANGED = "TOPOLOGY_CHANGED"  # a captured graph's blocks changed
     # a worker's call could not reach the metadata service (restarting, down): recompute
     SERVICE_UNAVAILABLE = "SERVICE_UNAVAILABLE"
+    # layer 3: a recurrent group keeps no state at exactly this boundary (the engine kept
+    # states only at some boundaries, or this one's was evicted): resume at one that has
+    NO_STATE_AT_BOUNDARY = "NO_STATE_AT_BOUNDARY"

@@ -107,6 +107,9 @@ TABLE: dict[Kind, dict[tuple[State, Event], State]] = {
     Kind.SWA: _memory_kind(S.SWA_VALID),
     Kind.INDEXER: _INDEXER,
     Kind.TAIL: _TAIL,
+    # a recurrent state is written whole, once, as of its boundary (an engine hands it off
+    # in the step that computed up to there), and read only to resume exactly there
+    Kind.STATE: _memory_kind(S.STATE_READY),
     Kind.DISK: _DISK,
 }
 

@@ -56,6 +56,7 @@ READY_OF = {
     Kind.TAIL: State.TAIL_COMPLETE,
     Kind.SWA: State.SWA_VALID,
     Kind.INDEXER: State.INDEXER_SYNCED,
+    Kind.STATE: State.STATE_READY,
 }
 AT_REST = frozenset(READY_OF.values()) | {State.ON_DISK}
 NOT_AT_REST = [s for s in State if s not in AT_REST]

@@ -59,7 +59,8 @@ def test_every_field_a_kind_stores_reads_back_what_was_given(kind: Kind) -> None
     assert (rec.object_id, rec.state, rec.shard, rec.block, rec.generation, rec.seq) == (
         9, State.ALLOCATED, "s", 5, 6, 0)
     assert stored == {Kind.COMPRESSED: {"version"}, Kind.INDEXER: {"version"},
-                      Kind.SWA: {"lo", "hi"}, Kind.TAIL: {"hi"}, Kind.DISK: set(given)}[kind]
+                      Kind.SWA: {"lo", "hi"}, Kind.TAIL: {"hi"}, Kind.STATE: set(),
+                      Kind.DISK: set(given)}[kind]
 
 
 def test_holds_empty_again_after_leases_and_captures_end(state: CacheState, spec) -> None:

@@ -15,6 +15,7 @@ class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KIND_SWA: _ClassVar[Kind]
     KIND_INDEXER: _ClassVar[Kind]
     KIND_DISK: _ClassVar[Kind]
+    KIND_STATE: _ClassVar[Kind]
 
 class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -34,6 +35,7 @@ class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STATE_EVICTED: _ClassVar[State]
     STATE_LOST: _ClassVar[State]
     STATE_CORRUPT: _ClassVar[State]
+    STATE_STATE_READY: _ClassVar[State]
 
 class Event(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -73,12 +75,14 @@ class Reason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REASON_ADMISSION: _ClassVar[Reason]
     REASON_TOPOLOGY_CHANGED: _ClassVar[Reason]
     REASON_SERVICE_UNAVAILABLE: _ClassVar[Reason]
+    REASON_NO_STATE_AT_BOUNDARY: _ClassVar[Reason]
 KIND_UNSPECIFIED: Kind
 KIND_COMPRESSED: Kind
 KIND_TAIL: Kind
 KIND_SWA: Kind
 KIND_INDEXER: Kind
 KIND_DISK: Kind
+KIND_STATE: Kind
 STATE_UNSPECIFIED: State
 STATE_ALLOCATED: State
 STATE_WRITING: State
@@ -95,6 +99,7 @@ STATE_ON_DISK_READY: State
 STATE_EVICTED: State
 STATE_LOST: State
 STATE_CORRUPT: State
+STATE_STATE_READY: State
 EVENT_UNSPECIFIED: Event
 EVENT_BEGIN_WRITE: Event
 EVENT_WRITE_DONE: Event
@@ -128,6 +133,7 @@ REASON_STALE_HANDLE: Reason
 REASON_ADMISSION: Reason
 REASON_TOPOLOGY_CHANGED: Reason
 REASON_SERVICE_UNAVAILABLE: Reason
+REASON_NO_STATE_AT_BOUNDARY: Reason
 
 class Handle(_message.Message):
     __slots__ = ("object_id", "generation", "shard", "column", "block", "kind", "group", "nbytes", "abi_fingerprint", "address")
