@@ -156,7 +156,8 @@ class MetadataClient:
         for name, cfg in pools.items():
             req.pools[name].CopyFrom(pb.PoolConfig(num_blocks=cfg.num_blocks, stride=cfg.stride,
                                                    base_align=cfg.base_align,
-                                                   first_block=cfg.first))
+                                                   first_block=cfg.first,
+                                                   device=cfg.device))
         return int(self._call("RegisterOwner", req, idempotent=False).incarnation)
 
     def heartbeat(self, owner: str, incarnation: int) -> None:
