@@ -125,9 +125,10 @@ def _requests(w: Workload) -> list[list[BlockHash]]:
 
 def _replica(spec: CacheSpec, w: Workload) -> Replica:
     view = CacheState(spec)
-    pools = {c.name: PoolConfig(w.pool_blocks if c.kind is Kind.COMPRESSED else w.side_blocks,
-                                max(256, -(-c.nbytes // 256) * 256))
-             for c in view.layout.columns}
+    pools: dict[str, PoolConfig] = {
+        c.name: PoolConfig(w.pool_blocks if c.kind is Kind.COMPRESSED else w.side_blocks,
+                           max(256, -(-c.nbytes // 256) * 256))
+        for c in view.layout.columns}
     view.register_owner(OWNER, pools)
     r = Replica(view)
     r.hear()
@@ -168,6 +169,11 @@ def _hkv_score(r: Replica, hashes: list[BlockHash]) -> float:
     return resumable(r.view.lookup, hashes, r.view.layout).tokens
 
 
+def _ranker(score: Score, replicas: list[Replica], hashes: list[BlockHash]
+            ) -> Callable[[int], tuple[Any, int, int]]:
+    return lambda i: (score(replicas[i], hashes), -replicas[i].served, -i)
+
+
 def _simulate(spec: CacheSpec, w: Workload, policy: str) -> dict[str, float]:
     replicas = [_replica(spec, w) for _ in range(w.replicas)]
     reqs = _requests(w)
@@ -176,12 +182,12 @@ def _simulate(spec: CacheSpec, w: Workload, policy: str) -> dict[str, float]:
     recomputed = prompt = resumable_n = 0
     for start in range(0, len(reqs), w.replicas):
         free = list(range(w.replicas))
-        for k, hashes in enumerate(reqs[start:start + w.replicas]):
+        for hashes in reqs[start:start + w.replicas]:
             if score is None:
                 pick = free[0]  # the next replica in turn (one request each a round)
             else:
-                pick = max(free, key=lambda i, h=hashes: (score(replicas[i], h),
-                                                          -replicas[i].served, -i))
+                rank = _ranker(score, replicas, hashes)
+                pick = max(free, key=rank)
             free.remove(pick)
             usable = _serve(replicas[pick], hashes)
             replicas[pick].hear()
