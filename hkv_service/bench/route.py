@@ -5,8 +5,10 @@ N replicas, each with its own small cache: a state view of its own (the real all
 its per-kind eviction, the real funnel) with small pools. A multi-turn workload over a few
 shared system prompts: each conversation's turn t is its turn t-1 prompt plus new blocks.
 A replica that serves a request writes what it computed, as an engine does: every
-full-attention and SWA block; a recurrent group's state only at the prompt's end (an engine
-keeps states at the boundaries it computed to, vLLM's "align" mode), a tail nowhere else.
+full-attention and SWA block; a recurrent group's state at chunk ends (``state_every``
+blocks, vLLM's "align" mode) and at the prompt's end. Its pools are small, SWA blocks and
+states smaller still (an engine keeps few states: each is a whole history's summary), so
+full-attention blocks outlive the window or state a resume needs beside them.
 
 Requests arrive in rounds of N at once and a replica takes at most one per round (load: a
 real router weighs it too), so each policy's second choice matters::
@@ -16,9 +18,10 @@ real router weighs it too), so each policy's second choice matters::
                        the full-attention group (a router that keeps only full-attention
                        events, as Dynamo's does), highest first
     (c) hkv            per replica, ``core.resumable`` over its view: the tokens it can
-                       certify for resuming, highest first
+                       certify for resuming, highest first; among replicas alike (none can
+                       resume, say), (b)'s count (hkv's stream carries it too)
 
-Ties go to the replica with the fewest requests so far. Served on the chosen replica, a
+Remaining ties go to the replica with the fewest requests so far. Served on the chosen replica, a
 request reuses what that replica's funnel certifies and recomputes the rest. Reported per
 spec (``swa`` = full attention + SWA, ``recurrent`` = full attention + a GatedDeltaNet-style
 state group): tokens recomputed and the share of requests routed to a replica where their
@@ -72,10 +75,12 @@ class Workload:
     turns: int = 5
     turn_blocks: int = 2  # blocks each turn adds
     pool_blocks: int = 48  # full-attention blocks per replica: a few conversations' worth
-    # SWA blocks and recurrent states per replica: an engine keeps fewer of them (SWA blocks
-    # out of every live window go first; states cost a whole layer's summary each)
-    side_blocks: int = 16
+    swa_blocks: int = 16  # SWA blocks per replica (out-of-window ones go first)
+    state_blocks: int = 4  # recurrent states per replica (each a whole history's summary)
     seed: int = 0
+    # a recurrent state is kept every this many blocks (vLLM's "align" mode: at chunk ends)
+    # and at the prompt's end
+    state_every: int = 4
 
 
 @dataclass(slots=True)
@@ -123,11 +128,15 @@ def _requests(w: Workload) -> list[list[BlockHash]]:
     return out
 
 
+_POOL: dict[Kind, Callable[[Workload], int]] = {
+    Kind.COMPRESSED: lambda w: w.pool_blocks, Kind.SWA: lambda w: w.swa_blocks,
+    Kind.STATE: lambda w: w.state_blocks}
+
+
 def _replica(spec: CacheSpec, w: Workload) -> Replica:
     view = CacheState(spec)
     pools: dict[str, PoolConfig] = {
-        c.name: PoolConfig(w.pool_blocks if c.kind is Kind.COMPRESSED else w.side_blocks,
-                           max(256, -(-c.nbytes // 256) * 256))
+        c.name: PoolConfig(_POOL[c.kind](w), max(256, -(-c.nbytes // 256) * 256))
         for c in view.layout.columns}
     view.register_owner(OWNER, pools)
     r = Replica(view)
@@ -135,13 +144,13 @@ def _replica(spec: CacheSpec, w: Workload) -> Replica:
     return r
 
 
-def _serve(r: Replica, hashes: list[BlockHash]) -> int:
+def _serve(r: Replica, hashes: list[BlockHash], state_every: int) -> int:
     """Reuse what the replica certifies, write the rest as an engine does; tokens reused."""
     view, lay = r.view, r.view.layout
     usable = resumable(view.lookup, hashes, lay).tokens
     n = len(hashes)
     slots = [AllocRequest(d, c.name) for d in range(usable // H, n) for c in lay.columns
-             if c.kind is not Kind.STATE or d == n - 1]
+             if c.kind is not Kind.STATE or d == n - 1 or (d + 1) % state_every == 0]
     try:
         allocs = view.allocate(hashes, slots)
     except PoolExhausted:  # everything live is pinned: this request's blocks are not kept
@@ -165,8 +174,11 @@ def _count_score(r: Replica, hashes: list[BlockHash]) -> float:
     return n * H
 
 
-def _hkv_score(r: Replica, hashes: list[BlockHash]) -> float:
-    return resumable(r.view.lookup, hashes, r.view.layout).tokens
+def _hkv_score(r: Replica, hashes: list[BlockHash]) -> tuple[float, float]:
+    """hkv's answer first; among replicas it ranks alike (none can resume, say), the one
+    holding more of the prompt's blocks (the events' count: hkv publishes both), where
+    writing the prompt back evicts the least."""
+    return resumable(r.view.lookup, hashes, r.view.layout).tokens, _count_score(r, hashes)
 
 
 def _ranker(score: Score, replicas: list[Replica], hashes: list[BlockHash]
@@ -189,7 +201,7 @@ def _simulate(spec: CacheSpec, w: Workload, policy: str) -> dict[str, float]:
                 rank = _ranker(score, replicas, hashes)
                 pick = max(free, key=rank)
             free.remove(pick)
-            usable = _serve(replicas[pick], hashes)
+            usable = _serve(replicas[pick], hashes, w.state_every)
             replicas[pick].hear()
             recomputed += len(hashes) * H - usable
             prompt += len(hashes) * H
@@ -203,7 +215,7 @@ def _answer_cost(spec: CacheSpec, w: Workload) -> dict[str, float]:
     r = _replica(spec, w)
     reqs = _requests(w)[: 2 * w.conversations]
     for h in reqs:
-        _serve(r, h)
+        _serve(r, h, w.state_every)
     t0, lookups = time.perf_counter(), 0
     for h in reqs:
         lookups += resumable(r.view.lookup, h, r.view.layout).lookups

@@ -64,12 +64,17 @@ def resumable(lookup: Lookup, hashes: Sequence[BlockHash], layout: Layout,
     first = lookup(LookupRequest(hashes, None, reader_abi))
     stop, reason = _why(first, prompt)
     memory, memory_stop, n = first.usable_tokens, stop, 1
-    if first.needs_load:
+    if _needs_load(first):
         memory, n = _longest_without_load(lookup, hashes, layout.lcm, first.usable_tokens,
                                           reader_abi)
         memory_stop, n = Stop.NEEDS_LOAD, n + 1
     return Resumable(prompt, first.usable_tokens, memory, stop, reason, memory_stop,
                      first.downgrades, n)
+
+
+def _needs_load(m: Match) -> bool:
+    """``m.needs_load`` read off the packed columns (that one builds a Handle per object)."""
+    return any(len(col) and int(col.array["block"].min()) < 0 for col in m.columns.values())
 
 
 def _why(m: Match, prompt: int) -> tuple[Stop, Reason | None]:
@@ -91,7 +96,7 @@ def _longest_without_load(lookup: Lookup, hashes: Sequence[BlockHash], lcm: int,
         mid = (lo + top + 1) // 2
         m = lookup(LookupRequest(hashes, mid * lcm, abi))
         n += 1
-        if m.needs_load:
+        if _needs_load(m):
             top = mid - 1
         else:
             best, lo = max(best, m.usable_tokens), mid
