@@ -157,3 +157,22 @@ def test_recurrent_states_are_stored_over_their_lcm_block() -> None:
     st.evict(a.handle.object_id)
     (r,) = _poll(st, feed)
     assert not r.stored and r.span == c.span
+
+
+def test_a_loaded_copy_whose_owner_is_lost_leaves_memory_not_disk(spec: CacheSpec) -> None:
+    st = _state(spec)
+    st.register_owner(S1, pools_for(st.layout, 64))
+    feed = _started(st)
+    hs = prompt_hashes(spec, 2)
+    oid = commit_prefix(st, hs, S0)[(0, "c4")]
+    h = st.begin_offload(oid, D0)
+    st.transition(h.object_id, Event.OFFLOAD_COMMITTED)
+    st.evict(oid)
+    st.begin_load(h.object_id, S1)
+    st.transition(h.object_id, Event.LOAD_VERIFIED)  # loaded onto s1's pool
+    _poll(st, feed)
+    st.mark_owner_lost(S1)
+    st.reap_all()
+    col = st.layout.by_name["c4"]
+    assert _keys(_poll(st, feed)) == {(False, "CPU", col, hs[0])}  # the disk copy stays
+    assert st.objects[h.object_id].state is State.ON_DISK
