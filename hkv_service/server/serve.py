@@ -30,7 +30,7 @@ from typing import Any
 
 from grpc_health.v1 import health_pb2
 from prometheus_client import start_http_server
-from prometheus_client.core import InfoMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from hkv_service.core.state_view import CacheState
@@ -75,6 +75,20 @@ class SettingsInfo(Collector):
         labels["range_blocks"] = str(self.state.range_blocks)
         yield InfoMetricFamily("hkv_settings", "Settings of this metadata service",
                                value=labels)
+
+
+class KvEventsCounts(Collector):
+    """``hkv_kv_events_total{what=...}``: the KV event publisher's batches, events, re-syncs
+    (it fell behind the log), log entries it lost doing so, and replays served."""
+
+    def __init__(self, publisher: Any) -> None:
+        self.publisher = publisher
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily("hkv_kv_events", "The KV event stream", labels=["what"])
+        for what, n in self.publisher.stats.items():
+            family.add_metric([what], n)
+        yield family
 
 
 def _label(value: object) -> str:
@@ -129,6 +143,8 @@ def start_service(settings: ServiceSettings, inputs: ServiceInputs | None = None
         if settings.metrics_port:
             registry = make_registry(state)
             registry.register(SettingsInfo(settings, state))
+            if events is not None:
+                registry.register(KvEventsCounts(events))
             metrics, _thread = start_http_server(settings.metrics_port, addr=settings.host,
                                                  registry=registry)
         service.server.start()

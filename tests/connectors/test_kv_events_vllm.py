@@ -148,6 +148,25 @@ def test_vllm_decodes_every_kind_and_tier_through_hkv_up(tmp_path: Path) -> None
         assert want <= disk and want <= gone
         first = _replay(ctx, port, 0)[0][1]
         assert isinstance(first.events[0], AllBlocksCleared)  # the epoch opened with a clear
+
+        # the service is killed and restarted by hkv up: a new epoch, opened by a clear, then
+        # the blocks the shards re-confirm are stored again
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(f"tcp://127.0.0.1:{port}")
+        up.kill_service(up.service_pid())
+        deadline, after = time.monotonic() + 120, []
+        while time.monotonic() < deadline and not any(
+                isinstance(e, BlockStored) for _, b in after for e in b.events):
+            after += _drain(sub, quiet_s=1.0)
+        assert after, "no batch from the restarted service"
+        seq0, batch0 = after[0]
+        assert seq0 >> 32 > last >> 32  # a new epoch, above the old one's seqs
+        assert isinstance(batch0.events[0], AllBlocksCleared) or isinstance(
+            _replay(ctx, port, 0)[0][1].events[0], AllBlocksCleared)
+        again = {(e.group_idx, e.block_hashes[0]) for _, b in after for e in b.events
+                 if isinstance(e, BlockStored) and e.medium == "CPU"}
+        assert (lay.by_name["c4"], hashes[0]) in again  # re-confirmed, stored again
         meta.close()
         hkv.close()
     finally:

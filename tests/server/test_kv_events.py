@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import socket
 import time
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,6 +29,7 @@ from hkv_service.server.serve import RunningService, start_service
 from hkv_service.settings import ServiceSettings
 from hkv_service.specs import default_spec
 from hkv_service.testing import commit_prefix, pools_for
+from tests.helpers import free_port
 
 S0, D0 = ShardId("s0"), ShardId("d0")
 
@@ -47,9 +49,9 @@ def _port_pair() -> int:
     raise RuntimeError("no two adjacent free ports")
 
 
-def _start(port: int, form: str = "map") -> RunningService:
+def _start(port: int, form: str = "map", metrics: int = 0) -> RunningService:
     return start_service(ServiceSettings(port=0, kv_events_port=port, kv_events_form=form,
-                                         grace_s=0.5))
+                                         grace_s=0.5, metrics_port=metrics))
 
 
 class Sub:
@@ -178,7 +180,8 @@ def test_stream_fields_replay_and_a_new_epoch_after_restart(port: int) -> None:
 
 
 def test_array_form_decodes_by_position_as_llm_d_does(port: int) -> None:
-    run = _start(port, form="array")
+    metrics = free_port()
+    run = _start(port, form="array", metrics=metrics)
     try:
         client, layout = _client(run)
         tokens = np.arange(7, 7 + 2 * layout.hash_block, dtype=np.int32)
@@ -198,6 +201,9 @@ def test_array_form_decodes_by_position_as_llm_d_does(port: int) -> None:
         removed = [e for e in events if e[0] == "BlockRemoved"]
         # [tag, hashes, medium, group_idx]
         assert removed == [["BlockRemoved", swa[1], "CPU", layout.by_name["swa"]]]
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics").read().decode()
+        assert 'hkv_kv_events_total{what="replays"} 1.0' in text
+        assert f'hkv_kv_events_total{{what="events"}} {float(len(events))}' in text
         client.close()
     finally:
         run.close(0).wait(5)
