@@ -21,8 +21,10 @@ LOST (a lost owner's records as the reaper buries them, a slice at a time), CORR
 DROP_COPY / COPY_LOST / LOAD_FAILED (a DISK object's memory copy gone, its disk copy kept).
 
 The log is bounded. When it dropped entries the feed had not read yet, the feed starts over:
-the batch is ``cleared`` (forget all this stream said before) and stores every object
-resident now, parents before children. A new feed starts the same way.
+the batch is ``cleared`` (forget all this stream said before), and it and the next ones
+store every object resident now, walking the object table a slice at a time (parents
+before children within a slice). A new feed starts the same way. Under the view's lock the
+feed only copies (record, state, owner); it builds changes outside it.
 """
 
 from __future__ import annotations
@@ -30,13 +32,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .contracts import READY_STATES
-from .ids import BlockHash, ObjectId
+from .ids import BlockHash, ObjectId, ShardId
 from .layout import AT_BOUNDARY, Column, Layout
 from .records import ObjRecord, PrefixEntry
 from .states import Kind, State
 from .tables import Tables
 
-__all__ = ["DISK_MEDIUM", "BlockChange", "FeedBatch", "ResidencyFeed", "resident_tiers"]
+__all__ = ["DISK_MEDIUM", "BlockChange", "FeedBatch", "ResidencyFeed", "Taken", "resident_tiers"]
 
 MEMORY, DISK = 1, 2  # tier bits
 DISK_MEDIUM = "DISK"
@@ -77,43 +79,74 @@ class FeedBatch:
     dropped: int = 0  # log entries lost before the feed read them (why it started over)
 
 
+# What the feed copies under the view's lock: a record, the state it reached, its memory owner
+_Item = tuple[ObjRecord, State, ShardId]
+
+
+@dataclass(frozen=True, slots=True)
+class Taken:
+    """One poll's copy of the log (or of a snapshot slice), taken under the view's lock."""
+
+    items: list[_Item]
+    cleared: bool = False
+    dropped: int = 0
+
+
 @dataclass(slots=True)
 class ResidencyFeed:
     """The feed's cursor and what it last told per object (object -> tier bits, memory
-    medium). Read only through ``CacheState.poll_residency``, under the view's lock."""
+    medium). :meth:`take` runs under the view's lock and only copies (a few hundred
+    nanoseconds an entry); :meth:`changes` turns the copy into changes outside it, on the
+    publisher's thread alone. ``CacheState.poll_residency`` calls both.
+
+    Starting over walks the object table in slices of ``limit`` slots, one lock hold each,
+    from the log position it started at: an object that changes meanwhile is also in the log
+    after that position, so it is told again, ending in its latest state (at least once)."""
 
     seq: int | None = None  # the last log entry read (None: not started)
     held: dict[ObjectId, tuple[int, str]] = field(default_factory=dict)
+    snap_slot: int = -1  # next slot of a snapshot walk (-1: none under way)
 
-    def poll(self, t: Tables, limit: int) -> FeedBatch:
+    def take(self, t: Tables, limit: int) -> Taken:
         log = t.log
-        if self.seq is None or self.seq + 1 < log.first_seq:
+        if self.seq is None or (self.snap_slot < 0 and self.seq + 1 < log.first_seq):
             dropped = 0 if self.seq is None else log.first_seq - 1 - self.seq
-            return self._restart(t, dropped)
-        items = log.records_since(self.seq, limit)
+            self.seq, self.snap_slot = log.last_seq, 0
+            return Taken(self._slice(t, limit), cleared=True, dropped=dropped)
+        if self.snap_slot >= 0:
+            return Taken(self._slice(t, limit))
+        items = [(rec, state, rec.shard) for rec, state in log.records_since(self.seq, limit)]
         self.seq += len(items)
-        out: list[BlockChange] = []
-        for rec, state in items:
-            self._note(t, rec, resident_tiers(rec.kind, state), out)
-        return FeedBatch(tuple(out))
+        return Taken(items)
 
-    def _restart(self, t: Tables, dropped: int) -> FeedBatch:
-        self.seq, self.held = t.log.last_seq, {}
-        out: list[BlockChange] = []
-        live = [r for r in t.objects.values() if not t.dead(r)]
-        live.sort(key=lambda r: r.entry.depth)  # parents first: a radix-tree router needs them
-        for rec in live:
-            self._note(t, rec, resident_tiers(rec.kind, rec.state), out)
-        return FeedBatch(tuple(out), cleared=True, dropped=dropped)
+    def _slice(self, t: Tables, limit: int) -> list[_Item]:
+        start = self.snap_slot
+        stop = min(start + limit, t.objects.slot_count)
+        self.snap_slot = stop if stop < t.objects.slot_count else -1
+        return [(r, r.state, r.shard) for r in t.objects.slots(start, stop) if not t.dead(r)]
 
-    def _note(self, t: Tables, rec: ObjRecord, now: int, out: list[BlockChange]) -> None:
+    def changes(self, taken: Taken, t: Tables) -> FeedBatch:
+        """Outside the lock: what ``taken`` changed of what was told (``t``'s layout is fixed;
+        its owner table is only read, one lookup per memory store)."""
+        if taken.cleared:
+            self.held = {}
+        items = taken.items
+        if taken.cleared or self.snap_slot >= 0:  # a snapshot slice: parents first
+            items = sorted(items, key=lambda item: item[0].entry.depth)
+        out: list[BlockChange] = []
+        for rec, state, shard in items:
+            self._note(t, rec, resident_tiers(rec.kind, state), shard, out)
+        return FeedBatch(tuple(out), taken.cleared, taken.dropped)
+
+    def _note(self, t: Tables, rec: ObjRecord, now: int, shard: ShardId,
+              out: list[BlockChange]) -> None:
         oid = rec.object_id
         was, medium = self.held.get(oid, (0, ""))
         if now == was:
             return
         gained, lost = now & ~was, was & ~now
         if gained & MEMORY:
-            medium = _memory_medium(t, rec)
+            medium = _memory_medium(t, shard, rec.column)
         if now:
             self.held[oid] = (now, medium)
         else:
@@ -126,9 +159,9 @@ class ResidencyFeed:
                     out.append(BlockChange(stored, name, rec.column, span, parent, oid))
 
 
-def _memory_medium(t: Tables, rec: ObjRecord) -> str:
-    owner = t.owners.get(rec.shard)
-    pool = owner.pools.get(rec.column) if owner is not None else None
+def _memory_medium(t: Tables, shard: ShardId, column: int) -> str:
+    owner = t.owners.get(shard)
+    pool = owner.pools.get(column) if owner is not None else None
     device = pool.config.device if pool is not None else "cpu"
     return _DEVICE_MEDIUM.get(device, device.upper())
 

@@ -265,9 +265,11 @@ class CacheState:
     def poll_residency(self, feed: ResidencyFeed, limit: int = 4096) -> FeedBatch:
         """What became readable in a tier, or stopped, since ``feed`` last read the log (at
         most ``limit`` log entries; a new feed, or one the bounded log left behind, starts
-        over with every object resident now): the KV event stream's source."""
+        over with every object resident now, ``limit`` slots a call): the KV event stream's
+        source. The lock is held only while the feed copies what it read."""
         with self._lock:
-            return feed.poll(self._tables, limit)
+            taken = feed.take(self._tables, limit)
+        return feed.changes(taken, self._tables)
 
     def object_count(self) -> int:
         """Objects the view holds (every kind, memory and disk)."""

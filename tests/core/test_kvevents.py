@@ -176,3 +176,27 @@ def test_a_loaded_copy_whose_owner_is_lost_leaves_memory_not_disk(spec: CacheSpe
     col = st.layout.by_name["c4"]
     assert _keys(_poll(st, feed)) == {(False, "CPU", col, hs[0])}  # the disk copy stays
     assert st.objects[h.object_id].state is State.ON_DISK
+
+
+def test_starting_over_walks_the_table_in_slices_and_ends_current(spec: CacheSpec) -> None:
+    st = _state(spec, log=16)
+    hs = prompt_hashes(spec, 8)
+    ids = commit_prefix(st, hs)
+    feed = ResidencyFeed()
+    first = st.poll_residency(feed, limit=8)  # 8 slots a hold
+    assert first.cleared and 0 < len(first.changes) <= 8
+    swa = ids[(5, "swa")]
+    st.evict(swa)  # changed during the walk: in the log after the walk's start
+    told: dict[int, bool] = {c.object_id: c.stored for c in first.changes}
+    polls = 1
+    while True:
+        batch = st.poll_residency(feed, limit=8)
+        assert not batch.cleared
+        if not batch.changes:
+            break
+        polls += 1
+        told.update({c.object_id: c.stored for c in batch.changes})
+    assert polls > 2
+    live = {oid for oid in ids.values() if oid != swa}
+    assert {oid for oid, stored in told.items() if stored} == live  # each ends current
+    assert told.get(swa) in (None, False)
