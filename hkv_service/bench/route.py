@@ -25,8 +25,11 @@ Remaining ties go to the replica with the fewest requests so far. Served on the 
 request reuses what that replica's funnel certifies and recomputes the rest. Reported per
 spec (``swa`` = full attention + SWA, ``recurrent`` = full attention + a GatedDeltaNet-style
 state group): tokens recomputed and the share of requests routed to a replica where their
-prefix was resumable (usable > 0), each against (a) in the same run; and what one
-``resumable`` answer cost (its lookups, microseconds).
+prefix was resumable (usable > 0), each against (a) in the same run; what one
+``resumable`` answer cost (its lookups, microseconds); and prompts written per second into
+a view with a KV event publisher running and a subscriber that never reads, against a view
+without one (``writes_events_on_vs_off``: the writers only append to the log they always
+did; the publisher's thread competes for the interpreter, never for the state lock long).
 """
 
 from __future__ import annotations
@@ -223,6 +226,41 @@ def _answer_cost(spec: CacheSpec, w: Workload) -> dict[str, float]:
     return {"resumable_us": dt / len(reqs) * 1e6, "lookups_per_answer": lookups / len(reqs)}
 
 
+def _write_rate(spec: CacheSpec, prompts: int, publish: bool) -> tuple[float, dict[str, int]]:
+    """Prompts written (allocate + commit, every column) per second into one view, with a
+    KV event publisher running and a subscriber that never reads (``publish``), or none."""
+    import zmq
+
+    from ..server.kvevents import KvEventPublisher, KvEventsConfig
+    from ..server.tokenbook import TokenBook
+    from ..testing import commit_prefix, pools_for, prompt_hashes
+
+    view = CacheState(spec)
+    view.register_owner(OWNER, pools_for(view.layout, prompts * 16 + 64))
+    chains = [prompt_hashes(spec, 16, seed=i) for i in range(prompts)]
+    pub = ctx = None
+    if publish:
+        pub = KvEventPublisher(view, KvEventsConfig("127.0.0.1", 0, hwm=1000),
+                               TokenBook(spec.hash_block_size), view.partition)
+        ctx = zmq.Context()
+        stalled = ctx.socket(zmq.SUB)  # connected, subscribed, never read
+        stalled.setsockopt(zmq.SUBSCRIBE, b"")
+        stalled.setsockopt(zmq.RCVHWM, 10)
+        stalled.connect(pub.endpoint)
+        time.sleep(0.2)
+    t0 = time.perf_counter()
+    for chain in chains:
+        commit_prefix(view, chain, OWNER)
+    dt = time.perf_counter() - t0
+    stats: dict[str, int] = {}
+    if pub is not None and ctx is not None:
+        time.sleep(0.3)
+        stats = dict(pub.stats)
+        pub.close()
+        ctx.destroy(0)
+    return prompts / dt, stats
+
+
 def run(quick: bool = False) -> dict[str, Any]:
     w = Workload(conversations=16, turns=4) if quick else Workload()
     figures: dict[str, float] = {}
@@ -248,6 +286,19 @@ def run(quick: bool = False) -> dict[str, Any]:
         figures[f"{name}_requests"] = rr["requests"]
         for k, v in _answer_cost(spec, w).items():
             figures[f"{name}_{k}"] = v
+    # a slow subscriber never slows the service: writes with the publisher on and a stalled
+    # subscriber, against none, alternated (the same machine noise on both)
+    spec = spec_from_dict(SPECS["swa"])
+    n = 40 if quick else 200
+    off, on = [], []
+    for _ in range(3):
+        off.append(_write_rate(spec, n, False)[0])
+        rate, stats = _write_rate(spec, n, True)
+        on.append(rate)
+    figures["writes_per_s_events_on"] = sorted(on)[1]
+    baseline["writes_per_s_events_off"] = sorted(off)[1]
+    ratios["writes_events_on_vs_off"] = sorted(on)[1] / sorted(off)[1]
+    figures["events_published"] = stats.get("events", 0)
     return {"name": "route", "quick": quick, "workload": vars_of(w), "figures": figures,
             "baseline": baseline, "ratios": ratios}
 
