@@ -227,3 +227,44 @@ def test_resumable_rpc_is_the_connectors_answer(port: int) -> None:
         client.close()
     finally:
         run.close(0).wait(5)
+
+
+def test_each_partition_publishes_its_own_stream() -> None:
+    base = _port_pair()
+    while not all(_free(base + k) for k in range(4)):
+        base = _port_pair()
+    runs = [start_service(ServiceSettings(port=0, kv_events_port=base, partition=f"{i}/2",
+                                          grace_s=0.5)) for i in range(2)]
+    try:
+        for i in range(2):  # partition i: PUB base + 2i, replay base + 2i + 1, topic p{i}
+            (_seq, batch), = _replay_topic(base + 2 * i, b"kv@hkv-p%d@hkv" % i)
+            assert batch[1] == [{"type": "AllBlocksCleared"}]
+    finally:
+        for run in runs:
+            run.close(0).wait(5)
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def _replay_topic(port: int, want: bytes) -> list[tuple[int, Any]]:
+    """A replay of the stream whose PUB is on ``port``, every frame's topic ``want``."""
+    ctx = zmq.Context()
+    req = ctx.socket(zmq.DEALER)
+    req.connect(f"tcp://127.0.0.1:{port + 1}")
+    req.send_multipart((b"", (0).to_bytes(8, "big")))
+    out = []
+    while req.poll(5000):
+        _, topic, seq, payload = req.recv_multipart()
+        if seq == END_SEQ:
+            break
+        assert topic == want
+        out.append((int.from_bytes(seq, "big"), msgspec.msgpack.decode(payload)))
+    ctx.destroy(0)
+    return out
