@@ -7,11 +7,16 @@ a SUB socket decodes every batch with ``vllm.distributed.kv_events.KVEventBatch`
 BlockStored's hashes, parent, token ids, block size, medium, group, spec kind and window.
 Then the subscriber drops its connection, the worker offloads blocks to the disk tier
 (evicting their memory copies), and a replay from the next seq brings the DISK stores and
-the CPU removals back, decoded the same way.
+the CPU removals back, decoded the same way. Then the shard is SIGKILLed: every block it held
+in memory is removed (owner loss, as the reaper buries them). Then the service is SIGKILLed:
+hkv up restarts it, its stream has a new epoch opened by AllBlocksCleared, and the disk
+copies the shard re-confirms are stored again.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import time
 from pathlib import Path
@@ -19,6 +24,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
+import ray
 import yaml
 import zmq
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
@@ -149,11 +155,26 @@ def test_vllm_decodes_every_kind_and_tier_through_hkv_up(tmp_path: Path) -> None
         first = _replay(ctx, port, 0)[0][1]
         assert isinstance(first.events[0], AllBlocksCleared)  # the epoch opened with a clear
 
-        # the service is killed and restarted by hkv up: a new epoch, opened by a clear, then
-        # the blocks the shards re-confirm are stored again
+        # the shard is killed (Ray restarts it, empty): its owner is lost and every block it
+        # held in memory is removed, as the reaper buries it
+        in_memory = {(e.group_idx, e.block_hashes[0]) for e in stored} - gone
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(f"tcp://127.0.0.1:{port}")
+        time.sleep(0.5)
+        (name,) = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                   if a["name"].startswith("shard-")]
+        pid = int(ray.get(ray.get_actor(name, namespace="hkv").ping.remote(), timeout=30)["pid"])
+        os.kill(pid, signal.SIGKILL)
+        removed: set[tuple[int, Any]] = set()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not in_memory <= removed:
+            removed |= {(e.group_idx, e.block_hashes[0]) for _, b in _drain(sub, 1.0)
+                        for e in b.events if isinstance(e, BlockRemoved) and e.medium == "CPU"}
+        assert in_memory <= removed, in_memory - removed
+
+        # the service is killed and restarted by hkv up: a new epoch, opened by a clear, then
+        # the blocks the shards re-confirm (the disk copies) are stored again
         up.kill_service(up.service_pid())
         deadline, after = time.monotonic() + 120, []
         while time.monotonic() < deadline and not any(
@@ -165,8 +186,8 @@ def test_vllm_decodes_every_kind_and_tier_through_hkv_up(tmp_path: Path) -> None
         assert isinstance(batch0.events[0], AllBlocksCleared) or isinstance(
             _replay(ctx, port, 0)[0][1].events[0], AllBlocksCleared)
         again = {(e.group_idx, e.block_hashes[0]) for _, b in after for e in b.events
-                 if isinstance(e, BlockStored) and e.medium == "CPU"}
-        assert (lay.by_name["c4"], hashes[0]) in again  # re-confirmed, stored again
+                 if isinstance(e, BlockStored) and e.medium == "DISK"}
+        assert want <= again  # re-confirmed from the disk tier, stored again
         meta.close()
         hkv.close()
     finally:
