@@ -19,11 +19,13 @@ import zmq
 
 from hkv_service.client.client import MetadataClient
 from hkv_service.core.api import AllocRequest, LookupRequest
+from hkv_service.core.errors import InvalidInput
 from hkv_service.core.hashing import ExtraKeys, hash_blocks
 from hkv_service.core.ids import ShardId
 from hkv_service.core.layout import Layout
 from hkv_service.core.resumable import Stop, resumable
 from hkv_service.core.states import Event
+from hkv_service.proto_gen.hkv.v1 import hkv_pb2 as pb
 from hkv_service.server.kvevents import END_SEQ, epoch_of
 from hkv_service.server.serve import RunningService, start_service
 from hkv_service.settings import ServiceSettings
@@ -224,6 +226,11 @@ def test_resumable_rpc_is_the_connectors_answer(port: int) -> None:
         assert r == resumable(run.service.state.lookup, hashes, layout)
         probe = client.lookup(LookupRequest(hashes, None, None, handles=False))
         assert r.tokens == probe.usable_tokens  # what the connector's probe is told
+        both = pb.ResumableRequest(packed_hashes=b"".join(hashes), token_ids=b"\0" * 4)
+        for bad in (both, pb.ResumableRequest(packed_hashes=b"x" * 15),
+                    pb.ResumableRequest(token_ids=b"\0" * 5), pb.ResumableRequest()):
+            with pytest.raises(InvalidInput):
+                client._call("Resumable", bad, idempotent=True)
         client.close()
     finally:
         run.close(0).wait(5)
