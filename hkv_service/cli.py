@@ -14,7 +14,7 @@ from .settings import DEFAULT_PORT, ClientSettings, DemoSettings, ServiceSetting
 
 __all__ = ["build_parser", "main"]
 
-BENCH_NAMES = ("core", "service", "disk", "shard", "e2e", "scale", "vllm")
+BENCH_NAMES = ("core", "service", "disk", "shard", "e2e", "scale", "vllm", "route")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -96,6 +96,10 @@ def _partition(v: str) -> str | None:
     return None
 
 
+def _event_form(v: str) -> str | None:
+    return None if v in ("map", "array") else "must be map or array"
+
+
 def _replicas(v: int) -> str | None:
     return None if 1 <= v <= MAX_PARTITIONS else f"must be between 1 and {MAX_PARTITIONS}"
 
@@ -349,6 +353,20 @@ class ServiceSettings(_Settings):
                                 "(a multiple of the spec's period; every replica and client "
                                 "must use the same; default 0: a chain kept whole in its "
                                 "root's partition)", _not_negative)
+    kv_events_port: int = setting(0, "publish KV events (vLLM's wire format: ZMQ PUB on this "
+                                  "port, replay ROUTER on the next; partition I of N on port "
+                                  "+2I, +2I+1) for prefix-aware routers: docs/routing.md "
+                                  "(default 0: off)", _port)
+    kv_events_host: str = setting("127.0.0.1", "address the KV event sockets bind (default "
+                                  "127.0.0.1); any other than loopback needs --insecure (the "
+                                  "stream has no auth)", _not_empty)
+    kv_events_topic: str = setting("kv@hkv-p{partition}@hkv", "topic of the KV event frames; "
+                                   "{partition} is this partition's index (default "
+                                   "kv@hkv-p{partition}@hkv)", _not_empty)
+    kv_events_form: str = setting("map", "how events are encoded: map (tagged maps, as vLLM "
+                                  "0.32 and its KVEventBatch decode them) or array (tag first, "
+                                  "fields by position, as llm-d reads them; default map)",
+                                  _event_form)
 
     @property
     def tls(self) -> bool:
@@ -366,6 +384,9 @@ class ServiceSettings(_Settings):
             yield "--tls-ca (mTLS) needs --tls-cert and --tls-key as well"
         if self.tls_allowed_cn and self.tls_ca is None:
             yield "--tls-allowed-cn needs mTLS: give --tls-ca with --tls-cert/--tls-key"
+        if self.kv_events_port and not is_loopback(self.kv_events_host) and not self.insecure:
+            yield (f"refusing to publish KV events on non-loopback {self.kv_events_host} "
+                   "without --insecure: the stream carries no auth")
         if not self.guarded and not self.insecure:
             yield (f"refusing to bind non-loopback address {self.host} without TLS or an auth "
                    "token; give --tls-cert/--tls-key or --auth-token-file, or --insecure")

@@ -61,7 +61,8 @@ def _away_from_defaults(d: Path) -> ServiceSettings:
         tls_ca=str(d / "ca"), tls_allowed_cn=("a", "b"), insecure=True,
         heartbeat_timeout_s=2.5, grace_s=0.25, max_inflight_objects=3, max_inflight_bytes=7,
         max_owners=5, lookup_memo_mib=0, walk_segment_blocks=0, partition="1/3",
-        range_blocks=4)
+        range_blocks=4, kv_events_port=5557, kv_events_host="0.0.0.0",
+        kv_events_topic="kv@p{partition}@m", kv_events_form="array")
 
 
 def test_to_argv_gives_the_same_object_back(tmp_path: Path) -> None:
@@ -197,3 +198,12 @@ def test_client_settings_imply_tls(tmp_path: Path) -> None:
     assert tls is not None and (tls.ca, tls.server_name) == (b"ca", "n")
     with pytest.raises(SettingsError, match=r"--tls-ca \S+ is not a readable file"):
         ClientSettings(tls_ca=str(tmp_path / "nope")).load()
+
+
+def test_kv_events_bind_loopback_unless_insecure() -> None:
+    assert ServiceSettings(kv_events_port=5557).kv_events_host == "127.0.0.1"
+    with pytest.raises(SettingsError, match="KV events on non-loopback"):
+        ServiceSettings(kv_events_port=5557, kv_events_host="0.0.0.0")
+    ServiceSettings(kv_events_port=5557, kv_events_host="0.0.0.0", insecure=True)
+    with pytest.raises(SettingsError, match="map or array"):
+        ServiceSettings(kv_events_form="json")

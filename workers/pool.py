@@ -159,7 +159,8 @@ class BlockPool:
 
     @property
     def config(self) -> PoolConfig:
-        return PoolConfig(self.num_blocks, self.stride, _largest_pow2_dividing(self.base_address))
+        return PoolConfig(self.num_blocks, self.stride, _largest_pow2_dividing(self.base_address),
+                          device=self.tensor.device.type)
 
     @property
     def base_address(self) -> int:

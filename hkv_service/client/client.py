@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import numpy as np
 
 from hkv_service.core import api
 from hkv_service.core.errors import (
@@ -25,8 +26,10 @@ from hkv_service.core.errors import (
     FailedPrecondition,
     HkvError,
     IllegalTransition,
+    InvalidInput,
 )
-from hkv_service.core.ids import BlockHash, CaptureId, LeaseId, ObjectId, ShardId
+from hkv_service.core.ids import BlockHash, CaptureId, LeaseId, ObjectId, PackedHashes, ShardId
+from hkv_service.core.resumable import Resumable
 from hkv_service.core.spec import CacheSpec, spec_from_dict
 from hkv_service.core.states import Event
 from hkv_service.proto_gen.hkv.v1 import hkv_pb2 as pb
@@ -156,7 +159,8 @@ class MetadataClient:
         for name, cfg in pools.items():
             req.pools[name].CopyFrom(pb.PoolConfig(num_blocks=cfg.num_blocks, stride=cfg.stride,
                                                    base_align=cfg.base_align,
-                                                   first_block=cfg.first))
+                                                   first_block=cfg.first,
+                                                   device=cfg.device))
         return int(self._call("RegisterOwner", req, idempotent=False).incarnation)
 
     def heartbeat(self, owner: str, incarnation: int) -> None:
@@ -193,12 +197,36 @@ class MetadataClient:
     # ---- allocation and transitions -----------------------------------------------------
 
     def allocate(self, block_hashes: Sequence[BlockHash], requests: Sequence[api.AllocRequest],
-                 owner: ShardId | str | None = None, first_block: int = 0) -> list[api.Allocation]:
+                 owner: ShardId | str | None = None, first_block: int = 0,
+                 token_ids: Sequence[int] | None = None) -> list[api.Allocation]:
+        """``token_ids``: the tokens of ``block_hashes``' blocks, for the KV event stream
+        (its BlockStored events carry them; docs/routing.md)."""
         req = pb.AllocateRequest(block_hashes=block_hashes, owner=owner or "",
                                  first_block=first_block)
+        if token_ids is not None:
+            req.token_ids = np.asarray(token_ids, dtype="<i4").tobytes()
         for r in requests:
             req.slots.add(depth=r.depth, column=r.column, replace=r.replace)
         return codec.decode_allocations(self._call("Allocate", req, idempotent=True))
+
+    def resumable(self, block_hashes: Sequence[BlockHash] | None = None, *,
+                  token_ids: Sequence[int] | None = None, adapter_id: str = "",
+                  cache_salt: str = "", reader_abi: Mapping[str, int] | None = None
+                  ) -> Resumable:
+        """A router's question (one ``Resumable`` RPC): the tokens of the prompt (its hashes,
+        or its token ids hashed by the service) hkv certifies for resuming, per tier, and why
+        it stops there. One partition's answer; a partitioned deployment asks through
+        ``hkv_service.core.resumable.resumable`` over its partitioned lookups."""
+        if (block_hashes is None) == (token_ids is None):
+            raise InvalidInput("resumable: give block_hashes or token_ids (one of them)")
+        req = pb.ResumableRequest(adapter_id=adapter_id, cache_salt=cache_salt)
+        if block_hashes is not None:
+            req.packed_hashes = PackedHashes.of(block_hashes).data
+        else:
+            req.token_ids = np.asarray(token_ids, dtype="<i4").tobytes()
+        for group, fp in (reader_abi or {}).items():
+            req.reader_abi[group] = fp
+        return codec.decode_resumable(self._call("Resumable", req, idempotent=True))
 
     def transition_many(self, items: Sequence[api.ObjectTransitions | TransitionItem]
                         ) -> list[api.TransitionResult | HkvError]:

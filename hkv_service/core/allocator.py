@@ -62,6 +62,9 @@ class PoolConfig:
     # The first block this view hands out: blocks [first, num_blocks) are its own. A shard
     # registered with N metadata partitions gives each its own range (core/partitions.py).
     first: int = 0
+    # Where the pool's blocks live ("cpu", "cuda"): what a router is told the tier is
+    # (the residency feed's medium, core/kvevents.py); not part of any placement decision.
+    device: str = "cpu"
 
 
 _POWERS = {1 << i: 1 << i for i in range(31)}  # one shared int object per power of two

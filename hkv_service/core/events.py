@@ -100,6 +100,20 @@ class EventLog:
         cap = self.capacity
         return [self._event(s, (s - 1) % cap) for s in range(start, end + 1)]
 
+    def records_since(self, seq: int, limit: int) -> list[tuple[ObjRecord, State]]:
+        """Up to ``limit`` logged (record, state reached) pairs after ``seq``, oldest first,
+        as kept (no event built): what the residency feed reads (core/kvevents.py). The
+        caller checks ``first_seq`` for a gap first."""
+        start = max(seq + 1, self.first_seq)
+        end = min(self.last_seq, start + limit - 1)
+        cap, records, states = self.capacity, self._records, self._states
+        out: list[tuple[ObjRecord, State]] = []
+        for s in range(start, end + 1):
+            rec, state = records[(s - 1) % cap], states[(s - 1) % cap]
+            assert rec is not None and state is not None, "an event's slot was never written"
+            out.append((rec, state))
+        return out
+
     def __iter__(self) -> Iterator[TransitionEvent]:
         return iter(self.since(self.first_seq - 1, self._len))
 

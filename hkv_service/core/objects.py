@@ -76,6 +76,15 @@ class ObjectTable:
             self._count -= 1
         return rec
 
+    def slots(self, start: int, stop: int) -> list[ObjRecord]:
+        """The records in slots ``[start, stop)`` (a walk in slices: ``slot_count`` bounds
+        it), for a caller that must not hold the view's lock over all of them."""
+        return [r for r in self._slab[start:stop] if r is not None]
+
+    @property
+    def slot_count(self) -> int:
+        return len(self._slab)
+
     def values(self) -> Iterator[ObjRecord]:
         return (r for r in self._slab if r is not None)
 

@@ -55,6 +55,7 @@ from .errors import HkvError
 from .events import EventLog
 from .ids import BlockHash, CaptureId, LeaseId, ObjectId, ShardId
 from .inputs import check_reported
+from .kvevents import FeedBatch, ResidencyFeed
 from .layout import Layout
 from .leasing import Leasing
 from .lookups import Lookups
@@ -260,6 +261,15 @@ class CacheState:
         """Events after ``seq`` (the log is bounded: older ones may be gone)."""
         with self._lock:
             return self._tables.log.since(seq, limit)
+
+    def poll_residency(self, feed: ResidencyFeed, limit: int = 4096) -> FeedBatch:
+        """What became readable in a tier, or stopped, since ``feed`` last read the log (at
+        most ``limit`` log entries; a new feed, or one the bounded log left behind, starts
+        over with every object resident now, ``limit`` slots a call): the KV event stream's
+        source. The lock is held only while the feed copies what it read."""
+        with self._lock:
+            taken = feed.take(self._tables, limit)
+        return feed.changes(taken, self._tables)
 
     def object_count(self) -> int:
         """Objects the view holds (every kind, memory and disk)."""

@@ -31,6 +31,7 @@ from .auth import (
     server_credentials,
 )
 from .servicer import MetadataServicer
+from .tokenbook import TokenBook
 
 __all__ = ["SERVICE_NAME", "ServerConfig", "Service", "build_service", "create_server"]
 
@@ -134,7 +135,9 @@ def _address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
-def build_service(config: ServerConfig, state: CacheState | None = None) -> Service:
+def build_service(config: ServerConfig, state: CacheState | None = None,
+                  tokens: TokenBook | None = None) -> Service:
+    """``tokens``: where Allocate's token ids go for the KV event stream (None: dropped)."""
     state = state if state is not None else CacheState(default_spec())
     interceptors: list[grpc.ServerInterceptor] = (
         [TokenInterceptor(config.auth_token, config.auth_exempt)] if config.auth_token else [])
@@ -152,7 +155,7 @@ def build_service(config: ServerConfig, state: CacheState | None = None) -> Serv
     )
     stopping = threading.Event()
     codec.install_encoder(state)
-    _add_servicer(MetadataServicer(state, stopping), server)
+    _add_servicer(MetadataServicer(state, stopping, tokens), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -30,7 +30,7 @@ from typing import Any
 
 from grpc_health.v1 import health_pb2
 from prometheus_client import start_http_server
-from prometheus_client.core import InfoMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from hkv_service.core.state_view import CacheState
@@ -40,6 +40,7 @@ from . import gcpolicy
 from .app import ServerConfig, Service, build_service
 from .auth import TlsPem
 from .metrics import make_registry
+from .tokenbook import TokenBook
 
 __all__ = ["RunningService", "run_serve", "server_config", "start_service"]
 
@@ -76,6 +77,20 @@ class SettingsInfo(Collector):
                                value=labels)
 
 
+class KvEventsCounts(Collector):
+    """``hkv_kv_events_total{what=...}``: the KV event publisher's batches, events, re-syncs
+    (it fell behind the log), log entries it lost doing so, and replays served."""
+
+    def __init__(self, publisher: Any) -> None:
+        self.publisher = publisher
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily("hkv_kv_events", "The KV event stream", labels=["what"])
+        for what, n in self.publisher.stats.items():
+            family.add_metric([what], n)
+        yield family
+
+
 def _label(value: object) -> str:
     if isinstance(value, tuple):
         return ",".join(value)
@@ -88,6 +103,7 @@ class RunningService:
     service: Service
     metrics: Any  # the /metrics HTTP server, or None
     stop_expiry: threading.Event
+    kv_events: Any = None  # the KV event publisher (server/kvevents.py), or None
 
     @property
     def address(self) -> str:
@@ -101,6 +117,8 @@ class RunningService:
     def close(self, grace_s: float | None = None) -> threading.Event:
         """Stop: in-flight RPCs get ``grace_s`` (default: the settings' ``grace_s``)."""
         self.stop_expiry.set()
+        if self.kv_events is not None:
+            self.kv_events.close()
         done = self.service.stop(self.settings.grace_s if grace_s is None else grace_s)
         if self.metrics is not None:
             self.metrics.shutdown()
@@ -116,12 +134,17 @@ def start_service(settings: ServiceSettings, inputs: ServiceInputs | None = None
     inputs = inputs if inputs is not None else settings.load()
     settings = settings.service()
     state = CacheState(inputs.spec, settings.state_config())
-    service = build_service(server_config(settings, inputs), state)
-    metrics = None
+    tokens = TokenBook(inputs.spec.hash_block_size) if settings.kv_events_port else None
+    service = build_service(server_config(settings, inputs), state, tokens)
+    metrics = events = None
     try:
+        if tokens is not None:
+            events = start_kv_events(settings, state, tokens)
         if settings.metrics_port:
             registry = make_registry(state)
             registry.register(SettingsInfo(settings, state))
+            if events is not None:
+                registry.register(KvEventsCounts(events))
             metrics, _thread = start_http_server(settings.metrics_port, addr=settings.host,
                                                  registry=registry)
         service.server.start()
@@ -129,6 +152,8 @@ def start_service(settings: ServiceSettings, inputs: ServiceInputs | None = None
         service.server.stop(0)
         if metrics is not None:
             metrics.shutdown()
+        if events is not None:
+            events.close()
         raise
     if not settings.guarded:
         log.warning("binding %s without TLS or auth token (--insecure): anyone who can reach "
@@ -136,7 +161,20 @@ def start_service(settings: ServiceSettings, inputs: ServiceInputs | None = None
     stop = start_maintenance(state, service)
     if own_process:
         gcpolicy.install(stop)
-    return RunningService(settings, service, metrics, stop)
+    return RunningService(settings, service, metrics, stop, events)
+
+
+def start_kv_events(settings: ServiceSettings, state: CacheState, tokens: TokenBook) -> Any:
+    """The KV event publisher the settings ask for, bound and running (imported here: a
+    service without one never loads zmq)."""
+    from .kvevents import EventForm, KvEventPublisher, KvEventsConfig
+
+    config = KvEventsConfig(settings.kv_events_host, settings.kv_events_port,
+                            settings.kv_events_topic, EventForm(settings.kv_events_form))
+    events = KvEventPublisher(state, config, tokens, state.partition)
+    log.info("KV events: PUB %s, replay %s, topic %r, epoch %d", events.endpoint,
+             events.replay_endpoint, events.topic.decode(), events.epoch)
+    return events
 
 
 def start_maintenance(state: CacheState, service: Service) -> threading.Event:

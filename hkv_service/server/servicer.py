@@ -13,15 +13,18 @@ import functools
 import json
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn, TypeVar
 
 import grpc
+import numpy as np
 from google.protobuf.message import DecodeError
 
 from hkv_service.core.api import AllocRequest, Match, PoolConfig
 from hkv_service.core.errors import HkvError, IllegalTransition, InvalidInput
-from hkv_service.core.ids import BlockHash, CaptureId, LeaseId, ObjectId, ShardId
+from hkv_service.core.hashing import ExtraKeys, hash_blocks
+from hkv_service.core.ids import BlockHash, CaptureId, LeaseId, ObjectId, PackedHashes, ShardId
+from hkv_service.core.resumable import resumable
 from hkv_service.core.state_view import CacheState
 from hkv_service.core.throttle import Throttle
 from hkv_service.proto_gen.hkv.v1 import hkv_pb2 as pb
@@ -31,6 +34,7 @@ from hkv_service.wire.status_map import map_error
 
 from . import gcpolicy, validation
 from .replies import ReplyCache
+from .tokenbook import TokenBook
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +75,10 @@ def _unary(method: F) -> F:
 
 
 class MetadataServicer(pb_grpc.MetadataServiceServicer):
-    def __init__(self, state: CacheState, stopping: threading.Event | None = None) -> None:
+    def __init__(self, state: CacheState, stopping: threading.Event | None = None,
+                 tokens: TokenBook | None = None) -> None:
         self.state = state
+        self.tokens = tokens  # the KV event stream's token book (None: no stream)
         self.stopping = stopping or threading.Event()
         self.replies = ReplyCache()
         self.log_throttle = Throttle(UNDECODABLE_LOG_S, state.clock)
@@ -117,7 +123,8 @@ class MetadataServicer(pb_grpc.MetadataServiceServicer):
     def RegisterOwner(self, request: Any, context: grpc.ServicerContext) -> Any:
         if not request.owner:
             raise InvalidInput("RegisterOwner: owner id must be a non-empty string")
-        pools = {name: PoolConfig(p.num_blocks, p.stride, p.base_align or 4096, p.first_block)
+        pools = {name: PoolConfig(p.num_blocks, p.stride, p.base_align or 4096, p.first_block,
+                                  p.device or "cpu")
                  for name, p in request.pools.items()}
         validation.check_pools(self.state, pools)
         inc = self.state.register_owner(ShardId(request.owner), pools, request.instance)
@@ -159,6 +166,8 @@ class MetadataServicer(pb_grpc.MetadataServiceServicer):
         validation.check_hashes(hashes, "Allocate")
         slots = [AllocRequest(s.depth, s.column, s.replace) for s in request.slots]
         allocations = self.state.allocate(hashes, slots, owner, request.first_block)
+        if request.token_ids and self.tokens is not None:
+            self.tokens.note(hashes, request.token_ids)
         out = pb.AllocateResponse()
         for a in allocations:
             codec.encode_handle(a.handle, out.handles.add())
@@ -324,6 +333,26 @@ class MetadataServicer(pb_grpc.MetadataServiceServicer):
                 codec.encode_event(ev, out.events.add())
             seq = events[-1].seq
             yield out
+
+    @_unary
+    def Resumable(self, request: Any, context: grpc.ServicerContext) -> Any:
+        layout = self.state.layout
+        if request.packed_hashes and request.token_ids:
+            raise InvalidInput("Resumable: give the prompt as packed_hashes or as token_ids, "
+                               "not both")
+        if request.token_ids:
+            if len(request.token_ids) % 4:
+                raise InvalidInput("Resumable: token_ids must be whole int32 values")
+            tokens = np.frombuffer(request.token_ids, "<i4")
+            extra = ExtraKeys(self.state.spec.model_id, request.adapter_id, request.cache_salt)
+            hashes: Sequence[BlockHash] = hash_blocks(tokens, layout.hash_block, extra)
+        else:
+            hashes = PackedHashes(request.packed_hashes)
+        if not hashes:
+            raise InvalidInput("Resumable: the prompt holds no whole hash block")
+        abi = dict(request.reader_abi) if len(request.reader_abi) else None
+        answer = resumable(self.state.lookup, hashes, layout, abi)
+        return codec.encode_resumable(answer, pb.ResumableResponse())
 
     @_unary
     def Stats(self, request: Any, context: grpc.ServicerContext) -> Any:

@@ -42,6 +42,7 @@ from hkv_service.core.ids import (
     PackedHashes,
     ShardId,
 )
+from hkv_service.core.resumable import Resumable, Stop
 from hkv_service.core.state_view import CacheState
 from hkv_service.core.states import Event, Kind, Reason, State
 from hkv_service.proto_gen.hkv.v1 import hkv_pb2 as pb
@@ -414,3 +415,24 @@ def encode_stats(stats: Mapping[str, object], out: Any) -> Any:
     out.partition = str(stats.get("partition", "0/1"))
     out.range_blocks = int(stats.get("range_blocks", 0) or 0)  # type: ignore[call-overload]
     return out
+
+
+def encode_resumable(r: Resumable, out: Any) -> Any:
+    out.prompt_tokens, out.tokens, out.memory_tokens = r.prompt_tokens, r.tokens, \
+        r.memory_tokens
+    out.stop, out.memory_stop, out.lookups = r.stop.value, r.memory_stop.value, r.lookups
+    out.reason = REASONS.to_pb[r.reason] if r.reason is not None else 0
+    for d in r.downgrades:
+        out.downgrades.add(reason=REASONS.to_pb[d.reason], group=d.group or "",
+                           position=d.position)
+    return out
+
+
+def decode_resumable(msg: Any) -> Resumable:
+    return Resumable(
+        msg.prompt_tokens, msg.tokens, msg.memory_tokens, Stop(msg.stop),
+        REASONS.decode(msg.reason, "resumable") if msg.reason else None, Stop(msg.memory_stop),
+        tuple(Downgrade(REASONS.decode(d.reason, "downgrade"),
+                        GroupName(d.group) if d.group else None, d.position)
+              for d in msg.downgrades),
+        msg.lookups)

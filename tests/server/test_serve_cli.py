@@ -61,7 +61,8 @@ SERVE_FLAGS = (
     "--tls-cert", "--tls-key", "--tls-ca", "--tls-allowed-cn", "--insecure",
     "--heartbeat-timeout-s", "--grace-s", "--max-inflight-objects", "--max-inflight-bytes",
     "--max-owners", "--lookup-memo-mib", "--walk-segment-blocks", "--partition",
-    "--range-blocks",
+    "--range-blocks", "--kv-events-port", "--kv-events-host", "--kv-events-topic",
+    "--kv-events-form",
 )
 
 

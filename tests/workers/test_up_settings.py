@@ -98,6 +98,12 @@ CHECKS = {
     "partition": "Stats and hkv_settings_info say the state's partition, 0/1 here",
     # 64: the probe's 40-block prompt fits one range, so a plain client's lookup is served
     "range_blocks": "Stats and hkv_settings_info say where the state splits chains, 64",
+    # the KV event stream (issue 39): a replay from seq 0 on the port given + 1 returns the
+    # epoch's opening batch
+    "kv_events_port": "the replay socket on port + 1 answers with the epoch's first batch",
+    "kv_events_host": "bound on 127.0.0.2 (a loopback address, not the default)",
+    "kv_events_topic": "the frames carry the topic given, {partition} filled in",
+    "kv_events_form": "array: the events come as arrays, tag first",
 }
 
 
@@ -265,11 +271,47 @@ def probe_files(d: Path) -> tuple[Probe, list[str], list[str]]:
              "--heartbeat-timeout-s", str(HEARTBEAT_S), "--grace-s", str(GRACE_S),
              "--max-inflight-objects", "3", "--max-inflight-bytes", str(c4.nbytes * 3 // 2),
              "--max-owners", str(MAX_OWNERS),
-             "--lookup-memo-mib", "0", "--walk-segment-blocks", "4", "--range-blocks", "64"]
+             "--lookup-memo-mib", "0", "--walk-segment-blocks", "4", "--range-blocks", "64",
+             "--kv-events-port", str(_free_port_pair()), "--kv-events-host", "127.0.0.2",
+             "--kv-events-topic", "kv@probe-p{partition}@m", "--kv-events-form", "array"]
     up = ["--tls-client-cert", str(shard[0]), "--tls-client-key", str(shard[1]),
           "--tls-server-name", "localhost", "--data-dir", str(d / "data"),
           "--blocks-per-group", "64", "--disk-budget-bytes", str(16 << 20)]
     return probe, flags, up
+
+
+def _free_port_pair() -> int:
+    """P with P and P + 1 free on 127.0.0.2 (the KV event PUB and its replay socket)."""
+    for _ in range(50):
+        port = _free_port()
+        with socket.socket() as a, socket.socket() as b:
+            try:
+                a.bind(("127.0.0.2", port))
+                b.bind(("127.0.0.2", port + 1))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no two adjacent free ports on 127.0.0.2")
+
+
+def _check_kv_events(port: int, p: Problems) -> None:
+    import msgspec
+    import zmq
+
+    ctx = zmq.Context()
+    try:
+        req = ctx.socket(zmq.DEALER)
+        req.connect(f"tcp://127.0.0.2:{port + 1}")
+        req.send_multipart((b"", (0).to_bytes(8, "big")))
+        frames = req.recv_multipart() if req.poll(10_000) else []
+        p.expect("kv_events_port", len(frames) == 4, f"replay answered {frames!r}")
+        p.expect("kv_events_host", bool(frames), "nothing answers on 127.0.0.2")
+        if len(frames) == 4:
+            p.expect("kv_events_topic", frames[1] == b"kv@probe-p0@m", f"topic {frames[1]!r}")
+            events = msgspec.msgpack.decode(frames[3])[1]
+            p.expect("kv_events_form", events[0] == ["AllBlocksCleared"], f"events {events!r}")
+    finally:
+        ctx.destroy(0)
 
 
 def _flag(flags: list[str], name: str) -> str:
@@ -348,6 +390,7 @@ def _check_state(run: Running, probe: Probe, flags: list[str], p: Problems) -> f
                  f"Stats says partition {c.stats()['partition']!r}")
         p.expect("range_blocks", c.stats()["range_blocks"] == 64,
                  f"Stats says range_blocks {c.stats()['range_blocks']!r}")
+        _check_kv_events(int(_flag(flags, "--kv-events-port")), p)
         layout = Layout(spec)
         owners = {"probe": c.register_owner("probe", pools_for(layout, 256))}
         stop = threading.Event()

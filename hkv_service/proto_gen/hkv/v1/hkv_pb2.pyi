@@ -210,16 +210,18 @@ class GetSpecResponse(_message.Message):
     def __init__(self, spec_json: _Optional[str] = ..., model_id: _Optional[str] = ..., hash_block_size: _Optional[int] = ..., lcm_block_size: _Optional[int] = ..., columns: _Optional[_Iterable[_Union[ColumnInfo, _Mapping]]] = ...) -> None: ...
 
 class PoolConfig(_message.Message):
-    __slots__ = ("num_blocks", "stride", "base_align", "first_block")
+    __slots__ = ("num_blocks", "stride", "base_align", "first_block", "device")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     STRIDE_FIELD_NUMBER: _ClassVar[int]
     BASE_ALIGN_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     stride: int
     base_align: int
     first_block: int
-    def __init__(self, num_blocks: _Optional[int] = ..., stride: _Optional[int] = ..., base_align: _Optional[int] = ..., first_block: _Optional[int] = ...) -> None: ...
+    device: str
+    def __init__(self, num_blocks: _Optional[int] = ..., stride: _Optional[int] = ..., base_align: _Optional[int] = ..., first_block: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
 
 class RegisterOwnerRequest(_message.Message):
     __slots__ = ("owner", "pools", "instance")
@@ -327,16 +329,18 @@ class AllocSlot(_message.Message):
     def __init__(self, depth: _Optional[int] = ..., column: _Optional[str] = ..., replace: _Optional[int] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
-    __slots__ = ("block_hashes", "slots", "owner", "first_block")
+    __slots__ = ("block_hashes", "slots", "owner", "first_block", "token_ids")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     slots: _containers.RepeatedCompositeFieldContainer[AllocSlot]
     owner: str
     first_block: int
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., slots: _Optional[_Iterable[_Union[AllocSlot, _Mapping]]] = ..., owner: _Optional[str] = ..., first_block: _Optional[int] = ...) -> None: ...
+    token_ids: bytes
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., slots: _Optional[_Iterable[_Union[AllocSlot, _Mapping]]] = ..., owner: _Optional[str] = ..., first_block: _Optional[int] = ..., token_ids: _Optional[bytes] = ...) -> None: ...
 
 class AllocateResponse(_message.Message):
     __slots__ = ("handles", "existing", "states", "versions")
@@ -742,3 +746,44 @@ class StatsResponse(_message.Message):
     partition: str
     range_blocks: int
     def __init__(self, transitions: _Optional[_Mapping[str, int]] = ..., downgrades: _Optional[_Mapping[str, int]] = ..., lookups: _Optional[_Mapping[str, int]] = ..., evictions: _Optional[_Mapping[str, int]] = ..., events: _Optional[_Mapping[str, int]] = ..., gauges: _Optional[_Mapping[str, int]] = ..., partition: _Optional[str] = ..., range_blocks: _Optional[int] = ...) -> None: ...
+
+class ResumableRequest(_message.Message):
+    __slots__ = ("packed_hashes", "token_ids", "adapter_id", "cache_salt", "reader_abi")
+    class ReaderAbiEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    PACKED_HASHES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    READER_ABI_FIELD_NUMBER: _ClassVar[int]
+    packed_hashes: bytes
+    token_ids: bytes
+    adapter_id: str
+    cache_salt: str
+    reader_abi: _containers.ScalarMap[str, int]
+    def __init__(self, packed_hashes: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., adapter_id: _Optional[str] = ..., cache_salt: _Optional[str] = ..., reader_abi: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class ResumableResponse(_message.Message):
+    __slots__ = ("prompt_tokens", "tokens", "memory_tokens", "stop", "reason", "memory_stop", "downgrades", "lookups")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_STOP_FIELD_NUMBER: _ClassVar[int]
+    DOWNGRADES_FIELD_NUMBER: _ClassVar[int]
+    LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    tokens: int
+    memory_tokens: int
+    stop: str
+    reason: Reason
+    memory_stop: str
+    downgrades: _containers.RepeatedCompositeFieldContainer[Downgrade]
+    lookups: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., tokens: _Optional[int] = ..., memory_tokens: _Optional[int] = ..., stop: _Optional[str] = ..., reason: _Optional[_Union[Reason, str]] = ..., memory_stop: _Optional[str] = ..., downgrades: _Optional[_Iterable[_Union[Downgrade, _Mapping]]] = ..., lookups: _Optional[int] = ...) -> None: ...

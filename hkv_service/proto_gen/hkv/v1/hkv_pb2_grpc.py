@@ -135,6 +135,11 @@ class MetadataServiceStub:
                 request_serializer=hkv_dot_v1_dot_hkv__pb2.StatsRequest.SerializeToString,
                 response_deserializer=hkv_dot_v1_dot_hkv__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Resumable = channel.unary_unary(
+                '/hkv.v1.MetadataService/Resumable',
+                request_serializer=hkv_dot_v1_dot_hkv__pb2.ResumableRequest.SerializeToString,
+                response_deserializer=hkv_dot_v1_dot_hkv__pb2.ResumableResponse.FromString,
+                _registered_method=True)
 
 
 class MetadataServiceServicer:
@@ -285,6 +290,16 @@ class MetadataServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Resumable(self, request, context):
+        """A router's question: the tokens of a prompt hkv certifies for resuming, per tier, and
+        why it stops there (the connector's answer: the funnel's, never a raw block count).
+        This partition's answer for a whole chain (a partitioned client asks through its own
+        lookups: hkv_service.core.resumable). docs/routing.md.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MetadataServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -387,6 +402,11 @@ def add_MetadataServiceServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=hkv_dot_v1_dot_hkv__pb2.StatsRequest.FromString,
                     response_serializer=hkv_dot_v1_dot_hkv__pb2.StatsResponse.SerializeToString,
+            ),
+            'Resumable': grpc.unary_unary_rpc_method_handler(
+                    servicer.Resumable,
+                    request_deserializer=hkv_dot_v1_dot_hkv__pb2.ResumableRequest.FromString,
+                    response_serializer=hkv_dot_v1_dot_hkv__pb2.ResumableResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -930,6 +950,33 @@ class MetadataService:
             '/hkv.v1.MetadataService/Stats',
             hkv_dot_v1_dot_hkv__pb2.StatsRequest.SerializeToString,
             hkv_dot_v1_dot_hkv__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resumable(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hkv.v1.MetadataService/Resumable',
+            hkv_dot_v1_dot_hkv__pb2.ResumableRequest.SerializeToString,
+            hkv_dot_v1_dot_hkv__pb2.ResumableResponse.FromString,
             options,
             channel_credentials,
             insecure,
