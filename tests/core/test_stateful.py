@@ -224,7 +224,8 @@ class FunnelMachine(RuleBasedStateMachine):
             return
         allowed = slot.status in ("ready", "written", "synced") and not slot.pins
         if col.endswith(".tail") and slot.status == "partial":
-            allowed = False
+            # a partial tail is retired when a rewrite replaces it (copy-on-write, 260d7f0)
+            allowed = not slot.pins
         if col == "swa" and slot.status == "partial":
             allowed = True  # SWA_VALID with a short range is still a valid, evictable state
         try:
