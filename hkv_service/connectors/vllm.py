@@ -165,7 +165,13 @@ class HkvConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unuse
                      scheduler_output.num_scheduled_tokens.items()}
         manager = self._kv_cache_manager
         assert manager is not None, "vLLM binds the KV-cache manager before scheduling"
-        loads, saves = self._sched().take_jobs(scheduled, manager.get_block_ids)
+        # recurrent states: only what vLLM hands off in this step (it clears this field
+        # before the output reaches the workers, and drains the hand-offs every step)
+        state = scheduler_output.kv_connector_block_state
+        handoffs = state.boundary_state_offloads if state is not None else {}
+        gone = set(scheduler_output.finished_req_ids) | set(
+            scheduler_output.preempted_req_ids or ())
+        loads, saves = self._sched().take_jobs(scheduled, manager.get_block_ids, handoffs, gone)
         return HkvConnectorMetadata(loads, saves)
 
     def on_new_request(self, request: Request) -> None:
