@@ -130,17 +130,20 @@ def save_items(geo: Geometry, block_ids: Sequence[Sequence[int]], computed: int,
     return tuple(out)
 
 
-def state_items(geo: Geometry, handoffs: Sequence[tuple[int, int, int]], end: int,
+def state_items(geo: Geometry, handoffs: Sequence[tuple[int, int, int]], start: int, end: int,
                 null_block: int) -> tuple[tuple[SaveItem, ...], int]:
     """The state objects in a request's hand-offs of one step (``(vLLM group, block id,
-    boundary tokens)``), and how many hand-offs were dropped: a boundary that is no resume
-    point of hkv's (not a multiple of the LCM block), past ``end`` (the tokens this step
-    computes for sure), the null block, or a group that is not recurrent."""
+    boundary tokens)``) whose state this step's forward computes (``start < boundary <=
+    end``), and how many hand-offs were dropped: a boundary this step does not compute, no
+    resume point of hkv's (not a multiple of the LCM block), the null block, or a group that
+    is not recurrent. vLLM hands off again a block whose state a request resumed from (its
+    own cache's, or hkv's: at ``boundary == start``); that block holds what was loaded, or,
+    had the load failed, whatever it held before: never saved."""
     by_group = {g.vllm_group: g for g in geo.groups if g.recurrent}
     out, dropped = [], 0
     for group, block_id, boundary in handoffs:
         g = by_group.get(group)
-        if (g is None or block_id == null_block or boundary <= 0 or boundary > end
+        if (g is None or block_id == null_block or boundary <= start or boundary > end
                 or boundary % geo.lcm):
             dropped += 1
             continue

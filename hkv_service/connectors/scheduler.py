@@ -246,7 +246,8 @@ class SchedulerSide:
             end = request.num_computed_tokens + n
             states: tuple[SaveItem, ...] = ()
             if req_id in handoffs and req_id not in gone:
-                states, dropped = state_items(self.geo, handoffs[req_id], end, self.null_block)
+                states, dropped = state_items(self.geo, handoffs[req_id],
+                                              request.num_computed_tokens, end, self.null_block)
                 self.stats.add("state_handoffs", len(handoffs[req_id]))
                 if dropped:
                     self.stats.add("state_handoffs_dropped", dropped)

@@ -162,6 +162,7 @@ def main(work: Path) -> dict[str, Any]:
         assert system is not None
         out["spec"] = system.spec.to_dict()
         out["held_before_b"] = held(system, full)
+        a_states = state_digests(system, full, 960)
 
         # -- B reads --
         b = start("b", SYSTEM)
@@ -196,6 +197,9 @@ def main(work: Path) -> dict[str, Any]:
         b_run("other_boundary", "at_864")
         out["injected"]["corrupt_disk"] = corrupt_state(system, full, 960)
         b_run("corrupt_disk", "recompute")
+        # the state hkv holds at 960 now is the recompute's (never the block the failed load
+        # was to fill): equal to A's, which came from the same one-chunk prefill
+        out["after_corrupt_state_equals_a"] = state_digests(system, full, 960) == a_states
         out["injected"]["evicted"] = evict_states(system, full, (864, 960))
         b_run("evicted", "recompute")
         out["b"] = runs
@@ -231,6 +235,21 @@ def held(system: Any, tokens: list[int]) -> dict[str, Any]:
     m = system.meta.lookup(LookupRequest(_hashes(system, tokens, limit), limit, handles=False))
     return {"limit": limit, "certified": m.usable_tokens,
             "why": [f"{d.reason.value}@{d.position}" for d in m.downgrades]}
+
+
+def state_digests(system: Any, tokens: list[int], p: int) -> dict[str, str]:
+    """sha256 of each recurrent group's state hkv holds at ``p`` (empty if none)."""
+    import hashlib
+
+    from hkv_service.core.api import LookupRequest
+
+    hashes = _hashes(system, tokens, p)
+    m = system.meta.lookup(LookupRequest(hashes, p))
+    if m.usable_tokens != p:
+        return {}
+    got = system.dataplane().read(m, hashes)
+    return {c: hashlib.sha256(memoryview(got[c][0]).cast("B")).hexdigest()
+            for c in _state_columns(system)}
 
 
 def evict_states(system: Any, tokens: list[int], boundaries: tuple[int, ...]) -> int:

@@ -59,8 +59,10 @@ def test_hkv_maps_the_gdn_groups_to_recurrent_groups(run: dict[str, Any]) -> Non
 def test_a_writes_the_states_vllm_hands_off(run: dict[str, Any]) -> None:
     at, short = _resume(run)
     c = run["a_counters"]
-    # one state per recurrent group per prompt (vLLM's default keeps one boundary a prompt)
-    assert c["state_saves"] == 3 * 2 and not c.get("state_handoffs_dropped")
+    # one state per recurrent group per prompt (vLLM's default keeps one boundary a prompt):
+    # A's warm-up prompt, P and P[:900]
+    assert c["state_saves"] == c["state_handoffs"] == 3 * 3
+    assert not c.get("state_handoffs_dropped")
     assert run["held_before_b"]["certified"] == at
     # A's second prompt found the first one's attention blocks in hkv but no state below
     # them: it computed in full, and its report says why
@@ -116,6 +118,7 @@ def test_after_a_fault_b_recomputes_or_resumes_shorter_never_a_different_logprob
         assert report["certified"] == at and report["loaded"] == 0
         assert "load failed" in report["why"]
         assert got["counters"]["load_failed.CORRUPT"] == 1
+        assert run["after_corrupt_state_equals_a"]  # hkv kept no garbage at 960
     else:
         assert got["cached"] == 0 and report["certified"] == 0
         assert f"NO_STATE_AT_BOUNDARY@{at}" in report["why"]

@@ -155,10 +155,11 @@ def test_state_items_keep_only_resume_points_of_live_blocks(model: Path, make: A
         (g0, 0, 640),  # the null block
         (g0, 13, 330),  # not a multiple of the block: no resume point of hkv's
         (g0, 14, 960),  # past what the step computes
+        (g0, 16, 160),  # the state the request resumed from: not this step's forward
         (attention, 15, 320),  # not a recurrent group
-    ], end=640, null_block=0)
+    ], start=160, end=640, null_block=0)
     assert [(i.column, i.depth, i.block_id) for i in items] == [("g0", 1, 11), ("g1", 1, 12)]
-    assert dropped == 4
+    assert dropped == 5
 
 
 # ---- saves: states only from the hand-offs ---------------------------------------------------
@@ -236,6 +237,8 @@ def test_b_resumes_at_the_longest_boundary_every_group_has_with_the_state_loaded
     (job,) = got["jobs"]
     assert job.match is not None and job.tokens == 960  # 1000 shared: the boundary below
     assert got["computed_first"] == 320  # B computes from 960 on (one chunk)
+    # vLLM handed off the two loaded state blocks again (at 960): hkv had them, not re-saved
+    assert h.connector._sched().stats.total["state_handoffs_dropped"] == 2
     assert got["report"] == {"asked": 1280, "local": 0, "certified": 960, "loaded": 960,
                              "why": ""}
     for g in h.geo.groups:
@@ -328,6 +331,13 @@ def test_a_corrupt_disk_copy_of_a_state_is_a_recompute_never_its_bytes(make: Any
     # the load failed as a whole (the read refused the record before any copy): vLLM
     # recomputed the prompt from the start
     assert sum(out.num_scheduled_tokens.get("b", 0) for out in h.outputs) >= 1300
+    # the corrupt copy is gone; the state hkv holds at 1280 now is the recompute's, correct
+    m = h.system.meta.lookup(LookupRequest(hashes, 1280))
+    again = plane.read(m, hashes)
+    assert not isinstance(again, Recompute)
+    for g in h.geo.groups:
+        if g.recurrent:
+            assert bytes(memoryview(again[g.name][0]).cast("B")) == _want(h, tokens, g, 1280)
 
 
 def test_a_load_with_no_block_planned_for_the_state_is_refused(make: Any) -> None:
