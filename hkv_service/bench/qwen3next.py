@@ -65,7 +65,7 @@ def write_model(path: Path, seed: int = 0, config: dict[str, Any] | None = None)
     torch.manual_seed(seed)
     cfg = AutoConfig.for_model(**{k: v for k, v in raw.items() if k != "model_type"},
                                model_type=raw["model_type"])
-    model = AutoModelForCausalLM.from_config(cfg)  # type: ignore[no-untyped-call]
+    model = AutoModelForCausalLM.from_config(cfg)  # type: ignore[no-untyped-call, unused-ignore]
     gen = torch.Generator().manual_seed(seed + 1)
     lo, hi = A_LOG_RANGE
     with torch.no_grad():
