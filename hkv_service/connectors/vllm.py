@@ -10,8 +10,9 @@ vLLM loads it by name::
 and builds one per role: the scheduler's (:mod:`.scheduler`: probes, leases, plans) and each
 worker's (:mod:`.worker`: bytes). Both derive hkv's cache spec from vLLM's KV-cache config
 (:mod:`.geometry`) and refuse to start if the service runs another one. ``SupportsHMA`` keeps
-vLLM's hybrid allocator on: every group (full, sliding window, compressed, indexer, recurrent state) is
-its own hkv group, and a hit is what hkv's funnel certifies for all of them at one position.
+vLLM's hybrid allocator on: every group (full, sliding window, compressed, indexer,
+recurrent state) is its own hkv group, and a hit is what hkv's funnel certifies for all of
+them at one position.
 A recurrent (Mamba / GatedDeltaNet) group's states are saved only from vLLM's per-step
 ``boundary_state_offloads`` and each request's output names the boundary hkv certified
 (``kv_transfer_params["hkv"]``, see :class:`.scheduler.Certified`).
