@@ -267,6 +267,39 @@ def test_a_shorter_hit_for_want_of_a_state_is_reported_with_the_reason(make: Any
     assert stats["downgrade.NO_STATE_AT_BOUNDARY"] >= 1
 
 
+@pytest.mark.parametrize(("retention", "certified"), [
+    (0, 0),  # vLLM's default: A's state at 1280 only
+    (640, 640),  # one state every 640 tokens (and the last): 640 is the longest shared one
+    (320, 960),  # one every chunk: B resumes at the last boundary it shares
+])
+def test_vllms_retention_interval_decides_how_far_b_resumes(make: Any, retention: int,
+                                                            certified: int) -> None:
+    """The knob hkv documents (``--prefix-cache-retention-interval``, with 320-token chunks):
+    hkv serves every state vLLM kept, and says why it stopped short of 960."""
+    h = make(retention)
+    got = serve_b(h, serve_a(h))
+    assert got["report"]["certified"] == certified
+    assert sum(j.tokens for j in got["jobs"]) == certified
+    if certified < 960:
+        assert "NO_STATE_AT_BOUNDARY@960" in got["report"]["why"]
+
+
+def test_a_hit_needs_the_attention_blocks_below_it_too(make: Any) -> None:
+    """States at every boundary, but the attention block [480, 640) evicted: the longest
+    boundary where every group has its data is 480."""
+    h = make(None)
+    tokens = serve_a(h)
+    spec = h.geo.spec
+    hashes = hash_blocks(tokens[:640], spec.hash_block_size, ExtraKeys(spec.model_id))
+    m = h.system.meta.lookup(LookupRequest(hashes, 640))
+    attention = next(g.name for g in h.geo.groups if not g.recurrent)
+    h.system.meta.evict(m.handles[attention][-1].object_id)  # the block ending at 640
+    got = serve_b(h, tokens)
+    assert got["report"]["certified"] == 480
+    (job,) = got["jobs"]
+    assert job.tokens == 480
+
+
 def test_an_evicted_state_gives_a_shorter_certified_hit(make: Any) -> None:
     """Dense states; g1's state at 960 evicted between A and B: 960 is no resume point any
     more, 800 is (both groups have it), and B resumes there with 800's states."""
@@ -277,7 +310,6 @@ def test_an_evicted_state_gives_a_shorter_certified_hit(make: Any) -> None:
     m = h.system.meta.lookup(LookupRequest(hashes, 960))
     (state,) = m.handles["g1"]
     assert state.kind is Kind.STATE
-    h.system.meta.release_lease(m.lease_id) if m.lease_id is not None else None
     h.system.meta.evict(state.object_id)
     got = serve_b(h, tokens)
     (job,) = got["jobs"]
