@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("name", choices=BENCH_NAMES, help="which part to measure")
     bench.add_argument("--quick", action="store_true", help="small sizes (CI smoke run)")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
+    bench.add_argument("--model", default=None, help="vllm only: the model the engine runs, "
+                       "'llama-hybrid' (default) or 'qwen3-next' (GatedDeltaNet states)")
 
     stats = sub.add_parser("stats", help="print a running service's counters")
     stats.add_argument("--endpoint", default=f"127.0.0.1:{DEFAULT_PORT}",

@@ -27,7 +27,13 @@ def _print_human(result: dict[str, Any]) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     module = importlib.import_module(f"hkv_service.bench.{args.name}")
-    result: dict[str, Any] = module.run(quick=args.quick)
+    extra: dict[str, Any] = {}
+    if getattr(args, "model", None) is not None:  # only a bench that runs a model takes one
+        if args.name != "vllm":
+            sys.stderr.write(f"hkv bench {args.name}: --model is for hkv bench vllm only\n")
+            return 2
+        extra["model"] = args.model
+    result: dict[str, Any] = module.run(quick=args.quick, **extra)
     if args.json:
         print(json.dumps(result, sort_keys=True))
     else:

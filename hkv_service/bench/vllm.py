@@ -25,6 +25,15 @@ the worker-side ones (``start_load_kv``, ``wait_for_layer_load``, ``save_kv_laye
 ``max_logprob_diff`` compare the hit's first token and top-5 logprobs with the recompute's
 (the KV dtype is vLLM's default, bfloat16 on CPU, so the last digits differ).
 
+``--model qwen3-next`` runs the tiny Qwen3-Next of :mod:`.qwen3next` instead (3 GatedDeltaNet
+layers + 1 full attention, bf16, vLLM's Mamba "align" mode): a hit then also loads each
+recurrent group's state at the resume point (hkv's STATE objects, saved from vLLM's
+``boundary_state_offloads``). Its prompt is one prefill chunk, so the recompute and the hit
+split it at the same boundary and their logprobs are comparable bit for bit
+(``max_logprob_diff`` 0.0 is what a correct restore gives; see
+docs/vllm-recurrent-state.md); ``state_tokens_per_hit`` and the connector's counters say
+what was loaded.
+
 Ratios are ours / baseline from this one run; no figure is asserted (shared, noisy machines).
 """
 
@@ -115,7 +124,28 @@ class _Hooks:
         return out
 
 
-def _engine(model: Path, max_len: int, system: str | None) -> Any:
+MODELS = ("llama-hybrid", "qwen3-next")
+
+
+def _llama(work: Path, quick: bool) -> tuple[Path, dict[str, Any], int, dict[str, Any]]:
+    """(model dir, what the figures say about it, vocab, extra engine arguments)."""
+    config = _model_config(quick)
+    summary = {k: config[k] for k in ("num_hidden_layers", "hidden_size",
+                                      "num_key_value_heads", "head_dim", "sliding_window")}
+    return _write_model(work / "model", config), summary, int(config["vocab_size"]), {}
+
+
+def _qwen3next(work: Path, quick: bool) -> tuple[Path, dict[str, Any], int, dict[str, Any]]:
+    from .qwen3next import QWEN3_NEXT, write_model
+
+    summary = {k: QWEN3_NEXT[k] for k in ("layer_types", "hidden_size", "linear_num_value_heads",
+                                          "linear_value_head_dim", "head_dim")}
+    # vLLM raises the block size until an attention page holds a state (96 tokens here)
+    return write_model(work / "model"), summary, int(QWEN3_NEXT["vocab_size"]), {
+        "block_size": 32}
+
+
+def _engine(model: Path, max_len: int, system: str | None, **extra: Any) -> Any:
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -128,7 +158,7 @@ def _engine(model: Path, max_len: int, system: str | None) -> Any:
     return LLM(model=str(model), skip_tokenizer_init=True, enforce_eager=True,
                max_model_len=max_len, max_num_seqs=4, max_num_batched_tokens=max_len,
                gpu_memory_utilization=0.5, enable_prefix_caching=True, seed=0,
-               kv_transfer_config=tc)
+               kv_transfer_config=tc, **extra)
 
 
 def _first_token(llm: Any, tokens: list[int]) -> tuple[float, int, dict[int, float]]:
@@ -200,31 +230,36 @@ def _diff(a: dict[int, float], b: dict[int, float]) -> float | None:
     return round(max(abs(a[t] - b[t]) for t in a), 6)
 
 
-def run(quick: bool = False) -> dict[str, Any]:
+def run(quick: bool = False, model: str = "llama-hybrid") -> dict[str, Any]:
+    if model not in MODELS:
+        sys.stderr.write(f"hkv bench vllm: --model {model!r} is not one of {list(MODELS)}\n")
+        raise SystemExit(2)
     if importlib.util.find_spec("vllm") is None:
         sys.stderr.write(INSTALL + "\n")
         raise SystemExit(2)
     with _in_process_env(), tempfile.TemporaryDirectory(prefix="hkv-bench-vllm-") as tmp:
-        return _run(quick, Path(tmp))
+        return _run(quick, Path(tmp), model)
 
 
-def _run(quick: bool, work: Path) -> dict[str, Any]:
+def _run(quick: bool, work: Path, model_name: str) -> dict[str, Any]:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     from hkv_service.connectors import systems
     from workers.inprocess import InProcessConfig, InProcessSystem
 
-    prompt_tokens, runs = (1024, 2) if quick else (4096, 3)
-    config = _model_config(quick)
-    model = _write_model(work / "model", config)
+    qwen = model_name == "qwen3-next"
+    if qwen:  # the tiny Qwen3-Next's position limit is 4096
+        prompt_tokens, runs = (1000, 2) if quick else (3000, 3)
+    else:
+        prompt_tokens, runs = (1024, 2) if quick else (4096, 3)
+    model, summary, vocab, extra = (_qwen3next if qwen else _llama)(work, quick)
     max_len = prompt_tokens + 128
-    vocab = int(config["vocab_size"])
     hit_prompt = _prompt(prompt_tokens, 11, vocab)
     warm = _prompt(prompt_tokens, 7, vocab)
 
     # Baseline: vLLM alone, the prompt computed in full each time.
     t = time.perf_counter()
-    alone = _engine(model, max_len, None)
+    alone = _engine(model, max_len, None, **extra)
     start_alone = time.perf_counter() - t
     _first_token(alone, warm)  # the first request of an engine pays one-time costs
     recompute: list[float] = []
@@ -240,7 +275,7 @@ def _run(quick: bool, work: Path) -> dict[str, Any]:
         spec, work / "hkv", InProcessConfig(shards=2, blocks_per_group=2048)))
     try:
         t = time.perf_counter()
-        llm = _engine(model, max_len, SYSTEM)
+        llm = _engine(model, max_len, SYSTEM, **extra)
         start_hkv = time.perf_counter() - t
         sched: Any = llm.llm_engine.engine_core.engine_core.scheduler.connector  # HkvConnector
         worker: Any = get_kv_transfer_group()
@@ -264,14 +299,17 @@ def _run(quick: bool, work: Path) -> dict[str, Any]:
         hit_s: list[float] = []
         hit_rows: list[dict[str, float]] = []
         loaded: list[float] = []
+        states: list[float] = []
         hit_token, hit_lps = 0, dict[int, float]()
         for _ in range(runs):
             _reset(llm)
-            before = worker.worker.stats.total["loaded_tokens"]
+            total = worker.worker.stats.total
+            before, before_states = total["loaded_tokens"], total["loaded_states"]
             took, hit_token, hit_lps = _first_token(llm, hit_prompt)
             hit_s.append(took)
             hit_rows.append(hooks.take())
-            loaded.append(worker.worker.stats.total["loaded_tokens"] - before)
+            loaded.append(total["loaded_tokens"] - before)
+            states.append(total["loaded_states"] - before_states)
         counters = {k: v for side in (sched.scheduler, worker.worker)
                     for k, v in sorted(side.stats.total.items()) if not k.endswith("_s")}
         _shutdown(llm)
@@ -295,8 +333,7 @@ def _run(quick: bool, work: Path) -> dict[str, Any]:
     figures = {
         "prompt_tokens": prompt_tokens,
         "runs": runs,
-        "model": {k: config[k] for k in ("num_hidden_layers", "hidden_size",
-                                         "num_key_value_heads", "head_dim", "sliding_window")},
+        "model": {"name": model_name, **summary},
         "engine_start_s": round(start_hkv, 2),
         "ttft_hit_s": ttft_hit,
         "ttft_miss_s": ttft_miss,
@@ -325,5 +362,7 @@ def _run(quick: bool, work: Path) -> dict[str, Any]:
         "hkv_overhead_hit_vs_recompute": round(overhead_hit_s / ttft_recompute, 4),
         "hkv_overhead_miss_vs_recompute": round(overhead_miss_s / ttft_recompute, 4),
     }
+    if qwen:  # what a hit restored of the recurrent groups: one state per group
+        figures["states_loaded_per_hit"] = min(states) if states else 0
     return {"name": "vllm", "quick": quick, "figures": figures, "baseline": baseline,
             "ratios": ratios}

@@ -10,6 +10,11 @@
     SlidingWindowSpec, SlidingWindowMLASpec     SWA, window W = sliding_window + retained
                                                 tokens (DeepSeek-V4's compressor state is
                                                 such a group, of 8 or 128 tokens)
+    MambaSpec, GDN_ATTN or MAMBA2, "align"      RECURRENT: one state object per boundary
+                                                vLLM handed off (Qwen3-Next / Qwen3.5
+                                                GatedDeltaNet; Nemotron-H, Granite 4,
+                                                Falcon-H1 Mamba2), its parts' shapes and
+                                                dtypes in the ABI
     anything else                               refused: UnsupportedKVCache, with a sentence
 
 Token geometry is vLLM's: group ``g``'s block ``k`` covers tokens ``[k*bs_g, (k+1)*bs_g)``,
@@ -22,6 +27,15 @@ slots, states, content). One hkv block of group ``g`` is vLLM block ``b`` of eve
 exactly that (dtype, ``layout`` "vllm-LHNC", ``head_shape`` (layers, H, C), the spec class, its
 cache dtype and quantisation, vLLM's minor version), so a reader whose bytes would differ in
 any of these never gets a hit. A wider SWA window than vLLM's is safe (hkv then needs more).
+
+A recurrent layer's page is vLLM's raw ``[B, 1, 1, S]`` int8 view of its states packed in
+``MambaSpec.shapes`` order (conv state, then the SSM / delta-rule state), ``S`` their bytes
+without the page's padding. One state object is that of every layer of the group, in layer
+order. Its ABI names each part's shape and dtype (the SSM state's dtype depends on the host
+and ``--mamba-ssm-cache-dtype``), the recurrence, the conv-state layout and vLLM's minor
+version. Only ``mamba_cache_mode`` "align" is mapped: it keeps states at block boundaries
+and hands them off (``boundary_state_offloads``); "none" keeps no reusable state and "all"
+and speculative blocks were never checked with hkv.
 """
 
 from __future__ import annotations
@@ -32,12 +46,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from vllm import envs
 from vllm.v1.kv_cache_interface import (
     AttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVQuantMode,
+    MambaSpec,
     MLAAttentionSpec,
     SlidingWindowMLASpec,
     SlidingWindowSpec,
@@ -53,6 +69,11 @@ from .errors import UnsupportedKVCache
 __all__ = ["LAYOUT", "Geometry", "GroupMap", "geometry_from"]
 
 LAYOUT = "vllm-LHNC"  # layers, head slots, states, content: see the module docstring
+STATE_LAYOUT = "vllm-mamba-packed"  # layers, each its states in MambaSpec.shapes order
+# Recurrences whose hand-off and load hkv checked (GDN on a real engine here, Mamba2 through
+# vLLM's scheduler with Nemotron-H's specs): a state is one tensor set per layer, exported at
+# block boundaries in align mode. Others (Mamba1, short conv, linear attention) were not.
+STATE_KINDS = frozenset({"GDN_ATTN", "MAMBA2"})
 # Page bytes are self-contained under these: a per-tensor FP8 scale is the model's (keyed by
 # the model id); the other modes keep scales beside the page or were never checked here.
 _QUANT_OK = frozenset({KVQuantMode.NONE, KVQuantMode.FP8_PER_TENSOR})
@@ -73,6 +94,12 @@ class GroupMap:
     @property
     def block_bytes(self) -> int:
         return self.page_bytes * len(self.layers)
+
+    @property
+    def recurrent(self) -> bool:
+        """A state group: saved only from vLLM's boundary hand-offs, loaded into the one
+        block vLLM plans for the hit (its block table is not positional)."""
+        return self.kind is GroupKind.RECURRENT
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,11 +191,34 @@ def _swa(index: int, group: KVCacheGroupSpec) -> _Mapped:
     return _Mapped(GroupKind.SWA, int(spec.tokens_per_state), max(window, spec.block_size))
 
 
+def _mamba(index: int, group: KVCacheGroupSpec) -> _Mapped:
+    spec = group.kv_cache_spec
+    assert isinstance(spec, MambaSpec)
+    name = type(spec).__name__
+    kind = spec.mamba_type.name
+    if kind not in STATE_KINDS:
+        raise UnsupportedKVCache(index, name, f"recurrence {kind} was never checked with hkv "
+                                 f"(it serves {sorted(STATE_KINDS)})")
+    if spec.mamba_cache_mode != "align":
+        raise UnsupportedKVCache(index, name, f"mamba_cache_mode {spec.mamba_cache_mode!r}: hkv "
+                                 "restores states only in 'align' mode (prefix caching on), "
+                                 "where vLLM keeps them at block boundaries and hands them off")
+    if spec.num_speculative_blocks:
+        raise UnsupportedKVCache(index, name, "speculative state blocks (MTP / EAGLE) were never "
+                                 "checked with hkv")
+    for dtype in spec.dtypes:
+        if dtype not in _DTYPE_NAME:
+            raise UnsupportedKVCache(index, name, f"state dtype {dtype} is not one of "
+                                     f"{sorted(DTYPE_BYTES)}")
+    return _Mapped(GroupKind.RECURRENT, 1)
+
+
 _MAPPERS: dict[type, Callable[[int, KVCacheGroupSpec], _Mapped]] = {
     FullAttentionSpec: _full,
     MLAAttentionSpec: _mla,
     SlidingWindowSpec: _swa,
     SlidingWindowMLASpec: _swa,
+    MambaSpec: _mamba,
 }
 
 
@@ -200,6 +250,19 @@ def _abi(spec: AttentionSpec, layers: int, vllm_version: str) -> dict[str, Any]:
     }
 
 
+def _state_group(spec: MambaSpec, layers: int, vllm_version: str) -> dict[str, Any]:
+    """A RECURRENT group's state parts, recurrence and ABI (see the module docstring)."""
+    parts = [{"shape": list(shape), "dtype": _DTYPE_NAME[dtype]}
+             for shape, dtype in zip(spec.shapes, spec.dtypes, strict=True)]
+    conv = envs.VLLM_SSM_CONV_STATE_LAYOUT or "default"
+    return {
+        "state_kind": spec.mamba_type.name, "layers": layers, "state": parts,
+        "abi": {"dtype": parts[-1]["dtype"], "layout": STATE_LAYOUT, "head_shape": [layers],
+                "kernel_version": f"vllm{vllm_version}:{type(spec).__name__}:"
+                                  f"{spec.mamba_type.name}:{spec.mamba_cache_mode}:conv-{conv}"},
+    }
+
+
 def _indexes(index: int, mapped: Sequence[_Mapped], groups: Sequence[KVCacheGroupSpec]
              ) -> str | None:
     """The COMPRESSED group an INDEXER group indexes: the one with its block size and ratio."""
@@ -228,12 +291,14 @@ def geometry_from(config: KVCacheConfig, model_id: str, vllm_version: str) -> Ge
     raw_groups = []
     for i, (g, m) in enumerate(zip(groups, mapped, strict=True)):
         spec = g.kv_cache_spec
+        raw: dict[str, Any] = {"name": f"g{i}", "kind": m.kind.value,
+                               "block_size": spec.block_size}
+        if isinstance(spec, MambaSpec):
+            raw_groups.append({**raw, **_state_group(spec, len(g.layer_names), vllm_version)})
+            continue
         assert isinstance(spec, AttentionSpec)
-        raw: dict[str, Any] = {
-            "name": f"g{i}", "kind": m.kind.value, "block_size": spec.block_size,
-            "ratio": m.ratio, "window": m.window,
-            "abi": _abi(spec, len(g.layer_names), vllm_version),
-        }
+        raw.update(ratio=m.ratio, window=m.window,
+                   abi=_abi(spec, len(g.layer_names), vllm_version))
         target = _indexes(i, mapped, groups)
         if target is not None:
             raw["indexes"] = target
@@ -252,4 +317,6 @@ def geometry_from(config: KVCacheConfig, model_id: str, vllm_version: str) -> Ge
 
 
 def _page_bytes(spec: Any) -> int:
+    if isinstance(spec, MambaSpec):  # the states, without the page's padding
+        return int(spec.real_page_size_bytes)
     return int(spec.num_heads * spec.num_states * spec.state_content_size_bytes)

@@ -10,6 +10,12 @@ ids; the worker side carries them out. Index ranges of one request, tokens::
 
 A group's block ``k`` covers ``[k*bs, (k+1)*bs)``; ``local`` and ``target`` are multiples of
 every block size (hkv's LCM block), so no block straddles either.
+
+A recurrent group is not positional: its object is the state after exactly ``p`` tokens.
+It is saved only from vLLM's hand-offs (``boundary_state_offloads``: group ``g``'s block
+``b`` holds the state at ``p`` once this step's forward ran), never from the block table
+(align-mode tables are not append-only), and loaded for a hit at ``target`` into the one
+block vLLM planned for it: index ``target // bs - 1`` (nulls before it).
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ from hkv_service.core.layout import Layout
 
 from .geometry import Geometry
 
-__all__ = ["LoadCopy", "LoadJob", "SaveItem", "SaveJob", "load_copies", "save_items"]
+__all__ = ["LoadCopy", "LoadJob", "SaveItem", "SaveJob", "load_copies", "save_items",
+           "state_items"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +101,8 @@ def load_copies(geo: Geometry, layout: Layout, match: Match, local: int, target:
                 continue
             if k >= len(ids):
                 return f"{g.name}: vLLM holds {len(ids)} blocks, block {k} is needed"
+            if g.recurrent and ids[k] == null_block:  # the state would be read from nowhere
+                return f"{g.name}: vLLM planned no block for the state at {target}"
             if ids[k] != null_block:
                 out.append(LoadCopy(g.name, i, g.vllm_group, ids[k]))
                 have.add(k)
@@ -106,9 +115,12 @@ def load_copies(geo: Geometry, layout: Layout, match: Match, local: int, target:
 
 def save_items(geo: Geometry, block_ids: Sequence[Sequence[int]], computed: int, known: int,
                null_block: int) -> tuple[SaveItem, ...]:
-    """Every whole block of ``[0, computed)`` vLLM still holds, past ``known``."""
+    """Every whole block of ``[0, computed)`` vLLM still holds, past ``known`` (attention
+    groups only: a recurrent group's blocks come from hand-offs, :func:`state_items`)."""
     out = []
     for g in geo.groups:
+        if g.recurrent:
+            continue
         for k, block_id in enumerate(block_ids[g.vllm_group]):
             end = (k + 1) * g.block_size
             if end > computed:
@@ -116,3 +128,24 @@ def save_items(geo: Geometry, block_ids: Sequence[Sequence[int]], computed: int,
             if end > known and block_id != null_block:
                 out.append(SaveItem(geo.depth_of(g, k), g.name, g.vllm_group, block_id))
     return tuple(out)
+
+
+def state_items(geo: Geometry, handoffs: Sequence[tuple[int, int, int]], start: int, end: int,
+                null_block: int) -> tuple[tuple[SaveItem, ...], int]:
+    """The state objects in a request's hand-offs of one step (``(vLLM group, block id,
+    boundary tokens)``) whose state this step's forward computes (``start < boundary <=
+    end``), and how many hand-offs were dropped: a boundary this step does not compute, no
+    resume point of hkv's (not a multiple of the LCM block), the null block, or a group that
+    is not recurrent. vLLM hands off again a block whose state a request resumed from (its
+    own cache's, or hkv's: at ``boundary == start``); that block holds what was loaded, or,
+    had the load failed, whatever it held before: never saved."""
+    by_group = {g.vllm_group: g for g in geo.groups if g.recurrent}
+    out, dropped = [], 0
+    for group, block_id, boundary in handoffs:
+        g = by_group.get(group)
+        if (g is None or block_id == null_block or boundary <= start or boundary > end
+                or boundary % geo.lcm):
+            dropped += 1
+            continue
+        out.append(SaveItem(boundary // geo.hash_block_size - 1, g.name, group, block_id))
+    return tuple(out), dropped

@@ -10,19 +10,27 @@ A request's life, as vLLM drives it::
     build_connector_meta         the step's LoadJobs, and a SaveJob per scheduled request for
                                  the blocks this step completes (saved after the forward: a
                                  sliding window's blocks are freed once it moves past them)
+                                 and the recurrent states vLLM hands off in this step
+                                 (``boundary_state_offloads``: the only source of states)
     update_connector_output      a failed load caps the request's next probe (it recomputes)
     request_finished_all_groups  a SaveJob for any whole block still unsaved; vLLM keeps the
                                  blocks until the worker says that save is done
 
 A request whose hkv answer is refused is never given a partial one it cannot check: multimodal
 and prompt-embedding requests are not looked up (their tokens do not name their KV).
+
+Each request that hkv was asked about gets a :class:`Certified` report in its output
+(``RequestOutput.kv_transfer_params["hkv"]``): the resume point hkv certified and, when it
+is shorter than the prompt allows, why (``NO_STATE_AT_BOUNDARY@960``: a recurrent group kept
+no state there; vLLM keeps few, see docs/vllm-recurrent-state.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -31,15 +39,16 @@ from hkv_service.core.hashing import ExtraKeys, hash_blocks
 from hkv_service.core.ids import BlockHash
 from hkv_service.core.layout import Layout
 from hkv_service.core.port import MetadataPort
+from hkv_service.core.states import Reason
 
 from .geometry import Geometry
-from .plan import LoadJob, SaveJob, load_copies, save_items
+from .plan import LoadJob, SaveItem, SaveJob, load_copies, save_items, state_items
 from .stats import Counters
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
-__all__ = ["Probe", "SchedulerSide"]
+__all__ = ["Certified", "Probe", "SchedulerSide"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +59,25 @@ class Probe:
     local: int  # vLLM's own hit, as it told the probe
     usable: int  # what hkv certified
     downgrades: tuple[Downgrade, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Certified:
+    """What hkv answered for one request, in tokens from the prompt's start."""
+
+    asked: int  # the longest resume point the prompt allows (whole LCM blocks before its end)
+    local: int  # vLLM's own prefix-cache hit
+    certified: int  # the resume point hkv's funnel certified (<= local: nothing to add)
+    loaded: int = 0  # tokens restored from hkv beyond ``local`` (0: none, or the load failed)
+    why: str = ""  # why less than asked: hkv's reasons, REASON@position[:group], or a failure
+
+    def as_params(self) -> dict[str, int | str]:
+        return dataclasses.asdict(self)
+
+
+def _why(downgrades: Sequence[Downgrade]) -> str:
+    return ", ".join(f"{d.reason.value}@{d.position}" + (f":{d.group}" if d.group else "")
+                     for d in downgrades)
 
 
 class SchedulerSide:
@@ -70,6 +98,7 @@ class SchedulerSide:
         self._sources: dict[str, str] = {}
         self._loads: list[LoadJob] = []
         self._saves: list[SaveJob] = []
+        self._reports: dict[str, Certified] = {}
         self.block_errors = geo.block_errors
 
     # -- probe ----------------------------------------------------------------------------
@@ -97,11 +126,14 @@ class SchedulerSide:
                                    self.extra_keys(request)))
         match = self._lookup(LookupRequest(hashes, limit, self.abi, handles=False))
         if match is None:
+            self._reports[req_id] = Certified(limit, local, 0, why="hkv lookup failed")
             return 0, False
         self.stats.add("probes")
         for d in match.downgrades:
             self.stats.add(f"downgrade.{d.reason.value}")
         usable = match.usable_tokens
+        self._reports[req_id] = Certified(limit, local, usable,
+                                          why=_why(match.downgrades) if usable < limit else "")
         if usable <= local:
             return 0, False
         self._probes[req_id] = Probe(hashes, local, usable, match.downgrades)
@@ -138,6 +170,13 @@ class SchedulerSide:
         if job.match is not None:
             self._known[request.request_id] = probe.local + job.tokens
             self._sources[request.request_id] = "disk" if job.match.needs_load else "host"
+        self._report(request.request_id, loaded=job.tokens, why=job.reason)
+
+    def _report(self, req_id: str, loaded: int, why: str = "") -> None:
+        got = self._reports.get(req_id)
+        if got is not None:
+            self._reports[req_id] = dataclasses.replace(
+                got, loaded=loaded, why=", ".join(w for w in (got.why, why) if w))
 
     def _plan(self, req_id: str, hashes: tuple[BlockHash, ...], local: int, target: int,
               match: Match | None, block_ids: Sequence[Sequence[int]]) -> LoadJob:
@@ -190,29 +229,49 @@ class SchedulerSide:
     # -- step -------------------------------------------------------------------------------
 
     def take_jobs(self, scheduled: Mapping[str, int],
-                  block_ids_of: Callable[[str], Sequence[Sequence[int]]]
-                  ) -> tuple[tuple[LoadJob, ...], tuple[SaveJob, ...]]:
+                  block_ids_of: Callable[[str], Sequence[Sequence[int]]],
+                  handoffs: Mapping[str, Sequence[tuple[int, int, int]]] | None = None,
+                  gone: Collection[str] = ()) -> tuple[tuple[LoadJob, ...], tuple[SaveJob, ...]]:
         """This step's jobs. ``scheduled`` maps each scheduled request to the tokens whose KV
-        this step computes for sure (speculative ones left out)."""
+        this step computes for sure (speculative ones left out); ``handoffs`` are this step's
+        ``boundary_state_offloads`` (read now: vLLM drains them every step); ``gone`` the
+        requests finished or preempted in it, whose blocks may already be another's: their
+        hand-offs are dropped (a state saved from a reused block would be a wrong state
+        under a valid key)."""
+        handoffs = handoffs or {}
         for req_id, n in scheduled.items():
             request = self._requests.get(req_id)
-            if request is not None and n > 0:
-                self._save(request, block_ids_of(req_id), request.num_computed_tokens + n)
+            if request is None or n <= 0:
+                continue
+            end = request.num_computed_tokens + n
+            states: tuple[SaveItem, ...] = ()
+            if req_id in handoffs and req_id not in gone:
+                states, dropped = state_items(self.geo, handoffs[req_id],
+                                              request.num_computed_tokens, end, self.null_block)
+                self.stats.add("state_handoffs", len(handoffs[req_id]))
+                if dropped:
+                    self.stats.add("state_handoffs_dropped", dropped)
+            self._save(request, block_ids_of(req_id), end, states=states)
+        for req_id, entries in handoffs.items():
+            if req_id not in scheduled or req_id in gone:
+                self.stats.add("state_handoffs", len(entries))
+                self.stats.add("state_handoffs_dropped", len(entries))
         loads, saves = tuple(self._loads), tuple(self._saves)
         self._loads.clear()
         self._saves.clear()
         return loads, saves
 
     def _save(self, request: Request, block_ids: Sequence[Sequence[int]], end: int,
-              held: bool = False) -> bool:
-        """A SaveJob for the whole blocks of ``[known, end)`` vLLM holds; True if any."""
+              held: bool = False, states: tuple[SaveItem, ...] = ()) -> bool:
+        """A SaveJob for the whole blocks of ``[known, end)`` vLLM holds, and ``states``;
+        True if any."""
         req_id = request.request_id
         if request.mm_features or request.prompt_embeds is not None:
             return False
         tokens = list(request.all_token_ids)
         end = min(end, len(tokens))
         known = self._known.get(req_id, 0)
-        items = save_items(self.geo, block_ids, end, known, self.null_block)
+        items = save_items(self.geo, block_ids, end, known, self.null_block) + states
         self._known[req_id] = max(known, end // self.geo.hash_block_size
                                   * self.geo.hash_block_size)
         if not items:
@@ -227,6 +286,7 @@ class SchedulerSide:
         for req_id in req_ids:
             self._caps.setdefault(req_id, 0)
             self._known.pop(req_id, None)
+            self._report(req_id, loaded=0, why="the load failed: recomputed")
 
     def source(self, req_id: str) -> str | None:
         return self._sources.pop(req_id, None)
@@ -244,4 +304,14 @@ class SchedulerSide:
         self._requests.pop(req_id, None)
         held = self._save(request, block_ids, request.num_computed_tokens, held=True)
         self._known.pop(req_id, None)
-        return held, None
+        report = self._reports.pop(req_id, None)
+        if report is None:
+            return held, None
+        self.stats.add("requests_asked")
+        if report.certified < report.asked and Reason.NO_STATE_AT_BOUNDARY.value in report.why:
+            self.stats.add("requests_short_no_state")  # a shorter hit for want of a state
+        return held, {"hkv": report.as_params()}
+
+    def report(self, req_id: str) -> Certified | None:
+        """The request's report so far (it goes out with the request's output)."""
+        return self._reports.get(req_id)

@@ -6,6 +6,11 @@ vLLM's own hit), ``downgrade.<REASON>`` (hkv's reasons for answering less than t
 matched), ``source.host`` / ``source.disk`` (tokens served from shard memory or loaded from a
 disk tier first), ``load_ok``, ``load_failed``, ``load_failed.<why>``, ``loaded_tokens``,
 ``saved_blocks``, ``existing_blocks``, ``save_failed``, ``lookup_s``, ``read_s``, ``write_s``.
+Recurrent states: ``state_handoffs`` / ``state_handoffs_dropped`` (what vLLM handed off, and
+what was not saved: no resume point of hkv's, null block, request gone), ``state_saves``
+(states written), ``loaded_states`` (states copied into vLLM's planned block);
+``requests_asked`` and ``requests_short_no_state`` (requests whose certified hit was shorter
+than asked because a recurrent group kept no state at the longer boundary).
 """
 
 from __future__ import annotations

@@ -10,8 +10,12 @@ vLLM loads it by name::
 and builds one per role: the scheduler's (:mod:`.scheduler`: probes, leases, plans) and each
 worker's (:mod:`.worker`: bytes). Both derive hkv's cache spec from vLLM's KV-cache config
 (:mod:`.geometry`) and refuse to start if the service runs another one. ``SupportsHMA`` keeps
-vLLM's hybrid allocator on: every group (full, sliding window, compressed, indexer) is its own
-hkv group, and a hit is what hkv's funnel certifies for all of them at one position.
+vLLM's hybrid allocator on: every group (full, sliding window, compressed, indexer,
+recurrent state) is its own hkv group, and a hit is what hkv's funnel certifies for all of
+them at one position.
+A recurrent (Mamba / GatedDeltaNet) group's states are saved only from vLLM's per-step
+``boundary_state_offloads`` and each request's output names the boundary hkv certified
+(``kv_transfer_params["hkv"]``, see :class:`.scheduler.Certified`).
 Loads are asynchronous to the scheduler, so a stale handle (or any failed read) becomes a
 failed receive and vLLM recomputes; with one full-attention group the failed blocks are
 reported as load errors instead and vLLM keeps the prefix before them.
@@ -165,7 +169,13 @@ class HkvConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unuse
                      scheduler_output.num_scheduled_tokens.items()}
         manager = self._kv_cache_manager
         assert manager is not None, "vLLM binds the KV-cache manager before scheduling"
-        loads, saves = self._sched().take_jobs(scheduled, manager.get_block_ids)
+        # recurrent states: only what vLLM hands off in this step (it clears this field
+        # before the output reaches the workers, and drains the hand-offs every step)
+        state = scheduler_output.kv_connector_block_state
+        handoffs = state.boundary_state_offloads if state is not None else {}
+        gone = set(scheduler_output.finished_req_ids) | set(
+            scheduler_output.preempted_req_ids or ())
+        loads, saves = self._sched().take_jobs(scheduled, manager.get_block_ids, handoffs, gone)
         return HkvConnectorMetadata(loads, saves)
 
     def on_new_request(self, request: Request) -> None:

@@ -99,6 +99,8 @@ class WorkerSide:
                 return False
             for c in job.copies:
                 self._put(self._group(c.column), c.block_id, blocks[c.column][c.index])
+            self.stats.add("loaded_states", sum(self._group(c.column).recurrent
+                                                for c in job.copies))
             return True
         except Exception as exc:  # a broken read is a recompute, never a crash of the step
             self.stats.add("load_failed.error")
@@ -135,6 +137,8 @@ class WorkerSide:
                           for it in job.items}
                 report = self.plane.write_prefix(job.hashes, blocks)
                 self.stats.add("saved_blocks", report.written)
+                self.stats.add("state_saves", sum(self._group(it.column).recurrent
+                                                  for it in job.items))
                 self.stats.add("existing_blocks", report.existing)
                 if report.failed:
                     self.stats.add("save_failed", len(report.failed))

@@ -68,3 +68,16 @@ def test_the_bench_model_alternates_sliding_and_full_layers(quick: bool) -> None
     assert len(types) == cfg["num_hidden_layers"]
     assert types[::2] == ["sliding_attention"] * (len(types) // 2)
     assert types[1::2] == ["full_attention"] * (len(types) // 2)
+
+
+def test_an_unknown_model_exits_2_with_a_sentence(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "vllm", "--model", "mamba9", "--json"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'mamba9' is not one of" in err and "qwen3-next" in err
+
+
+def test_model_is_for_the_vllm_bench_only(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "core", "--model", "qwen3-next"]) == 2
+    assert "--model is for hkv bench vllm only" in capsys.readouterr().err

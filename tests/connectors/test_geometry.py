@@ -104,7 +104,9 @@ def test_the_abi_names_what_makes_bytes_differ() -> None:
 
 
 REFUSED = {
-    "mamba": (MambaSpec(block_size=16, shapes=((4,),), dtypes=(F32,)), "hkv maps only"),
+    # a Mamba group without prefix caching keeps no state hkv could restore
+    "mamba": (MambaSpec(block_size=16, shapes=((4,),), dtypes=(F32,)),
+              "mamba_cache_mode 'none': hkv restores states only in 'align' mode"),
     "cross_attention": (CrossAttentionSpec(block_size=16, num_kv_heads=2, head_size=32,
                                            dtype=F32), "hkv maps only"),
     "sink": (SinkFullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=F32,

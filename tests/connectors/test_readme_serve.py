@@ -23,9 +23,10 @@ README's flow, step by step:
 address ``hkv up`` printed (other Ray clusters may be running on this machine), and
 ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB; vLLM would take most of the machine's memory) and
 ``VLLM_SERVER_DEV_MODE=1`` (for ``/reset_prefix_cache``). The model is the tiny hybrid Llama of
-``vllm_e2e.py`` with a word-level tokenizer, so the README line needs no tokenizer flag.
-Everything started here is stopped by pid and then by its process group. 3-5 minutes on 2
-cores.
+``vllm_e2e.py``, or the tiny Qwen3-Next (GatedDeltaNet + full attention: the second hit also
+restores each recurrent group's state, saved from vLLM's hand-offs, over Ray), each with a
+word-level tokenizer, so the README line needs no tokenizer flag. Everything started here is
+stopped by pid and then by its process group. 3-5 minutes a model on 2 cores.
 """
 
 from __future__ import annotations
@@ -65,16 +66,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def write_model(path: Path) -> Path:
-    """The tiny hybrid Llama of ``vllm_e2e.py`` (seeded safetensors weights), with a word-level
-    tokenizer of its vocabulary ("t3" is token 3), so ``vllm serve`` takes it as it would a
-    real model: no tokenizer flags."""
+def write_model(path: Path, which: str = "llama") -> Path:
+    """The tiny hybrid Llama of ``vllm_e2e.py`` or the tiny Qwen3-Next of ``qwen3next.py``
+    (seeded safetensors weights), with a word-level tokenizer of its vocabulary ("t3" is
+    token 3), so ``vllm serve`` takes it as it would a real model: no tokenizer flags."""
+    from qwen3next import QWEN3_NEXT
+    from qwen3next import write_model as write_qwen
     from tokenizers import Tokenizer, models, pre_tokenizers
     from vllm_e2e import write_model as write_weights
 
     tf: Any = importlib.import_module("transformers")  # untyped
-    write_weights(path)
-    words = {f"t{i}": i for i in range(3, int(str(TINY["vocab_size"])))}
+    (write_qwen if which == "qwen3-next" else write_weights)(path)
+    vocab = QWEN3_NEXT["vocab_size"] if which == "qwen3-next" else TINY["vocab_size"]
+    words = {f"t{i}": i for i in range(3, int(str(vocab)))}
     tok = Tokenizer(models.WordLevel({"<unk>": 0, "<s>": 1, "</s>": 2, **words},
                                      unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -218,7 +222,9 @@ def complete(port: int, model: str, tokens: list[int]) -> list[int]:
 
 
 @pytest.mark.slow
-def test_the_readme_vllm_serve_line_serves_a_prefix_from_hkv_up(tmp_path: Path) -> None:
+@pytest.mark.parametrize("which", ["llama", "qwen3-next"])
+def test_the_readme_vllm_serve_line_serves_a_prefix_from_hkv_up(tmp_path: Path,
+                                                                 which: str) -> None:
     up_argv, serve_line = readme_commands()
     assert up_argv[:2] == [".venv-vllm/bin/hkv", "up"] and "--spec" in up_argv, up_argv
     for part in (MODEL_PLACEHOLDER, VLLM_PORT, HKV_ENDPOINT):
@@ -244,7 +250,7 @@ def test_the_readme_vllm_serve_line_serves_a_prefix_from_hkv_up(tmp_path: Path) 
     # 1. hkv up with its default spec: vLLM writes the spec it needs and refuses to start.
     hkv = up(up_argv[:2], "hkv-default")
     try:
-        write_model(model)  # while hkv up starts
+        write_model(model, which)  # while hkv up starts
         phase("model written")
         hkv.ready()
         phase("hkv up (default spec) ready")
@@ -308,6 +314,9 @@ def test_the_readme_vllm_serve_line_serves_a_prefix_from_hkv_up(tmp_path: Path) 
         assert hits == held, (hits, held, log.read_text()[-4000:])
         assert local == 0
         assert second == first
+        if which == "qwen3-next":  # the hit included each recurrent group's state
+            spec = spec_file.read_text()
+            assert spec.count("kind: RECURRENT") == 3 and "state_kind: GDN_ATTN" in spec
     finally:
         hkv.stop()
         phase("hkv up stopped")

@@ -25,9 +25,6 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm_harness import nemotron_h_specs, prompt, recurrent_scheduler, write_tiny_config
 
-from hkv_service.connectors.errors import UnsupportedKVCache
-from hkv_service.connectors.geometry import geometry_from
-
 REF = KVTransferConfig(kv_connector="StateRefConnector",
                        kv_connector_module_path="state_ref_connector", kv_role="kv_both")
 N = 1333
@@ -122,9 +119,3 @@ def test_state_blocks_are_not_append_only_and_finish_does_not_name_them(model: P
     assert any(b and b not in t[0] for t in got["tables"][1:] for b in first)
     assert all(b for b in final[2])  # attention: every block, append-only
 
-
-def test_hkv_refuses_recurrent_groups_with_a_sentence(model: Path) -> None:
-    """Today's behaviour (issue 37 changes it): hkv names the group and why."""
-    _, kvc, _ = recurrent_scheduler(model, nemotron_h_specs())
-    with pytest.raises(UnsupportedKVCache, match="MambaSpec"):
-        geometry_from(kvc, "tiny", "0.32")

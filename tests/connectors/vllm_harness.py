@@ -159,13 +159,12 @@ def nemotron_h_specs(block_size: int = 160) -> dict[str, KVCacheSpec]:
             "model.layers.2.mixer": mamba}
 
 
-def recurrent_scheduler(model: Path, specs: dict[str, KVCacheSpec], block_size: int = 160,
-                        chunk: int = 320, retention: int | None = 0,
-                        transfer: KVTransferConfig | None = None
-                        ) -> tuple[VllmConfig, KVCacheConfig, Scheduler]:
-    """vLLM's Scheduler over ``specs`` in Mamba "align" mode (what the engine sets for a
-    hybrid model with prefix caching), prefill chunks of ``chunk`` tokens, the given
-    ``prefix_cache_retention_interval``; no model, no worker."""
+def recurrent_config(model: Path, block_size: int = 160, chunk: int = 320,
+                     retention: int | None = 0, transfer: KVTransferConfig | None = None
+                     ) -> VllmConfig:
+    """An engine config in Mamba "align" mode (what the engine sets for a hybrid model with
+    prefix caching), prefill chunks of ``chunk`` tokens, the given
+    ``prefix_cache_retention_interval``."""
     cfg = EngineArgs(model=str(model), skip_tokenizer_init=True, enforce_eager=True,
                      block_size=block_size, max_model_len=2048, max_num_batched_tokens=chunk,
                      kv_transfer_config=transfer, enable_prefix_caching=True,
@@ -173,6 +172,17 @@ def recurrent_scheduler(model: Path, specs: dict[str, KVCacheSpec], block_size: 
     cfg.cache_config.kv_cache_layout = "LBHNC"  # what the engine core would resolve
     cfg.cache_config.mamba_cache_mode = "align"  # the hybrid model's config hook sets these
     cfg.cache_config.mamba_block_size = block_size
+    return cfg
+
+
+def recurrent_scheduler(model: Path, specs: dict[str, KVCacheSpec], block_size: int = 160,
+                        chunk: int = 320, retention: int | None = 0,
+                        transfer: KVTransferConfig | None = None
+                        ) -> tuple[VllmConfig, KVCacheConfig, Scheduler]:
+    """vLLM's Scheduler over ``specs`` in Mamba "align" mode (what the engine sets for a
+    hybrid model with prefix caching), prefill chunks of ``chunk`` tokens, the given
+    ``prefix_cache_retention_interval``; no model, no worker."""
+    cfg = recurrent_config(model, block_size, chunk, retention, transfer)
     kvc = get_kv_cache_configs(cfg, [specs], [64 << 20])[0]
     cfg.cache_config.num_gpu_blocks = kvc.num_blocks
     sb, hb = resolve_kv_cache_block_sizes(kvc, cfg)
@@ -188,18 +198,24 @@ def prompt(n: int, seed: int) -> list[int]:
 
 def block_content(view: torch.Tensor, tokens: list[int], group: int, layer: int
                   ) -> torch.Tensor:
-    """The stand-in forward's bytes for a block: a function of the tokens up to its end."""
-    seed = xxhash.xxh64_intdigest(bytes(str(tokens), "ascii")) % 100_003
-    base = torch.arange(view[0].numel(), dtype=torch.float64).reshape(view[0].shape) * 1e-3
-    return (base + seed + group * 0.25 + layer * 0.125).to(view.dtype)
+    """The stand-in forward's bytes for a block: a function of the tokens up to its end (and
+    of the group and layer), pseudo-random so a disk tier cannot compress it (fault tests
+    find a record's bytes in the LMDB file by its head)."""
+    seed = xxhash.xxh64_intdigest(bytes(f"{tokens}|{group}|{layer}", "ascii"))
+    gen = torch.Generator().manual_seed(seed)
+    shape = view[0].shape
+    if not view.dtype.is_floating_point:  # a recurrent layer's raw int8 page
+        return torch.randint(-128, 128, shape, generator=gen, dtype=torch.int64).to(view.dtype)
+    return (torch.rand(shape, generator=gen, dtype=torch.float64) * 8 - 4).to(view.dtype)
 
 
 class Harness:
     def __init__(self, model: Path, data_dir: Path, specs: dict[str, KVCacheSpec],
                  name: str, block_size: int = 16, pool_blocks: int = 1024,
-                 partitions: int = 1, split: bool = False) -> None:
+                 partitions: int = 1, split: bool = False, cfg: VllmConfig | None = None
+                 ) -> None:
         self.name = name
-        self.cfg = engine_config(model, name, block_size)
+        self.cfg = cfg or engine_config(model, name, block_size)
         self.kvc = get_kv_cache_configs(self.cfg, [specs], [48 << 20])[0]
         self.cfg.cache_config.num_gpu_blocks = self.kvc.num_blocks
         self.geo = engine_geometry(self.cfg, self.kvc)
@@ -256,8 +272,11 @@ class Harness:
         kco = KVConnectorOutput(finished_sending=res.finished_sending,
                                 finished_recving=res.finished_recving,
                                 failed_recving=res.failed_recving, invalid_block_ids=errors)
+        reqs = self.sched.requests
+        sampled = [[] if r in reqs and reqs[r].num_computed_tokens < reqs[r].num_prompt_tokens
+                   else [7] for r in ids]  # a chunk of a prompt samples nothing
         mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                sampled_token_ids=[[7] for _ in ids], kv_connector_output=kco)
+                                sampled_token_ids=sampled, kv_connector_output=kco)
         self.sched.update_from_output(out, mro)
         return out
 

@@ -17,7 +17,7 @@ from storage import DiskFull, DiskKey, DiskTier, NotOnDisk
 from storage.codec import Codec
 from storage.record import HEADER
 
-KINDS = ("COMPRESSED", "TAIL", "SWA", "INDEXER")
+KINDS = ("COMPRESSED", "TAIL", "SWA", "INDEXER", "STATE")
 SIZES = (0, 1, 4096, 256 << 10, 1 << 20)
 
 
