@@ -15,19 +15,18 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 import numpy as np
+import torch
 
 from hkv_service.core.hashing import ExtraKeys, hash_blocks
 from hkv_service.core.layout import Layout
 from hkv_service.core.states import Kind, Reason
 from hkv_service.refmodel import LOGITS_ATOL, LOGITS_RTOL, RefModel
 from hkv_service.refmodel.cache import ModelCache
-
 from workers.checkpoints import StateCheckpoint
 
 from .backend import DemoBackend, Lookup, WriteOptions
@@ -90,7 +89,7 @@ class Worker:
         totals.add(row, reasons)
 
 
-def _checkpoints(model: RefModel, cache: ModelCache, groups: list[str]) -> dict[
+def _checkpoints(model: RefModel, cache: ModelCache, groups: Sequence[str]) -> dict[
         str, StateCheckpoint]:
     """Each recurrent group's state as of ``cache.length``, as a writer hands it over."""
     return {g: StateCheckpoint(tuple(p.numpy() for p in model.state_parts(cache, g)),

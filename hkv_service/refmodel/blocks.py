@@ -18,8 +18,9 @@ exactly L, the parts (conv state, then recurrent state) flattened and concatenat
 
 Import at L (a multiple of the LCM block size) needs, and validates, exactly what continuing
 at L reads: every c4/idx/c128 block before L, the swa blocks meeting [max(0, L - W), L),
-both tails with the count L implies, and the recurrent state as of L (none at L = 0). Anything missing or misshapen is a ValueError that names
-the group and block; extra blocks are ignored.
+both tails with the count L implies, and the recurrent state as of L (none at L = 0).
+Anything missing or misshapen is a ValueError that names the group and block; extra blocks
+are ignored.
 
 A group's blocks come either one tensor per block (``{k: block}``) or, batched, as a
 :class:`BlockRun`: consecutive blocks ``first .. first+n-1`` stacked into one tensor
@@ -30,9 +31,8 @@ you will not write to). Any other run is read block by block through its ``Mappi
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-
 import math
+from collections.abc import Iterator, Mapping
 
 import torch
 

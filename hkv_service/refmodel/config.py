@@ -57,9 +57,9 @@ class Geometry:
     value_dim: int = 0
 
     def by_name(self) -> dict[str, GroupSpec]:
-        groups = (self.swa, self.sparse, self.heavy, self.index)
+        groups = [self.swa, self.sparse, self.heavy, self.index]
         if self.recurrent is not None:
-            groups += (self.recurrent,)
+            groups.append(self.recurrent)
         return {g.name: g for g in groups}
 
 

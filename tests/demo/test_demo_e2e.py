@@ -26,13 +26,14 @@ from hkv_service.demo.wiring import InProcessWiring
 from hkv_service.demo.worker import Totals, Worker
 from hkv_service.demo.workload import long_prompt_workload
 from hkv_service.refmodel import BlockRun, RefModel
-from hkv_service.specs import default_spec
+from hkv_service.specs import default_spec, demo_spec
 
 # every fault, with the rare ones raised so a short run sees each of them
 # (a stalled tail or a stale indexer shows only to a later reader resuming right there, before
 # pool pressure evicts it: they are raised most)
 RATES = {**DEFAULT_RATES, "shard_kill": 0.1, "service_restart": 0.1, "partial_tail": 1.0,
-         "stale_indexer": 0.6, "disk_bitflip": 0.4, "abi_mismatch": 0.2}
+         "stale_indexer": 0.6, "disk_bitflip": 0.4, "abi_mismatch": 0.2,
+         "state_off_boundary": 0.4, "state_dtype": 0.4}
 REQUESTS = 120
 
 
@@ -71,6 +72,42 @@ def test_no_faults_reuses_everything_safe() -> None:
     assert rep["silent_errors"] == 0
     assert rep["reuse_efficiency"] >= 0.99
     assert rep["reused_tokens"] >= 0.4 * rep["prompt_tokens"]
+    # a state at every resume point: no request is ever short of one
+    assert rep["recurrent_state"]["requests_short_of_state"] == 0
+
+
+def test_states_kept_only_at_each_prompts_end_cost_shared_prefixes() -> None:
+    # vLLM's align mode keeps one state per prompt, at its last boundary: a request sharing
+    # only a shorter prefix (a RAG document under another question) finds no state there and
+    # resumes at a shorter one (issue 37 item 3; the same workload as the test above)
+    rep = run_workload(requests=24, seed=1, faults="none", check=True, workers=2,
+                       states="last")
+    rs = rep["recurrent_state"]
+    assert rep["silent_errors"] == 0
+    assert rs["retention"] == "last" and rs["requests_short_of_state"] > 0
+    assert rep["fallbacks"].get("NO_STATE_AT_BOUNDARY", 0) >= rs["requests_short_of_state"]
+    assert rs["tokens_short"] >= 128 * rs["requests_short_of_state"]
+
+
+def test_a_wrong_state_is_refused_and_the_reader_resumes_short() -> None:
+    rep = run_workload(requests=24, seed=3, faults={"state_off_boundary": 0.5,
+                                                    "state_dtype": 0.5}, check=True, workers=1)
+    assert rep["silent_errors"] == 0 and rep["checked"] == 24
+    injected = rep["faults_injected"]
+    assert injected.get("state_off_boundary", 0) > 0 and injected.get("state_dtype", 0) > 0
+    rs = rep["recurrent_state"]
+    assert rs["states_refused"] == injected["state_off_boundary"] + injected["state_dtype"]
+    assert rep["fallbacks"].get("NO_STATE_AT_BOUNDARY", 0) > 0
+    assert rs["resumed_shorter"] > 0
+
+
+@pytest.mark.usefixtures("state_boundary_unchecked")
+def test_state_boundary_check_skipped_is_caught() -> None:
+    rep = run_workload(requests=24, seed=3, faults={"state_off_boundary": 1.0}, check=True,
+                       workers=1)
+    assert rep["faults_injected"]["state_off_boundary"] > 0
+    assert rep["recurrent_state"]["states_refused"] == 0
+    assert rep["silent_errors"] > 0
 
 
 @pytest.mark.usefixtures("layer3_off")
@@ -132,7 +169,7 @@ def test_long_prompts_resume_the_whole_document_exactly() -> None:
 
 
 def test_read_hands_each_column_over_as_one_run() -> None:
-    spec = default_spec()
+    spec = demo_spec()
     model = RefModel(spec)
     be = DemoBackend(InProcessWiring(spec, 64), _shapes(model))
     try:
@@ -152,7 +189,11 @@ def test_read_hands_each_column_over_as_one_run() -> None:
         for group, ks in want.items():
             run = res.blocks[group]
             assert isinstance(run, BlockRun) and list(run) == list(ks), group
-        cache = model.import_cache(640, res.blocks, res.tails)
+        # the recurrent state as of exactly 640, nothing else of its group
+        assert set(res.states) == {"gla"} and "gla" not in res.blocks
+        assert torch.equal(res.states["gla"], model.export_state(
+            model.prefill(torch.from_numpy(req.tokens[:640]))[1], "gla"))
+        cache = model.import_cache(640, res.blocks, res.tails, res.states)
         logits, _ = model.extend(cache, torch.from_numpy(req.tokens[640:]))
         assert torch.equal(logits, model.forward_full(torch.from_numpy(req.tokens))[640:])
     finally:
