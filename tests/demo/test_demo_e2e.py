@@ -37,7 +37,9 @@ RATES = {**DEFAULT_RATES, "shard_kill": 0.1, "service_restart": 0.1, "partial_ta
 REQUESTS = 120
 
 
-@pytest.fixture(scope="module", params=[6, 7], ids=["seed6", "seed7"])
+# (seed 7 left when the demo's spec gained the recurrent layer: its STATE objects move the
+# schedule, and at seed 7 no reader met a misaligned copy before it aged out; 8 and 9 checked)
+@pytest.fixture(scope="module", params=[6, 8], ids=["seed6", "seed8"])
 def faulty(request: pytest.FixtureRequest) -> dict[str, Any]:
     rep = run_workload(requests=REQUESTS, seed=request.param, faults=RATES, check=True,
                        workers=1)
