@@ -726,11 +726,14 @@ class DemoBackend:
 
     def inject_shard_kill(self, lk: Lookup) -> bool:
         """The shard holding a matched block crashes between lookup and read: the read meets a
-        dead shard (OWNER_LOST); its successor (empty pools, same disk) starts right after."""
+        dead shard (OWNER_LOST); its successor (empty pools, same disk) starts right after.
+        False if it is down already (another worker killed it and no read revived it yet)."""
         shards = sorted({h.shard for hs in lk.handles.values() for h in hs if h.shard})
         if not shards:
             return False
         with self.lock:
+            if shards[0] in self._crashed:
+                return False
             self.wiring.crash_shard(shards[0])
             self._crashed.add(shards[0])
         return True

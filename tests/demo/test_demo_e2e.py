@@ -213,3 +213,31 @@ def test_place_column_files_gaps_block_by_block() -> None:
     place_column(blocks, {}, lay, col, [0, 1, 2], arrays, 256)
     assert isinstance(blocks["c4"], BlockRun) and blocks["c4"].first == 0
     assert not np.shares_memory(blocks["c4"].stacked.numpy(), arrays[0])  # one copy, owned
+
+
+def test_a_shard_two_workers_kill_before_either_reads_is_killed_once() -> None:
+    # regression: with two workers, both lookups matched blocks of one shard and both rolled
+    # shard_kill before either read revived it; the second kill met the dead link's closed
+    # executor ("cannot schedule new futures after shutdown") and ended the run (seen at
+    # test_all_ten_faults_land_at_the_default_request_count[3] and on the base commit)
+    spec = demo_spec()
+    model = RefModel(spec)
+    be = DemoBackend(InProcessWiring(spec, 64), _shapes(model))
+    try:
+        w = Worker(model, be, FaultPlan({}, 0), check=False)
+        req = long_prompt_workload(256, 0, seed=2).requests[0]
+        w.run(req, Totals())
+        hashes = hash_blocks(req.tokens, w.layout.hash_block, w.extra)
+        first, second = be.lookup(hashes, 256), be.lookup(hashes, 256)
+        assert first.usable == second.usable == 256
+        assert be.inject_shard_kill(first)
+        assert not be.inject_shard_kill(second)  # already down: nothing more to inject
+        assert be.read(first).reason == "OWNER_LOST"  # the read revives it, cold
+        assert be.read(second).reason in ("OWNER_LOST", "STALE_HANDLE")
+        for lk in (first, second):
+            be.release(lk)
+        again = be.lookup(hashes, 256)  # revived (cold): the disk copies serve after a load
+        assert again.match.needs_load or again.usable == 256
+        be.release(again)
+    finally:
+        be.close()

@@ -72,7 +72,9 @@ def system_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None
 # ~2.5 min on 2 cores; the default run has test_launcher.py's partition test on the system
 @pytest.mark.slow
 def test_every_fault_over_two_partitions_on_the_system(system_env: None) -> None:
-    rep = run_workload(requests=48, seed=1, faults=RATES, check=True, workers=1, partitions=2,
+    # (seed 3: since the demo's spec has a recurrent layer, at seeds 1 and 2 a misaligned copy
+    # or a stale indexer aged out before a reader met it; no silent error at either)
+    rep = run_workload(requests=48, seed=3, faults=RATES, check=True, workers=1, partitions=2,
                        range_blocks=4, backend="system")
     assert rep["backend"] == "system", rep
     _assert_campaign(rep, 48)
