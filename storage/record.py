@@ -73,7 +73,8 @@ __all__ = [
 MAGIC = b"HKVR"
 FORMAT_VERSION = 3  # 1: the header led the payload in one value; 2: unsealed index fields
 MAX_GROUP_BYTES = 255
-# one code per object kind (core.states.Kind) that can go to disk; STATE: a recurrent checkpoint
+# a new kind takes the next code (codes on disk never change meaning): 5, the recurrent
+# state checkpoints of issue 37
 KIND_CODES: dict[str, int] = {"COMPRESSED": 1, "TAIL": 2, "SWA": 3, "INDEXER": 4, "STATE": 5}
 _KIND_NAMES = {code: name for name, code in KIND_CODES.items()}
 _KEY_FIXED = struct.Struct(">16sQB")

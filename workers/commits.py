@@ -42,7 +42,7 @@ _READY = {k: c.ready_state for k, c in CONTRACTS.items()}
 # moves on to by itself (an indexer written is synced; a disk copy committed is loaded)
 _TARGET = {
     Event.WRITE_DONE: {_READY[Kind.COMPRESSED], _READY[Kind.SWA], State.INDEXER_WRITTEN,
-                       _READY[Kind.INDEXER]},
+                       _READY[Kind.INDEXER], _READY[Kind.STATE]},
     Event.TAIL_DONE: {_READY[Kind.TAIL]},
     Event.INDEXER_SYNC: {_READY[Kind.INDEXER]},
     Event.OFFLOAD_COMMITTED: {State.ON_DISK, State.ON_DISK_INFLIGHT, _READY[Kind.DISK]},

@@ -39,10 +39,11 @@ from hkv_service.core.api import AllocRequest, Handle, LookupRequest, Match, Par
 from hkv_service.core.contracts import CONTRACTS
 from hkv_service.core.errors import HkvError, PoolExhausted
 from hkv_service.core.ids import BlockHash, LeaseId, ObjectId, ShardId
-from hkv_service.core.layout import Column, Layout
+from hkv_service.core.layout import AT_BOUNDARY, Column, Layout
 from hkv_service.core.states import TERMINAL_STATES, Event, Kind, Reason, State
 from hkv_service.refmodel import BlockRun
 from workers import outage
+from workers.checkpoints import StateCheckpoint, StateRefused, state_payload
 from workers.dataplane import PendingLoad, Recompute
 from workers.link import ShardUnavailable
 from workers.ports import Commit
@@ -64,6 +65,7 @@ WATCH_S = 0.1  # one poll of the transition stream
 SLOW_LOAD_S = 0.3  # how long a slow_disk_load stays in flight on the shard
 Blocks = dict[str, Mapping[int, torch.Tensor]]  # per column: {block: tensor} or a BlockRun
 Tails = dict[str, tuple[torch.Tensor, int]]
+States = dict[str, torch.Tensor]  # per recurrent group: its state as of the resume point
 Key = tuple[bytes, str]  # (block hash, column name)
 Slot = tuple[int, str]  # (depth, column name)
 _EMPTY_OBJECT = -1  # the pool's "no occupant" object id
@@ -86,6 +88,7 @@ class ReadResult:
     blocks: Blocks | None = None
     tails: Tails | None = None
     reason: str | None = None  # set when the read failed: recompute
+    states: States = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -106,17 +109,18 @@ class WriteReport:
     repaired: int = 0
     pool_exhausted: int = 0
     faults: Counter[str] = field(default_factory=Counter)
+    refused_states: dict[Slot, str] = field(default_factory=dict)  # slot -> why (not written)
 
 
 def needed_columns(lay: Layout, depth: int, p: int) -> list[int]:
     """Columns whose block at ``depth`` a reader resuming at ``p`` needs (the oracle's own
-    rule, not the funnel's): every compressed/indexer block, the tails at p, SWA blocks
-    meeting [p-W, p)."""
+    rule, not the funnel's): every compressed/indexer block, the tails and the recurrent
+    states at p, SWA blocks meeting [p-W, p)."""
     end = (depth + 1) * lay.hash_block
     out = []
     for c in lay.attached[depth % lay.period]:
         col = lay.columns[c]
-        if col.kind is Kind.TAIL and end != p:
+        if col.kind in AT_BOUNDARY and end != p:
             continue
         if col.kind is Kind.SWA and end <= p - col.group.window:
             continue
@@ -125,10 +129,14 @@ def needed_columns(lay: Layout, depth: int, p: int) -> list[int]:
 
 
 def place_block(blocks: Blocks, tails: Tails, lay: Layout, col: Column, depth: int,
-                tensor: torch.Tensor, usable: int) -> None:
+                tensor: torch.Tensor, usable: int, states: States | None = None) -> None:
     """File one read block where ``RefModel.import_cache`` wants it: a tail with the number of
-    raw tokens it holds at ``usable``, any other block under its index in its own group."""
-    if col.kind is Kind.TAIL:
+    raw tokens it holds at ``usable``, a recurrent state under its group, any other block
+    under its index in its own group."""
+    if col.kind is Kind.STATE:
+        if states is not None:
+            states[col.group.name] = tensor
+    elif col.kind is Kind.TAIL:
         tails[col.group.name] = (tensor, col.tail_tokens_at(usable))
     else:
         end = (depth + 1) * lay.hash_block
@@ -139,7 +147,8 @@ def place_block(blocks: Blocks, tails: Tails, lay: Layout, col: Column, depth: i
 
 
 def place_column(blocks: Blocks, tails: Tails, lay: Layout, col: Column,
-                 depths: Sequence[int], arrays: Sequence[np.ndarray], usable: int) -> None:
+                 depths: Sequence[int], arrays: Sequence[np.ndarray], usable: int,
+                 states: States | None = None) -> None:
     """File one column's read blocks (``arrays[i]`` ends at hash block ``depths[i]``).
 
     Blocks that are consecutive in their group (what a reader needs always is) are stacked
@@ -147,7 +156,7 @@ def place_column(blocks: Blocks, tails: Tails, lay: Layout, col: Column,
     adopts as the group's rows; anything else (a tail, a gap, a misshapen block) is filed
     block by block with a copy each, and import names what is wrong."""
     ks = [((d + 1) * lay.hash_block) // col.group.block_size - 1 for d in depths]
-    if col.kind is not Kind.TAIL and ks and ks == list(range(ks[0], ks[0] + len(ks))):
+    if col.kind not in AT_BOUNDARY and ks and ks == list(range(ks[0], ks[0] + len(ks))):
         try:
             stacked = np.stack(arrays)  # the one copy
         except ValueError:  # shapes differ: block by block below
@@ -156,7 +165,8 @@ def place_column(blocks: Blocks, tails: Tails, lay: Layout, col: Column,
             blocks[col.name] = BlockRun(ks[0], torch.from_numpy(stacked))
             return
     for d, a in zip(depths, arrays, strict=True):
-        place_block(blocks, tails, lay, col, d, torch.from_numpy(np.array(a, copy=True)), usable)
+        place_block(blocks, tails, lay, col, d, torch.from_numpy(np.array(a, copy=True)), usable,
+                    states)
 
 
 _HELD_STATES = frozenset(c.ready_state for k, c in CONTRACTS.items() if k is not Kind.DISK)
@@ -388,6 +398,7 @@ class DemoBackend:
         lay = self.layout
         blocks: Blocks = {}
         tails: Tails = {}
+        states: States = {}
         for name, arrays in out.items():
             col = lay.columns[lay.by_name[name]]
             depths = lay.needed_depths(lay.by_name[name], lk.usable)
@@ -397,8 +408,8 @@ class DemoBackend:
             # views of the shard's bytes; place_column copies each column once
             views = [np.ascontiguousarray(arr).view(np.float32).reshape(-1, *shape[1:])
                      for arr in arrays]  # a tail: exactly its rows
-            place_column(blocks, tails, lay, col, depths, views, lk.usable)
-        return ReadResult(blocks, tails)
+            place_column(blocks, tails, lay, col, depths, views, lk.usable, states)
+        return ReadResult(blocks, tails, states=states)
 
     def _shape(self, col: Column) -> tuple[int, ...]:
         return self.shapes[col.name]
@@ -416,7 +427,11 @@ class DemoBackend:
         blocks: Mapping[int, Mapping[str, torch.Tensor]],
         tails: Mapping[int, Mapping[str, tuple[torch.Tensor, int]]],
         opts: WriteOptions = WriteOptions(),
+        states: Mapping[int, Mapping[str, StateCheckpoint]] | None = None,
     ) -> WriteReport:
+        """Write a prompt's new blocks, tails and recurrent states (each state filed only if
+        it is its boundary's, in the spec's layout: ``workers.checkpoints``; a refused one is
+        left out and named in ``refused_states``)."""
         rep = WriteReport()
         hashes = list(hashes)
         data: dict[Slot, np.ndarray] = {}
@@ -427,6 +442,13 @@ class DemoBackend:
         for d, tcols in tails.items():
             for g, (t, n) in tcols.items():
                 tail_data[(d, f"{g}.tail")] = (_as_bytes(t[:n]), n)  # exactly its rows
+        for d, scols in (states or {}).items():
+            for name, ckpt in scols.items():
+                try:
+                    data[(d, name)] = state_payload(self.layout, name, d, ckpt)
+                except StateRefused as err:
+                    rep.refused_states[(d, name)] = str(err)
+                    self.events["state_refused"] += 1
         special = self._faulty_writes(blocks, tails, data, tail_data, opts)
         with self.lock:
             wr = self._write_prefix(hashes, data, tail_data, opts.owner)
@@ -704,11 +726,14 @@ class DemoBackend:
 
     def inject_shard_kill(self, lk: Lookup) -> bool:
         """The shard holding a matched block crashes between lookup and read: the read meets a
-        dead shard (OWNER_LOST); its successor (empty pools, same disk) starts right after."""
+        dead shard (OWNER_LOST); its successor (empty pools, same disk) starts right after.
+        False if it is down already (another worker killed it and no read revived it yet)."""
         shards = sorted({h.shard for hs in lk.handles.values() for h in hs if h.shard})
         if not shards:
             return False
         with self.lock:
+            if shards[0] in self._crashed:
+                return False
             self.wiring.crash_shard(shards[0])
             self._crashed.add(shards[0])
         return True

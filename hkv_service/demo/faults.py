@@ -42,6 +42,9 @@ DEFAULT_RATES: dict[str, float] = {
     "pool_pressure": 1.0,  # tiny block pools: constant eviction and spill to disk
     "abi_mismatch": 0.08,  # a reader whose kernel ABI differs
     "misaligned_handle": 0.1,  # a writer places blocks on a shard with 64-byte alignment
+    # a writer hands over the recurrent state of one boundary earlier for a boundary
+    "state_off_boundary": 0.15,
+    "state_dtype": 0.15,  # a writer hands over a recurrent state held in float16
 }
 
 # What each fault must show up as: a funnel downgrade reason or a read-time outcome
@@ -57,6 +60,9 @@ EXPECTED: dict[str, str] = {
     "pool_pressure": "EVICTED",
     "abi_mismatch": Reason.ABI_MISMATCH.value,
     "misaligned_handle": Reason.MISALIGNED.value,
+    # refused at the write (workers.checkpoints): the reader finds no state there
+    "state_off_boundary": Reason.NO_STATE_AT_BOUNDARY.value,
+    "state_dtype": Reason.NO_STATE_AT_BOUNDARY.value,
 }
 
 
@@ -73,6 +79,8 @@ OPPORTUNITY: dict[str, str] = {
     "pool_pressure": "the run itself (its pools are small from the start)",
     "abi_mismatch": "a request with a prefix that is safe to reuse",
     "misaligned_handle": "a write-back of new blocks",
+    "state_off_boundary": "a write-back of a new recurrent state",
+    "state_dtype": "a write-back of a new recurrent state",
 }
 
 class FaultSpecError(ValueError):

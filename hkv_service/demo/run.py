@@ -26,11 +26,11 @@ from hkv_service.core.layout import Layout
 from hkv_service.core.partitions import check_range_blocks
 from hkv_service.refmodel import RefModel
 from hkv_service.settings import DemoSettings, SettingsError
-from hkv_service.specs import default_spec
+from hkv_service.specs import RECURRENT_SPEC, demo_spec
 
 from .backend import DemoBackend
 from .faults import EXPECTED, OPPORTUNITY, FaultPlan, FaultSpecError, parse_faults
-from .worker import Totals, Worker
+from .worker import STATE_RETENTION, Totals, Worker
 from .workload import long_prompt_workload, make_workload
 
 __all__ = ["run_demo", "run_long_prompts", "run_workload"]
@@ -73,7 +73,7 @@ def make_backend(model: RefModel, rates: dict[str, float], note: Any = None,
     if choice == "system":
         try:
             wiring = SystemWiring(model.spec, pool, odd, emit=note, partitions=partitions,
-                                  range_blocks=range_blocks)
+                                  range_blocks=range_blocks, spec_file=RECURRENT_SPEC)
         except Exception as err:
             if asked:
                 raise
@@ -96,9 +96,14 @@ def run_workload(
     backend: str | None = "inprocess",
     partitions: int = 1,
     range_blocks: int = 0,
+    states: str = "every",
 ) -> dict[str, Any]:
+    """The demo's workload through hkv; ``states``: which resume points the workers write
+    recurrent states at (``worker.STATE_RETENTION``: every one, or each prompt's last)."""
+    if states not in STATE_RETENTION:
+        raise FaultSpecError(f"states must be one of {STATE_RETENTION}, got {states!r}")
     rates = parse_faults(faults) if isinstance(faults, str) else dict(faults)
-    spec = default_spec()
+    spec = demo_spec()
     model = RefModel(spec)
     be = make_backend(model, rates, progress, backend, partitions, range_blocks)
     plan = FaultPlan(rates, seed, requests)
@@ -114,7 +119,7 @@ def run_workload(
     errors: list[BaseException] = []
 
     def loop() -> None:
-        w = Worker(model, be, plan, check)
+        w = Worker(model, be, plan, check, states)
         while True:
             if duration is not None and time.perf_counter() - start > duration:
                 return
@@ -144,6 +149,7 @@ def run_workload(
     if errors:
         raise errors[0]
     rep = _report(totals, plan, st, elapsed, rates)
+    rep["recurrent_state"]["retention"] = states
     rep["partitions"] = partitions
     rep["range_blocks"] = range_blocks
     return rep
@@ -161,7 +167,7 @@ def run_long_prompts(prefix: int, resumed: int, seed: int = 0, check: bool = Tru
     (``full_s``) and compared with the cached run's logits (the cold one reuses nothing and
     is not checked).
     """
-    spec = default_spec()
+    spec = demo_spec()
     model = RefModel(spec)
     wl = long_prompt_workload(prefix, resumed, seed, vocab=model.config.vocab)
     depths = sum(len(r.tokens) for r in wl.requests) // spec.hash_block_size + len(wl.requests)
@@ -225,12 +231,27 @@ def _report(totals: Totals, plan: FaultPlan, st: dict[str, Any], elapsed: float,
                                  f"(request {plan.turn[name] + 1} of {totals.requests}) on"
                            for name in plan.missing()},
         "faults_expected": expected,
+        "recurrent_state": _state_report(totals, st),
         "time_s": {k: round(v, 4) for k, v in sorted(totals.time_s.items())},
         "elapsed_s": round(elapsed, 3),
         "backend": st.get("backend"),
         "disk": st.get("disk"),
         "service_restarts": st.get("restarts", 0),
         "per_request": totals.per_request,
+    }
+
+
+def _state_report(totals: Totals, st: dict[str, Any]) -> dict[str, Any]:
+    """Issue 37 item 3: how often a request resumed at a shorter prefix, or recomputed all,
+    because the funnel found no recurrent state at a longer boundary (NO_STATE_AT_BOUNDARY),
+    and how many tokens that cost (the boundary without a state minus what was reused)."""
+    short = [r for r in totals.per_request if r["no_state_at"] > r["reused_tokens"]]
+    return {
+        "requests_short_of_state": len(short),
+        "resumed_shorter": sum(1 for r in short if r["reused_tokens"] > 0),
+        "recomputed_all": sum(1 for r in short if r["reused_tokens"] == 0),
+        "tokens_short": sum(r["no_state_at"] - r["reused_tokens"] for r in short),
+        "states_refused": int(st.get("events", {}).get("state_refused", 0)),
     }
 
 
@@ -254,6 +275,11 @@ def _summary(rep: dict[str, Any]) -> str:
                                                          rep["faults_injected"].items()))
     for name, why in rep["faults_missing"].items():
         lines.append(f"  fault missing     {name}: {why}")
+    rs = rep["recurrent_state"]
+    lines.append(f"  no state at a longer boundary: {rs['requests_short_of_state']} requests "
+                 f"({rs['resumed_shorter']} resumed shorter, {rs['recomputed_all']} recomputed "
+                 f"all; {rs['tokens_short']} tokens); states refused at write "
+                 f"{rs['states_refused']}")
     t = rep["time_s"]
     lines.append(f"  time (s)          lookup {t.get('lookup', 0):.3f}  transfer "
                  f"{t.get('transfer', 0):.3f}  compute {t.get('compute', 0):.3f}  "
@@ -287,7 +313,7 @@ def run_demo(args: argparse.Namespace) -> int:
         sys.stderr.write(f"hkv: error: {err}.\n")
         return 2
     try:
-        check_range_blocks(cfg.range_blocks, Layout(default_spec()).period)
+        check_range_blocks(cfg.range_blocks, Layout(demo_spec()).period)
     except InvalidInput as err:
         sys.stderr.write(f"hkv: error: --range-blocks: {err}.\n")
         return 2

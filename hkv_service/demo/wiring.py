@@ -172,7 +172,9 @@ class SystemWiring(Wiring):
     def __init__(self, spec: CacheSpec, pool_blocks: int, odd_shard: bool = False,
                  emit: Emit | None = None, data_dir: str = "hkv-data",
                  start_timeout_s: float = 90.0, partitions: int = 1,
-                 range_blocks: int = 0) -> None:
+                 range_blocks: int = 0, spec_file: str | None = None) -> None:
+        """``spec_file``: the packaged spec (``hkv_service/data``) ``hkv up`` serves, which
+        must be ``spec``; None: the service's default."""
         import ray
 
         from workers.launcher import (
@@ -207,7 +209,7 @@ class SystemWiring(Wiring):
                 start_timeout_s=start_timeout_s, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
                 max_inflight_objects=ADMISSION.max_objects,
                 max_inflight_bytes=ADMISSION.max_bytes, service_replicas=partitions,
-                range_blocks=range_blocks,
+                range_blocks=range_blocks, spec=_packaged(spec_file),
             )
             self.system = start_system(self.config, self.say)
             self.pids += [p.pid for p in self.system.services]
@@ -379,3 +381,12 @@ def _ray_pids() -> list[int]:
         return out
     except Exception:
         return []
+
+
+def _packaged(name: str | None) -> str | None:
+    """The path of a spec file packaged with hkv_service (an installed or editable tree)."""
+    if name is None:
+        return None
+    from importlib import resources
+
+    return str(resources.files("hkv_service") / "data" / name)

@@ -12,10 +12,15 @@ A tail is a COMPRESSED group's raw tokens [tail_start(L), L), exactly its ``coun
 most :func:`tail_shape`'s), with that count. At a resume point a group without overlap has
 none: its tail may be left out.
 
+A recurrent group (layer 3) has no blocks: its object at a resume point L is its state as of
+exactly L, the parts (conv state, then recurrent state) flattened and concatenated, float32
+``[state_elements]`` (:func:`export_state`; ``block_shape`` says that shape).
+
 Import at L (a multiple of the LCM block size) needs, and validates, exactly what continuing
-at L reads: every c4/idx/c128 block before L, the swa blocks meeting [max(0, L - W), L), and
-both tails with the count L implies. Anything missing or misshapen is a ValueError that names
-the group and block; extra blocks are ignored.
+at L reads: every c4/idx/c128 block before L, the swa blocks meeting [max(0, L - W), L),
+both tails with the count L implies, and the recurrent state as of L (none at L = 0).
+Anything missing or misshapen is a ValueError that names the group and block; extra blocks
+are ignored.
 
 A group's blocks come either one tensor per block (``{k: block}``) or, batched, as a
 :class:`BlockRun`: consecutive blocks ``first .. first+n-1`` stacked into one tensor
@@ -26,20 +31,23 @@ you will not write to). Any other run is read block by block through its ``Mappi
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 
 import torch
 
 from hkv_service.core.spec import GroupSpec
 
-from .cache import CompressedState, ModelCache
+from .cache import CompressedState, ModelCache, empty_state
 from .compress import tail_start
 from .config import Geometry
+from .recurrent import RecurrentState
 
 __all__ = [
     "BlockRun",
     "block_shape",
     "export_block",
+    "export_state",
     "export_tail",
     "import_cache",
     "tail_shape",
@@ -78,6 +86,8 @@ class BlockRun(Mapping[int, torch.Tensor]):
 
 def block_shape(geo: Geometry, group: str) -> tuple[int, ...]:
     g = _group(geo, group)
+    if g is geo.recurrent:  # one state object: its parts flattened
+        return (sum(math.prod(p.shape) for p in g.state),)
     return (g.entries_per_block, *g.abi.head_shape)
 
 
@@ -109,6 +119,9 @@ def _rows_of(cache: ModelCache, geo: Geometry) -> dict[str, tuple[torch.Tensor, 
 
 def export_block(cache: ModelCache, geo: Geometry, group: str, k: int) -> torch.Tensor:
     g = _group(geo, group)
+    if g is geo.recurrent:
+        raise ValueError(f"group {group!r} is RECURRENT: it keeps a state, not blocks "
+                         "(export_state)")
     if k < 0 or cache.length < (k + 1) * g.block_size:
         raise ValueError(
             f"group {group!r} block {k} covers tokens up to {(k + 1) * g.block_size}, "
@@ -119,6 +132,34 @@ def export_block(cache: ModelCache, geo: Geometry, group: str, k: int) -> torch.
     if start < 0:
         raise ValueError(f"swa block {k} left the window; this cache holds tokens from {first}")
     return rows[start : start + g.entries_per_block].clone()
+
+
+def _recurrent(cache: ModelCache, geo: Geometry, group: str) -> RecurrentState:
+    if _group(geo, group) is not geo.recurrent or cache.recurrent is None:
+        raise ValueError(f"group {group!r} is not RECURRENT and keeps no state")
+    return cache.recurrent
+
+
+def state_parts(cache: ModelCache, geo: Geometry, group: str) -> tuple[torch.Tensor, ...]:
+    st = _recurrent(cache, geo, group)
+    return (st.conv.clone(), st.ssm.clone())
+
+
+def export_state(cache: ModelCache, geo: Geometry, group: str) -> torch.Tensor:
+    return torch.cat([p.reshape(-1) for p in state_parts(cache, geo, group)])
+
+
+def _state(states: Mapping[str, torch.Tensor] | None, geo: Geometry, length: int,
+           device: torch.device) -> RecurrentState | None:
+    g = geo.recurrent
+    if g is None or length == 0:  # nothing before token 0: the zero state
+        return empty_state(geo, device)
+    flat = (states or {}).get(g.name)
+    what = f"the state of group {g.name!r} at length {length}"
+    flat = _checked(flat, what, block_shape(geo, g.name)).to(device)
+    conv_shape, ssm_shape = (p.shape for p in g.state)
+    n = math.prod(conv_shape)
+    return RecurrentState(flat[:n].reshape(conv_shape).clone(), flat[n:].reshape(ssm_shape).clone())
 
 
 def export_tail(cache: ModelCache, geo: Geometry, group: str) -> tuple[torch.Tensor, int]:
@@ -168,7 +209,8 @@ def _tail(
 
 
 def import_cache(
-    geo: Geometry, length: int, blocks: Blocks, tails: Tails, device: torch.device
+    geo: Geometry, length: int, blocks: Blocks, tails: Tails, device: torch.device,
+    states: Mapping[str, torch.Tensor] | None = None,
 ) -> ModelCache:
     if length < 0 or length % geo.chunk:
         raise ValueError(f"import length {length} must be a non-negative multiple of {geo.chunk}")
@@ -185,4 +227,5 @@ def import_cache(
         _tail(tails, geo, geo.heavy.name, length, device),
     )
     swa_kv = _gather(blocks, geo, geo.swa.name, swa_ks, device)
-    return ModelCache(length, swa_ks.start * bs, swa_kv, sparse, heavy)
+    state = _state(states, geo, length, device)
+    return ModelCache(length, swa_ks.start * bs, swa_kv, sparse, heavy, recurrent=state)

@@ -11,7 +11,11 @@ later call. All tensors are float32 on the model's device, row-major by token or
     heavy.entries       c128 entries 0 .. length//128 - 1                    [length//128, 2, dh]
     heavy.tail          raw K|V of layer 2 for tokens [tail_start, length)   [<= 127, 2, dh]
 
-(``tail_start`` is defined in :mod:`.compress`.) A cache built by ``prefill`` keeps the whole
+    recurrent.conv      layer 3's conv state: its last K-1 inputs             [K-1, dk+dv]
+    recurrent.ssm       layer 3's recurrent state as of ``length``            [dk, dv]
+
+(``tail_start`` is defined in :mod:`.compress`; ``recurrent`` exists only when the spec has a
+RECURRENT group, see :mod:`.recurrent`.) A cache built by ``prefill`` keeps the whole
 sliding-window history (``swa_lo == 0``) so every block can be exported; an imported cache
 holds only the window the next token needs (``swa_lo <= max(0, length - window)``).
 ``last_logits`` are the logits of token ``length - 1``; an imported cache has none.
@@ -25,8 +29,9 @@ import torch
 
 from .compress import tail_start
 from .config import Geometry
+from .recurrent import RecurrentState
 
-__all__ = ["CompressedState", "ModelCache", "check_integrity", "empty_cache"]
+__all__ = ["CompressedState", "ModelCache", "check_integrity", "empty_cache", "empty_state"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,7 @@ class ModelCache:
     sparse: CompressedState
     heavy: CompressedState
     last_logits: torch.Tensor | None = None
+    recurrent: RecurrentState | None = None  # layer 3's state as of ``length``
 
 
 def _rows(n: int, geo: Geometry, device: torch.device, width: int = 2) -> torch.Tensor:
@@ -60,6 +66,18 @@ def empty_cache(geo: Geometry, device: torch.device) -> ModelCache:
             _rows(0, geo, device), _rows(0, geo, device), _rows(0, geo, device, 1)
         ),
         heavy=CompressedState(_rows(0, geo, device), _rows(0, geo, device)),
+        recurrent=empty_state(geo, device),
+    )
+
+
+def empty_state(geo: Geometry, device: torch.device) -> RecurrentState | None:
+    """Layer 3's state before token 0 (zeros), or None without a recurrent layer."""
+    if geo.recurrent is None:
+        return None
+    dk, dv = geo.key_dim, geo.value_dim
+    return RecurrentState(
+        torch.zeros((geo.conv_kernel - 1, dk + dv), dtype=torch.float32, device=device),
+        torch.zeros((dk, dv), dtype=torch.float32, device=device),
     )
 
 
@@ -73,3 +91,4 @@ def check_integrity(cache: ModelCache, geo: Geometry) -> None:
         assert state.tail.shape[0] == n - tail_start(n, g.ratio, g.overlap)
     keys = cache.sparse.index_keys
     assert keys is not None and keys.shape[0] == n // geo.sparse.ratio
+    assert (cache.recurrent is None) == (geo.recurrent is None)

@@ -11,6 +11,10 @@ Roles. The spec names groups freely; the model finds them by kind:
     INDEXER group     -> the lightning-indexer keys                        ("idx")
     its target group  -> layer 1, sparse compressed attention (+ overlap)  ("c4")
     other COMPRESSED  -> layer 2, heavily compressed attention             ("c128")
+    RECURRENT group   -> layer 3, a gated linear recurrence, if the spec has one ("gla")
+
+The recurrent group's state parts fix its widths: ``[[K-1, dk+dv], [dk, dv]]`` (the short
+conv's last K-1 inputs over the key and value channels, then the recurrent state), float32.
 
 Top-k. The default is the real family's 512. Past 512 visible ratio-4 entries (prompts over
 2048 tokens) it *selects*; below that every entry is selected. So that a stale indexer block is
@@ -47,9 +51,16 @@ class Geometry:
     head_dim: int  # K and V width of every KV group (head_shape [2, head_dim])
     index_dim: int  # indexer key width (head_shape [1, index_dim])
     chunk: int  # tokens per forward chunk = the spec's LCM block size
+    recurrent: GroupSpec | None = None  # layer 3's group; None: the attention-only model
+    conv_kernel: int = 0  # the recurrent layer's short-conv width K
+    key_dim: int = 0  # dk: the recurrent state is [dk, dv]
+    value_dim: int = 0
 
     def by_name(self) -> dict[str, GroupSpec]:
-        return {g.name: g for g in (self.swa, self.sparse, self.heavy, self.index)}
+        groups = [self.swa, self.sparse, self.heavy, self.index]
+        if self.recurrent is not None:
+            groups.append(self.recurrent)
+        return {g.name: g for g in groups}
 
 
 def _one(groups: list[GroupSpec], what: str) -> GroupSpec:
@@ -80,7 +91,14 @@ def geometry_from_spec(spec: CacheSpec) -> Geometry:
         _check_kv_shape(g, head_dim)
     if len(index.abi.head_shape) != 2 or index.abi.head_shape[0] != 1:
         raise ValueError(f"group {index.name!r}: head_shape must be [1, index_dim]")
+    rec = by_kind[GroupKind.RECURRENT]
+    recurrent = _one(rec, "RECURRENT") if rec else None
+    conv, dk, dv = _recurrent_widths(recurrent) if recurrent is not None else (0, 0, 0)
     return Geometry(
+        recurrent=recurrent,
+        conv_kernel=conv,
+        key_dim=dk,
+        value_dim=dv,
         swa=swa,
         sparse=sparse,
         heavy=heavy,
@@ -89,3 +107,16 @@ def geometry_from_spec(spec: CacheSpec) -> Geometry:
         index_dim=index.abi.head_shape[1],
         chunk=spec.lcm_block_size,
     )
+
+
+def _recurrent_widths(g: GroupSpec) -> tuple[int, int, int]:
+    """(K, dk, dv) from the state parts ``[[K-1, dk+dv], [dk, dv]]``, float32, one layer."""
+    shapes = [p.shape for p in g.state]
+    ok = (g.layers == 1 and len(shapes) == 2 and len(shapes[0]) == 2 and len(shapes[1]) == 2
+          and all(p.dtype == "float32" for p in g.state)
+          and shapes[0][1] == shapes[1][0] + shapes[1][1])
+    if not ok:
+        raise ValueError(f"group {g.name!r}: the reference model's recurrent layer keeps one "
+                         "layer's state as [[K-1, dk+dv], [dk, dv]] float32 (conv, then state); "
+                         f"got {[(p.shape, p.dtype) for p in g.state]} x {g.layers} layers")
+    return shapes[0][0] + 1, shapes[1][0], shapes[1][1]

@@ -6,6 +6,8 @@ Architecture (single head per layer, pre-norm residual, float64 compute, float32
     h += L0 swa(rms(h))      sliding window, raw K/V        -> cache group swa
     h += L1 sparse(rms(h))   top-k c4 entries + raw tail    -> c4, idx, c4 TAIL
     h += L2 heavy(rms(h))    c128 entries + raw tail        -> c128, c128 TAIL
+    h += L3 gla(rms(h))      gated linear recurrence        -> the RECURRENT group's state
+                             (only when the spec has one; :mod:`.recurrent`)
     logits = rms(h) @ W_out                           [vocab]  (float32)
 
 Every pass is ``extend``: tokens go through all three layers one *chunk* at a time, chunks cut
@@ -32,6 +34,7 @@ from . import blocks as blk
 from .cache import ModelCache, empty_cache
 from .config import RefModelConfig, geometry_from_spec
 from .layers import CompressedLayer, make_indexer, rms_norm, swa_layer
+from .recurrent import recurrent_layer
 from .weights import init_weights
 
 __all__ = ["LOGITS_ATOL", "LOGITS_RTOL", "RefModel"]
@@ -124,9 +127,16 @@ class RefModel:
         out, sparse = self._sparse(cache.sparse, rms_norm(h), a)
         h = h + out
         out, heavy = self._heavy(cache.heavy, rms_norm(h), a)
-        logits = (rms_norm(h + out) @ w.out).to(torch.float32)
+        h = h + out
+        state = cache.recurrent
+        if w.recurrent is not None:
+            assert state is not None, "a recurrent model's cache carries its state"
+            out, state = recurrent_layer(state, rms_norm(h), w.recurrent)
+            h = h + out
+        logits = (rms_norm(h) @ w.out).to(torch.float32)
         swa_kv = torch.cat([cache.swa_kv, swa_new])
-        new = ModelCache(a + tokens.shape[0], cache.swa_lo, swa_kv, sparse, heavy, logits[-1])
+        new = ModelCache(a + tokens.shape[0], cache.swa_lo, swa_kv, sparse, heavy, logits[-1],
+                         state)
         return logits, new
 
     # ---- the block interface ----------------------------------------------------------------
@@ -146,14 +156,26 @@ class RefModel:
         their count."""
         return blk.export_tail(cache, self.geometry, group)
 
+    def export_state(self, cache: ModelCache, group: str) -> torch.Tensor:
+        """A copy of the recurrent group's state as of ``cache.length``: its parts flattened
+        and concatenated in stored order (conv, then state), float32 [state_elements]."""
+        return blk.export_state(cache, self.geometry, group)
+
+    def state_parts(self, cache: ModelCache, group: str) -> tuple[torch.Tensor, ...]:
+        """The same state as its parts, each in its own shape (copies)."""
+        return blk.state_parts(cache, self.geometry, group)
+
     def import_cache(
         self,
         length: int,
         blocks: Mapping[str, Mapping[int, torch.Tensor]],
         tails: Mapping[str, tuple[torch.Tensor, int]],
+        states: Mapping[str, torch.Tensor] | None = None,
     ) -> ModelCache:
         """Rebuild the cache at ``length``; ValueError names any missing or misshapen piece.
 
         A group's blocks may come as a :class:`~.blocks.BlockRun` (one stacked tensor): a run
-        of exactly the blocks needed is adopted as the group's rows without a copy."""
-        return blk.import_cache(self.geometry, length, blocks, tails, self.device)
+        of exactly the blocks needed is adopted as the group's rows without a copy. A recurrent
+        model needs its group's state as of exactly ``length`` in ``states`` (as
+        :meth:`export_state` gives it), unless ``length`` is 0."""
+        return blk.import_cache(self.geometry, length, blocks, tails, self.device, states)

@@ -8,6 +8,7 @@ by far more than rounding noise.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -15,7 +16,8 @@ import torch
 
 from .config import Geometry, RefModelConfig
 
-__all__ = ["AttnWeights", "IndexerWeights", "PoolWeights", "Weights", "init_weights"]
+__all__ = ["AttnWeights", "IndexerWeights", "PoolWeights", "RecurrentWeights", "Weights",
+           "init_weights"]
 
 COMPUTE_DTYPE = torch.float64
 
@@ -42,6 +44,19 @@ class IndexerWeights:
 
 
 @dataclass(frozen=True)
+class RecurrentWeights:
+    """The gated linear recurrence (layer 3): see :mod:`.recurrent`."""
+
+    wu: torch.Tensor  # [d_model, dk+dv]: the conv's input (key | value channels)
+    conv: torch.Tensor  # [K, dk+dv]: depthwise causal conv taps, oldest first
+    wq: torch.Tensor  # [d_model, dk]
+    wa: torch.Tensor  # [d_model, dk]: the decay gate's logit
+    a_bias: torch.Tensor  # [dk]: a slow decay (gates near 0.98), so a state lost or one
+    # boundary off changes many tokens after the resume point, not only the first few
+    wo: torch.Tensor  # [dv, d_model]
+
+
+@dataclass(frozen=True)
 class Weights:
     emb: torch.Tensor  # [vocab, d_model]
     swa: AttnWeights
@@ -51,6 +66,7 @@ class Weights:
     heavy_pool: PoolWeights
     indexer: IndexerWeights
     out: torch.Tensor  # [d_model, vocab]
+    recurrent: RecurrentWeights | None = None  # drawn last: the attention layers' stay as they were
 
 
 class _Draw:
@@ -78,7 +94,7 @@ def _pool(draw: _Draw, dh: int, slots: int) -> PoolWeights:
 def init_weights(cfg: RefModelConfig, geo: Geometry, device: torch.device) -> Weights:
     draw = _Draw(cfg.seed, device)
     d, dh = cfg.d_model, geo.head_dim
-    return Weights(
+    w = Weights(
         emb=draw(cfg.vocab, d),
         swa=_attn(draw, d, dh),
         sparse=_attn(draw, d, dh),
@@ -91,3 +107,15 @@ def init_weights(cfg: RefModelConfig, geo: Geometry, device: torch.device) -> We
         ),
         out=draw(d, cfg.vocab, scale=1 / math.sqrt(d)),
     )
+    if geo.recurrent is None:
+        return w
+    dk, dv, k = geo.key_dim, geo.value_dim, geo.conv_kernel
+    rec = RecurrentWeights(
+        wu=draw(d, dk + dv, scale=1 / math.sqrt(d)),
+        conv=draw(k, dk + dv, scale=1 / math.sqrt(k)),
+        wq=draw(d, dk, scale=1 / math.sqrt(d)),
+        wa=draw(d, dk, scale=0.3 / math.sqrt(d)),
+        a_bias=draw(dk, scale=0.5) + 4.0,
+        wo=draw(dv, d, scale=2 / math.sqrt(dv)),
+    )
+    return dataclasses.replace(w, recurrent=rec)

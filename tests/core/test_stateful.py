@@ -29,10 +29,12 @@ from hkv_service.core.hashing import ExtraKeys, hash_blocks
 from hkv_service.core.ids import ShardId
 from hkv_service.core.state_view import CacheState
 from hkv_service.core.states import Event
-from hkv_service.specs import default_spec
+from hkv_service.specs import demo_spec
 from hkv_service.testing import pools_for
 
-SPEC = default_spec()
+# the reference layout with a recurrent group ("gla": a state object at each resume point), so
+# every kind of object is in the interleavings (issue 37)
+SPEC = demo_spec()
 H, L, W = 64, 128, 128
 DEPTHS = 8
 SHARDS = (ShardId("s0"), ShardId("s1"))
@@ -41,11 +43,12 @@ _a = _rng.integers(0, 1000, DEPTHS * H)
 _b = np.concatenate([_a[: 4 * H], _rng.integers(1000, 2000, 4 * H)])  # shares 4 blocks with A
 CHAINS = [hash_blocks(t, H, ExtraKeys(SPEC.model_id)) for t in (_a, _b)]
 COLUMNS = tuple(c.name for c in CacheState(SPEC).layout.columns)  # c128 has no tail
+AT_BOUNDARY = tuple(c for c in COLUMNS if c.endswith(".tail") or c == "gla")  # at p only
 
 
 def lives_at(col: str, depth: int) -> bool:
     end = (depth + 1) * H
-    if col.endswith(".tail"):
+    if col in AT_BOUNDARY:
         return end % L == 0
     return end % (128 if col == "c128" else 64) == 0
 
@@ -122,7 +125,8 @@ class Oracle:
                     return False
             if (d + 1) * H > p - W and not self.usable(chain[d], "swa"):
                 return False
-        return all(self.usable(chain[p // H - 1], t) for t in COLUMNS if t.endswith(".tail"))
+        # the tails and the recurrent state as of exactly p
+        return all(self.usable(chain[p // H - 1], t) for t in AT_BOUNDARY)
 
 
 class FunnelMachine(RuleBasedStateMachine):

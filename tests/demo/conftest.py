@@ -5,6 +5,8 @@ functions of the code it breaks, in this process, for one test (production has n
   ("the hash matched"), and each column serves whatever copy it has, in whatever state.
 * ``read_check_skipped``: a shard's ``read_blocks`` hands out whatever a block holds, its
   generation and occupant re-check skipped.
+* ``state_boundary_unchecked``: the writer files a recurrent state under a boundary without
+  comparing the position it is as of (``workers.checkpoints``' boundary check skipped).
 
 Both reach only code running in this process: the tests run the demo in-process (what
 ``run_workload`` does unless asked for the system).
@@ -25,6 +27,8 @@ from hkv_service.core.funnel import FunnelResult
 from hkv_service.core.layout import Layout
 from hkv_service.core.prefix_index import PrefixIndex
 from hkv_service.core.records import ObjRecord, PrefixEntry
+from hkv_service.demo import backend
+from workers import checkpoints
 from workers.pool import BlockPool
 
 
@@ -83,4 +87,17 @@ def read_check_skipped(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         return np.ones(len(blocks), dtype=bool)
 
     monkeypatch.setattr(BlockPool, "readable", every_block)
+    yield
+
+
+@pytest.fixture
+def state_boundary_unchecked(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    real = checkpoints.state_payload
+
+    def any_position(layout: Layout, column: str, depth: int,
+                     ckpt: checkpoints.StateCheckpoint) -> np.ndarray:
+        claimed = checkpoints.StateCheckpoint(ckpt.parts, (depth + 1) * layout.hash_block)
+        return real(layout, column, depth, claimed)
+
+    monkeypatch.setattr(backend, "state_payload", any_position)  # (imported by name)
     yield

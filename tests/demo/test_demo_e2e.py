@@ -26,17 +26,20 @@ from hkv_service.demo.wiring import InProcessWiring
 from hkv_service.demo.worker import Totals, Worker
 from hkv_service.demo.workload import long_prompt_workload
 from hkv_service.refmodel import BlockRun, RefModel
-from hkv_service.specs import default_spec
+from hkv_service.specs import default_spec, demo_spec
 
 # every fault, with the rare ones raised so a short run sees each of them
 # (a stalled tail or a stale indexer shows only to a later reader resuming right there, before
 # pool pressure evicts it: they are raised most)
 RATES = {**DEFAULT_RATES, "shard_kill": 0.1, "service_restart": 0.1, "partial_tail": 1.0,
-         "stale_indexer": 0.6, "disk_bitflip": 0.4, "abi_mismatch": 0.2}
+         "stale_indexer": 0.6, "disk_bitflip": 0.4, "abi_mismatch": 0.2,
+         "state_off_boundary": 0.4, "state_dtype": 0.4}
 REQUESTS = 120
 
 
-@pytest.fixture(scope="module", params=[6, 7], ids=["seed6", "seed7"])
+# (seed 7 left when the demo's spec gained the recurrent layer: its STATE objects move the
+# schedule, and at seed 7 no reader met a misaligned copy before it aged out; 8 and 9 checked)
+@pytest.fixture(scope="module", params=[6, 8], ids=["seed6", "seed8"])
 def faulty(request: pytest.FixtureRequest) -> dict[str, Any]:
     rep = run_workload(requests=REQUESTS, seed=request.param, faults=RATES, check=True,
                        workers=1)
@@ -71,6 +74,42 @@ def test_no_faults_reuses_everything_safe() -> None:
     assert rep["silent_errors"] == 0
     assert rep["reuse_efficiency"] >= 0.99
     assert rep["reused_tokens"] >= 0.4 * rep["prompt_tokens"]
+    # a state at every resume point: no request is ever short of one
+    assert rep["recurrent_state"]["requests_short_of_state"] == 0
+
+
+def test_states_kept_only_at_each_prompts_end_cost_shared_prefixes() -> None:
+    # vLLM's align mode keeps one state per prompt, at its last boundary: a request sharing
+    # only a shorter prefix (a RAG document under another question) finds no state there and
+    # resumes at a shorter one (issue 37 item 3; the same workload as the test above)
+    rep = run_workload(requests=24, seed=1, faults="none", check=True, workers=2,
+                       states="last")
+    rs = rep["recurrent_state"]
+    assert rep["silent_errors"] == 0
+    assert rs["retention"] == "last" and rs["requests_short_of_state"] > 0
+    assert rep["fallbacks"].get("NO_STATE_AT_BOUNDARY", 0) >= rs["requests_short_of_state"]
+    assert rs["tokens_short"] >= 128 * rs["requests_short_of_state"]
+
+
+def test_a_wrong_state_is_refused_and_the_reader_resumes_short() -> None:
+    rep = run_workload(requests=24, seed=3, faults={"state_off_boundary": 0.5,
+                                                    "state_dtype": 0.5}, check=True, workers=1)
+    assert rep["silent_errors"] == 0 and rep["checked"] == 24
+    injected = rep["faults_injected"]
+    assert injected.get("state_off_boundary", 0) > 0 and injected.get("state_dtype", 0) > 0
+    rs = rep["recurrent_state"]
+    assert rs["states_refused"] == injected["state_off_boundary"] + injected["state_dtype"]
+    assert rep["fallbacks"].get("NO_STATE_AT_BOUNDARY", 0) > 0
+    assert rs["resumed_shorter"] > 0
+
+
+@pytest.mark.usefixtures("state_boundary_unchecked")
+def test_state_boundary_check_skipped_is_caught() -> None:
+    rep = run_workload(requests=24, seed=3, faults={"state_off_boundary": 1.0}, check=True,
+                       workers=1)
+    assert rep["faults_injected"]["state_off_boundary"] > 0
+    assert rep["recurrent_state"]["states_refused"] == 0
+    assert rep["silent_errors"] > 0
 
 
 @pytest.mark.usefixtures("layer3_off")
@@ -132,7 +171,7 @@ def test_long_prompts_resume_the_whole_document_exactly() -> None:
 
 
 def test_read_hands_each_column_over_as_one_run() -> None:
-    spec = default_spec()
+    spec = demo_spec()
     model = RefModel(spec)
     be = DemoBackend(InProcessWiring(spec, 64), _shapes(model))
     try:
@@ -152,7 +191,11 @@ def test_read_hands_each_column_over_as_one_run() -> None:
         for group, ks in want.items():
             run = res.blocks[group]
             assert isinstance(run, BlockRun) and list(run) == list(ks), group
-        cache = model.import_cache(640, res.blocks, res.tails)
+        # the recurrent state as of exactly 640, nothing else of its group
+        assert set(res.states) == {"gla"} and "gla" not in res.blocks
+        assert torch.equal(res.states["gla"], model.export_state(
+            model.prefill(torch.from_numpy(req.tokens[:640]))[1], "gla"))
+        cache = model.import_cache(640, res.blocks, res.tails, res.states)
         logits, _ = model.extend(cache, torch.from_numpy(req.tokens[640:]))
         assert torch.equal(logits, model.forward_full(torch.from_numpy(req.tokens))[640:])
     finally:
@@ -170,3 +213,31 @@ def test_place_column_files_gaps_block_by_block() -> None:
     place_column(blocks, {}, lay, col, [0, 1, 2], arrays, 256)
     assert isinstance(blocks["c4"], BlockRun) and blocks["c4"].first == 0
     assert not np.shares_memory(blocks["c4"].stacked.numpy(), arrays[0])  # one copy, owned
+
+
+def test_a_shard_two_workers_kill_before_either_reads_is_killed_once() -> None:
+    # regression: with two workers, both lookups matched blocks of one shard and both rolled
+    # shard_kill before either read revived it; the second kill met the dead link's closed
+    # executor ("cannot schedule new futures after shutdown") and ended the run (seen at
+    # test_all_ten_faults_land_at_the_default_request_count[3] and on the base commit)
+    spec = demo_spec()
+    model = RefModel(spec)
+    be = DemoBackend(InProcessWiring(spec, 64), _shapes(model))
+    try:
+        w = Worker(model, be, FaultPlan({}, 0), check=False)
+        req = long_prompt_workload(256, 0, seed=2).requests[0]
+        w.run(req, Totals())
+        hashes = hash_blocks(req.tokens, w.layout.hash_block, w.extra)
+        first, second = be.lookup(hashes, 256), be.lookup(hashes, 256)
+        assert first.usable == second.usable == 256
+        assert be.inject_shard_kill(first)
+        assert not be.inject_shard_kill(second)  # already down: nothing more to inject
+        assert be.read(first).reason == "OWNER_LOST"  # the read revives it, cold
+        assert be.read(second).reason in ("OWNER_LOST", "STALE_HANDLE")
+        for lk in (first, second):
+            be.release(lk)
+        again = be.lookup(hashes, 256)  # revived (cold): the disk copies serve after a load
+        assert again.match.needs_load or again.usable == 256
+        be.release(again)
+    finally:
+        be.close()

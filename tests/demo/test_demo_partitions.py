@@ -32,7 +32,9 @@ def _assert_campaign(rep: dict[str, Any], requests: int, partitions: int = 2) ->
 
 
 def test_every_fault_over_two_partitions_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    rep = run_workload(requests=60, seed=0, faults=RATES, check=True, workers=1, partitions=2,
+    # (seed 1: at seed 0, since the demo's spec has a recurrent layer, no reader met a
+    # misaligned copy before it aged out; seeds 1 and 2 checked)
+    rep = run_workload(requests=60, seed=1, faults=RATES, check=True, workers=1, partitions=2,
                        backend="inprocess")
     assert rep["backend"] == "inprocess"
     _assert_campaign(rep, 60)
@@ -46,7 +48,9 @@ def test_every_fault_over_chains_split_across_partitions_in_process(
     still equals a full recompute."""
     # (misaligned writes more often: a misaligned range is then looked up before it ages out)
     rates = {**RATES, "misaligned_handle": 0.3}
-    rep = run_workload(requests=60, seed=0, faults=rates, check=True, workers=1, partitions=3,
+    # (seed 3: since the demo's spec has a recurrent layer, at seeds 0, 1, 2 and 4 a stale
+    # indexer or a misaligned copy aged out before a reader met it; no silent error at any)
+    rep = run_workload(requests=60, seed=3, faults=rates, check=True, workers=1, partitions=3,
                        range_blocks=2, backend="inprocess")
     assert rep["backend"] == "inprocess" and rep["range_blocks"] == 2
     _assert_campaign(rep, 60, partitions=3)
@@ -68,7 +72,9 @@ def system_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None
 # ~2.5 min on 2 cores; the default run has test_launcher.py's partition test on the system
 @pytest.mark.slow
 def test_every_fault_over_two_partitions_on_the_system(system_env: None) -> None:
-    rep = run_workload(requests=48, seed=1, faults=RATES, check=True, workers=1, partitions=2,
+    # (seed 3: since the demo's spec has a recurrent layer, at seeds 1 and 2 a misaligned copy
+    # or a stale indexer aged out before a reader met it; no silent error at either)
+    rep = run_workload(requests=48, seed=3, faults=RATES, check=True, workers=1, partitions=2,
                        range_blocks=4, backend="system")
     assert rep["backend"] == "system", rep
     _assert_campaign(rep, 48)

@@ -37,7 +37,7 @@ from hkv_service.core.ids import BlockHash
 from hkv_service.core.layout import Layout
 from hkv_service.core.spec import CacheSpec, spec_from_dict
 from hkv_service.core.states import Event, Kind
-from hkv_service.specs import default_spec
+from hkv_service.specs import default_spec, demo_spec
 from workers.dataplane import DataPlane, Recompute
 from workers.inprocess import InProcessConfig, InProcessSystem
 from workers.link import Pending
@@ -49,7 +49,13 @@ NO_TAILS = spec_from_dict({"model_id": "full-swa", "hash_block_size": 8, "groups
     {"name": "full", "kind": "COMPRESSED", "block_size": 16, "ratio": 1, "abi": _ABI},
     {"name": "wide", "kind": "SWA", "block_size": 16, "window": 32, "abi": _ABI},
     {"name": "narrow", "kind": "SWA", "block_size": 8, "window": 8, "abi": _ABI}]})
-SPECS = {"reference": (default_spec(), 4), "no-tails": (NO_TAILS, 8)}  # spec, blocks a prompt
+# spec, blocks a prompt. "reference+state": the reference layout (every column of
+# default_spec()) plus a recurrent group, a state object at each resume point: a state read at p
+# must be one write's of p's own slot, never another boundary's (a superset of the reference
+# spec, so it replaces it here: the test's time stays as it was)
+SPECS = {"reference+state": (demo_spec(), 4), "no-tails": (NO_TAILS, 8)}
+assert {c.name for c in Layout(default_spec()).columns} < {
+    c.name for c in Layout(demo_spec()).columns}
 GENERATIONS = 3  # writes of different bytes per slot
 Slot = tuple[int, str]
 # Which of the live objects a rule takes: drawn whatever the system holds, so every step draws
