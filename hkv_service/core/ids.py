@@ -35,8 +35,8 @@ CaptureId = NewType("CaptureId", int)
 
 def check_hash_lengths(hashes: Sequence[bytes], start: int = 0) -> None:
     """Raise BadHash unless every hash from ``start`` on is 16 bytes."""
-    if isinstance(hashes, PackedHashes):
-        return  # 16 bytes each by construction
+    if isinstance(hashes, PackedHashes) or start >= len(hashes):
+        return  # 16 bytes each by construction, or none to check
     tail = list(itertools.islice(hashes, start, None))
     kinds = set(map(type, tail))  # C speed; what is not bytes has no length to check
     if not all(issubclass(k, bytes) for k in kinds):

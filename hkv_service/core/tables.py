@@ -94,6 +94,11 @@ class Tables:
         self.next_version = 1
         self._ordinals: dict[ShardId, int] = {}  # shard name -> index in shard_names
         self.shard_names: tuple[ShardId, ...] = ()
+        # strides() per column, as of (owners_epoch, len(shard_names)): a pool's stride
+        # changes only with the owner table (an owner registered again, or lost), whose
+        # epoch moves on, and the name table only grows (a lookup packs every column)
+        self._strides: dict[int, tuple[int, ...]] = {}
+        self._strides_as_of = (0, 0)
 
     # ---- accessors ------------------------------------------------------------------------
 
@@ -153,7 +158,15 @@ class Tables:
 
     def strides(self, col: int) -> tuple[int, ...]:
         """Per shard ordinal: the block stride of its pool for ``col`` (0: no such pool)."""
-        return tuple(self.stride(name, col) for name in self.shard_names)
+        as_of = (self.owners_epoch, len(self.shard_names))
+        if as_of != self._strides_as_of:
+            self._strides.clear()
+            self._strides_as_of = as_of
+        got = self._strides.get(col)
+        if got is None:
+            got = self._strides[col] = tuple(self.stride(name, col)
+                                             for name in self.shard_names)
+        return got
 
     def stride(self, shard: ShardId, col: int) -> int:
         """The block stride of ``shard``'s current pool for ``col`` (0: no such pool)."""

@@ -27,7 +27,7 @@ from .errors import BadHash
 from .ids import BLOCK_HASH_BYTES, BlockHash
 from .layout import Layout
 from .prefix_index import Orphans, PrefixIndex
-from .records import ObjRecord, PrefixEntry
+from .records import NO_CHILD, ObjRecord, PrefixEntry
 from .states import Kind
 
 __all__ = [
@@ -82,11 +82,14 @@ class PrefixTree:
         part = self.index.parts[h[0]]  # (a checked 16-byte hash: its part, looked up once)
         e = part.get(h)
         if e is None:
+            if parent is not None and parent.depth != depth - 1:  # (the walk relies on it)
+                raise AssertionError(f"a parent at depth {parent.depth} for depth {depth}")
             e = PrefixEntry(h, parent, depth, [None] * self._width)
             e.flags, e.gate = self._empty_summary[depth % self.layout.period]
             part[h] = e
             if parent is not None:
                 parent.children += 1
+                parent.child = e
             elif parent_hash is not None:
                 self.orphans.wait(e, parent_hash)
             if self.orphans and self.orphans.waits_for(h):
@@ -116,6 +119,8 @@ class PrefixTree:
             parent = entry.parent
             if parent is not None:
                 parent.children -= 1
+                if parent.child is entry:  # (a walk's hint never names an entry gone)
+                    parent.child = NO_CHILD
             entry = parent
 
     def age(self, entries: Sequence[PrefixEntry]) -> None:
@@ -175,6 +180,8 @@ class PrefixTree:
             return
         orphan.parent = parent
         parent.children += 1
+        if parent.child is NO_CHILD:
+            parent.child = orphan
         for point, step in self.cut_walks.pop(orphan, {}).items():
             self.count_resume_point(point, parent, step, 1)
 
