@@ -21,6 +21,7 @@ __all__ = [
     "PackedHashes",
     "ShardId",
     "check_hash_lengths",
+    "shared_int",
 ]
 
 BLOCK_HASH_BYTES = 16  # xxh3-128 digest
@@ -115,3 +116,29 @@ class PackedHashes(Sequence[BlockHash]):
 
     def __repr__(self) -> str:
         return f"PackedHashes({len(self)} hashes)"
+
+
+# Non-negative ints below its length, one object each: a block number (the same in every
+# column's pool and every owner's) or a depth (the same in every chain) held by millions of
+# records and entries is one shared object, not 32 B each. Grown by copy (a reader never
+# sees a list being changed) by an eighth at a time, and only for a value below twice its
+# length: a block claimed far out is not shared (and costs it nothing).
+_SHARED: list[int] = list(range(1024))
+
+
+def shared_int(n: int) -> int:
+    """``n`` as the one shared object of its value, where there is one (else ``n``)."""
+    table = _SHARED
+    if 0 <= n < len(table):
+        return table[n]
+    if 0 <= n < 2 * len(table):
+        return _grow_shared(n)
+    return n
+
+
+def _grow_shared(n: int) -> int:
+    global _SHARED
+    table = _SHARED
+    if n >= len(table):
+        table = _SHARED = table + list(range(len(table), max(n + 1, len(table) * 9 // 8)))
+    return table[n]

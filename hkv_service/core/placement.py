@@ -125,9 +125,9 @@ class Placement:
         column = self.layout.columns[col]
         rec = new_record(
             column.kind, col, t.objects.new_id(), entry, State.ALLOCATED, shard, block,
-            pool.generation[block],
+            pool.generation_of(block),
         )
-        pool.owner[block] = rec
+        pool.hold(block, rec)
         entry.mem[col] = rec
         t.objects.put(rec)
         made.append(rec)

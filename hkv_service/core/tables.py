@@ -340,7 +340,7 @@ class Tables:
             return
         o = self.owners.get(rec.shard)
         pool = o.pools.get(rec.column) if o else None
-        if pool is not None and pool.owner.get(rec.block) is rec:  # (not a lost incarnation's)
+        if pool is not None and pool.owner_of(rec.block) is rec:  # (not a lost incarnation's)
             pool.release(rec.block)
         rec.block = -1
 

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from . import contracts
 from .allocator import SWA_LANE_BITS
 from .errors import BadHash
-from .ids import BLOCK_HASH_BYTES, BlockHash
+from .ids import BLOCK_HASH_BYTES, BlockHash, shared_int
 from .layout import Layout
 from .prefix_index import Orphans, PrefixIndex
 from .records import NO_CHILD, ObjRecord, PrefixEntry
@@ -84,7 +84,7 @@ class PrefixTree:
         if e is None:
             if parent is not None and parent.depth != depth - 1:  # (the walk relies on it)
                 raise AssertionError(f"a parent at depth {parent.depth} for depth {depth}")
-            e = PrefixEntry(h, parent, depth, [None] * self._width)
+            e = PrefixEntry(h, parent, shared_int(depth), [None] * self._width)
             e.flags, e.gate = self._empty_summary[depth % self.layout.period]
             part[h] = e
             if parent is not None:
