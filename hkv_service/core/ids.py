@@ -21,6 +21,7 @@ __all__ = [
     "PackedHashes",
     "ShardId",
     "check_hash_lengths",
+    "grow_by",
     "shared_int",
 ]
 
@@ -121,7 +122,8 @@ class PackedHashes(Sequence[BlockHash]):
 # Non-negative ints below its length, one object each: a block number (the same in every
 # column's pool and every owner's) or a depth (the same in every chain) held by millions of
 # records and entries is one shared object, not 32 B each. Grown by copy (a reader never
-# sees a list being changed) by an eighth at a time, and only for a value below twice its
+# sees a list being changed) a 64th past the value asked at a time (each value is copied
+# ~64 times in all; a 1M table's copy is ~1 ms), and only for a value below twice its
 # length: a block claimed far out is not shared (and costs it nothing).
 _SHARED: list[int] = list(range(1024))
 
@@ -136,9 +138,14 @@ def shared_int(n: int) -> int:
     return n
 
 
+def grow_by(length: int) -> int:
+    """How far past the value asked a table of shared values grows (its slack)."""
+    return max(256, length // 64)
+
+
 def _grow_shared(n: int) -> int:
     global _SHARED
     table = _SHARED
     if n >= len(table):
-        table = _SHARED = table + list(range(len(table), max(n + 1, len(table) * 9 // 8)))
+        table = _SHARED = table + list(range(len(table), n + 1 + grow_by(len(table))))
     return table[n]

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .ids import GroupName
+from .ids import GroupName, grow_by
 from .spec import CacheSpec, GroupKind, GroupSpec
 from .states import Kind
 
@@ -174,9 +174,9 @@ class Layout:
         table = self._positions
         if 0 <= k < len(table):
             return table[k]
-        if 0 <= k < 2 * len(table):  # grown by copy, an eighth at a time (ids.shared_int)
+        if 0 <= k < 2 * len(table):  # grown by copy, as ids.shared_int's table is
             hb = self.hash_block
             table = self._positions = table + [
-                j * hb for j in range(len(table), max(k + 1, len(table) * 9 // 8))]
+                j * hb for j in range(len(table), k + 1 + grow_by(len(table)))]
             return table[k]
         return k * self.hash_block

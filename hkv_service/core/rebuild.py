@@ -28,7 +28,7 @@ from .errors import InvalidInput
 from .ids import BLOCK_HASH_BYTES, BlockHash, ObjectId, ShardId, shared_int
 from .inputs import check_hashes, check_report, column_of
 from .owners import Owner
-from .records import ObjRecord, PrefixEntry, new_record
+from .records import ObjRecord, PrefixEntry, new_record, set_mem
 from .states import State
 from .tables import Tables
 from .tree import other_parent, unchained_report
@@ -190,7 +190,7 @@ class Rebuild:
         if r.version >= t.next_version:
             t.saw_version(r.version)
         pool.hold(block, rec)
-        entry.mem[col] = rec
+        set_mem(entry, col, rec)
         tree = self.tree
         if tree.resume_point_of(rec):  # (the slot was empty: the point was not complete)
             tree.track(entry, False, tree.complete(entry, rec))

@@ -42,6 +42,7 @@ __all__ = [
     "new_record",
     "record_type",
     "register",
+    "set_mem",
 ]
 
 
@@ -327,7 +328,9 @@ class PrefixEntry:
     block_hash: BlockHash
     parent: PrefixEntry | None
     depth: int  # index of this hash block in its prefix: tokens [depth*H, (depth+1)*H)
-    mem: list[ObjRecord | None]
+    # per column, its memory object: a tuple (16 B less than a list), replaced on a change
+    # (set_mem: an entry's memory objects change a few times in its life, are read often)
+    mem: Sequence[ObjRecord | None]
     disk: list[ObjRecord | None] | None = None  # disk copies, allocated on first offload
     flags: int = 0
     gate: int = 0  # align if every monotone column is usable, else 0: the walk's one test
@@ -354,6 +357,13 @@ class PrefixEntry:
     # The child a walk through this entry last went on to (or the last one made): the walk
     # asks it first (segments.walk_blocks). Only ever a linked child still in the index.
     child: PrefixEntry = field(default=NO_CHILD, repr=False)
+
+
+def set_mem(entry: PrefixEntry, column: int, rec: ObjRecord | None) -> None:
+    """``entry``'s memory object of ``column`` is ``rec`` from now on."""
+    mem = list(entry.mem)
+    mem[column] = rec
+    entry.mem = tuple(mem)
 
 
 class Dependent(Protocol):

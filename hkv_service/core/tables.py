@@ -40,7 +40,7 @@ from .layout import Layout
 from .objects import ObjectTable
 from .owners import Owner, Reap, dead, disk_part_alive
 from .partitions import check_range_blocks
-from .records import DiskRecord, Handle, ObjRecord, PrefixEntry, new_record
+from .records import DiskRecord, Handle, ObjRecord, PrefixEntry, new_record, set_mem
 from .spec import CacheSpec
 from .states import TERMINAL_STATES, Event, Kind, State
 from .transitions import Params
@@ -330,7 +330,7 @@ class Tables:
                 tier.disk.pop(rec, None)
             self.end_transfer(rec)
         else:
-            entry.mem[col] = None
+            set_mem(entry, col, None)
         self.release_copy(rec)
         self.objects.pop(rec.object_id)
 

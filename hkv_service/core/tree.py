@@ -56,7 +56,7 @@ class PrefixTree:
         self.range_blocks = range_blocks
         self.index = PrefixIndex()  # (in parts: one dict's resize was O(all entries))
         self._empty_summary = _empty_summaries(layout)
-        self._width = len(layout.columns)
+        self._no_mem = (None,) * len(layout.columns)  # a new entry's (set_mem replaces it)
         # entries a re-confirm made before their parent's, and the complete resume points whose
         # walk up waits at one of them, with the increment each goes on with when adopted
         self.orphans = Orphans()
@@ -84,7 +84,7 @@ class PrefixTree:
         if e is None:
             if parent is not None and parent.depth != depth - 1:  # (the walk relies on it)
                 raise AssertionError(f"a parent at depth {parent.depth} for depth {depth}")
-            e = PrefixEntry(h, parent, shared_int(depth), [None] * self._width)
+            e = PrefixEntry(h, parent, shared_int(depth), self._no_mem)
             e.flags, e.gate = self._empty_summary[depth % self.layout.period]
             part[h] = e
             if parent is not None:
