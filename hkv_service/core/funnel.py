@@ -157,9 +157,10 @@ def run_funnel(
     usable = _shrink(entries, first, min(reach, limit), layout, downgrades, need, align_of)
     if usable < min(reach, limit) // hb * hb and not downgrades:
         downgrades.append(Downgrade(Reason.PARTIAL_BLOCK, None, usable))
+    used = max(0, usable // hb - first)  # (the walked list itself when all are used)
     return FunnelResult(
-        usable, (first + n) * hb, entries[: max(0, usable // hb - first)], tuple(downgrades),
-        entries, runs, first,
+        usable, (first + n) * hb, entries if used == n else entries[:used],
+        tuple(downgrades), entries, runs, first,
     )
 
 
