@@ -298,7 +298,7 @@ def test_an_incomplete_resume_point_protects_nothing(clock) -> None:
     assert st.objects.get(ids[(0, "narrow")]) is None  # the least recently used went
 
 
-def test_books_of_blocks_claimed_far_ahead_move_into_the_arrays() -> None:
+def test_books_of_blocks_claimed_far_ahead_move_into_the_list() -> None:
     """A re-confirm claims blocks in any order: one far past the arrays' end keeps its books
     aside, and when blocks going out in order reach it they move into the list with its
     generation; every block handed out has books exactly once, and take() never hands out a
