@@ -2,7 +2,10 @@
 
 Every bench module has ``run(quick: bool) -> dict`` returning ``{"name", "quick", "figures",
 "baseline", "ratios"}``; ``ratios`` maps each comparison to ours/baseline. No bench asserts a
-wall-clock limit: the machine is shared and noisy, so ratios are what we report.
+wall-clock limit: the machine is shared and noisy, so ratios are what we report. A bench may
+add ``failed_guards``, a sentence per budget or ratio guard its run broke (``core``: the
+metadata budget and the lookup's ratio guards, in its quick run): the command then says
+them on stderr and exits 1, so CI fails with them.
 """
 
 from __future__ import annotations
@@ -39,4 +42,7 @@ def run_bench(args: argparse.Namespace) -> int:
     else:
         _print_human(result)
     sys.stdout.flush()
-    return 0
+    failed = result.get("failed_guards") or []
+    for sentence in failed:
+        print(f"hkv bench {result['name']}: {sentence}", file=sys.stderr)
+    return 1 if failed else 0

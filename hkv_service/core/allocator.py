@@ -28,12 +28,15 @@ otherwise (sampled LRU, as Redis does), so eviction is O(1) in the pool size.
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TypeAlias
 
 from .checks import Holds
+from .ids import shared_int
 from .records import ObjRecord
 from .states import Kind, State
 
@@ -68,6 +71,18 @@ class PoolConfig:
 
 
 _POWERS = {1 << i: 1 << i for i in range(31)}  # one shared int object per power of two
+_DENSE_MIN = 1024  # a block this near the start, or within twice the arrays, grows them
+_NO_BLOCK = 1 << 62  # above every block number
+
+
+class _Unseen:
+    """An array slot of a block never handed out (or forgotten)."""
+
+    __slots__ = ()
+
+
+_UNSEEN = _Unseen()
+_Slot: TypeAlias = "ObjRecord | int | _Unseen"  # a block's books: its holder, else its generation
 
 
 _MAX_ALIGN = 1 << 30  # what "aligned to everything" reads as (an address and length of 0)
@@ -84,16 +99,20 @@ def alignment(address: int, nbytes: int, base_align: int) -> int:
 
 
 class BlockPool:
-    """Per-block metadata grows with the blocks used, not the blocks declared: a block has a
-    ``generation`` (and ``owner``) entry only once it was handed out, so a registration
-    declaring millions of blocks, or a re-confirm naming its last block, costs nothing for
-    the blocks in between. Blocks ``>= _next`` are free unless a re-confirm claimed them
-    ahead: those have a ``generation`` entry, and :meth:`take` steps over them (a set of
-    them beside it cost a re-confirm a set insert a block, 1/3 of a claim's samples at 4M
-    objects, py-spy, and 20 MiB for its 500k blocks). Released blocks wait in ``free``
-    (a deque, oldest first) and ``_free`` (membership): a block claimed by a restart's
-    re-confirm leaves the set at once and is skipped when the deque reaches it, so every
-    operation is O(1) amortized."""
+    """Per-block metadata grows with the blocks used, not the blocks declared: a block has
+    books only once it was handed out, so a registration declaring millions of blocks, or a
+    re-confirm naming its last block, costs nothing for the blocks in between. Blocks go out
+    in order from ``first``, so their books are one list indexed by ``block - first``
+    (8 B a block, where an owner dict and a generation dict took ~72 B), grown as blocks go
+    out: a held block's slot is the record holding it (whose ``generation`` is the block's:
+    every path that places a record gives it the block's, :meth:`hold` checks it), a free
+    one's its generation, a block never handed out (or forgotten) :data:`_UNSEEN`. A block
+    claimed far past the list's end (a re-confirm naming a late block first) keeps its slot
+    in a small dict until the list reaches it. Blocks ``>= _next`` are free unless a
+    re-confirm claimed them ahead, which :meth:`take` steps over. Released blocks wait in
+    ``free`` (a deque, oldest first) and ``_free`` (membership): a block claimed by a
+    restart's re-confirm leaves the set at once and is skipped when the deque reaches it, so
+    every operation is O(1) amortized."""
 
     def __init__(self, config: PoolConfig, *, nbytes: int, seed: int = 0) -> None:
         self.config = config
@@ -105,23 +124,83 @@ class BlockPool:
         self._align_step = _lowbit(config.stride)
         self.free: deque[int] = deque()
         self._free: set[int] = set()
-        self.generation: dict[int, int] = {}  # every block ever handed out
-        self.owner: dict[int, ObjRecord | None] = {}
-        self._next = config.first  # [_next, num_blocks): free, unless in generation
+        self._books: list[_Slot] = []  # blocks [first, first + len)
+        self._far: dict[int, _Slot] = {}  # blocks claimed far past the list's end
+        self._far_min = _NO_BLOCK  # at most the least of them
+        self._out = 0  # blocks with books
+        self._next = config.first  # [_next, num_blocks): free, unless handed out ahead
         self._span = 0  # 1 + the highest block ever handed out (eviction samples below it)
         self._rng = random.Random(seed)
 
     def free_count(self) -> int:
-        return len(self._free) + self.config.num_blocks - self.config.first - len(self.generation)
+        return len(self._free) + self.config.num_blocks - self.config.first - self._out
 
     def occupied(self) -> int:
         """Blocks handed out and not free."""
-        return len(self.generation) - len(self._free)
+        return self._out - len(self._free)
+
+    def tracked(self) -> int:
+        """Blocks with books: every block handed out and not forgotten."""
+        return self._out
 
     @property
     def span(self) -> int:
         """1 + the highest block ever handed out: every occupied block lies below it."""
         return self._span
+
+    def _slot(self, block: int) -> _Slot:
+        i = block - self.config.first
+        if 0 <= i < len(self._books):
+            return self._books[i]
+        return self._far.get(block, _UNSEEN)
+
+    def _put(self, block: int, slot: _Slot) -> None:
+        i = block - self.config.first
+        if 0 <= i < len(self._books):
+            self._books[i] = slot
+        else:
+            self._far[block] = slot
+
+    def handed_out(self, block: int) -> bool:
+        """Whether ``block`` has books (handed out, and not forgotten since)."""
+        return self._slot(block) is not _UNSEEN
+
+    def generation_of(self, block: int) -> int:
+        """``block``'s generation (KeyError: it was never handed out)."""
+        slot = self._slot(block)
+        if type(slot) is int:
+            return slot
+        if slot is _UNSEEN:
+            raise KeyError(block)
+        return slot.generation  # type: ignore[union-attr]
+
+    def owner_of(self, block: int) -> ObjRecord | None:
+        """The record holding ``block``, or None (free, or never handed out)."""
+        slot = self._slot(block)
+        return None if type(slot) is int or slot is _UNSEEN else slot  # type: ignore[return-value]
+
+    def hold(self, block: int, rec: ObjRecord) -> None:
+        """``rec`` holds ``block`` now (handed out by :meth:`take` or a claim, free, and
+        ``rec`` placed at its generation)."""
+        slot = self._slot(block)
+        assert type(slot) is int and slot == rec.generation, \
+            f"block {block} held at generation {rec.generation}, its books say {slot!r}"
+        self._put(block, rec)
+
+    def books(self) -> Iterator[tuple[int, int, ObjRecord | None]]:
+        """``(block, generation, the record holding it or None)`` of every block with books,
+        in no particular order."""
+        first = self.config.first
+        slots = itertools.chain(enumerate(self._books, first), self._far.items())
+        for block, slot in slots:
+            if type(slot) is int:
+                yield block, slot, None
+            elif slot is not _UNSEEN:
+                yield block, slot.generation, slot  # type: ignore[union-attr, misc]
+
+    def held(self) -> list[ObjRecord]:
+        """Every record holding a block."""
+        return [r for _, _, r in self.books() if r is not None]
 
     def take(self) -> int | None:
         while self.free:
@@ -129,19 +208,37 @@ class BlockPool:
             if block in self._free:
                 self._free.discard(block)
                 return block
-        while self._next in self.generation:  # claimed ahead by a re-confirm
+        while self.handed_out(self._next):  # claimed ahead by a re-confirm
             self._next += 1
         if self._next >= self.config.num_blocks:
             return None
         block, self._next = self._next, self._next + 1
-        self._hand_out(block)
-        return block
+        return self._hand_out(block)
 
-    def _hand_out(self, block: int, generation: int = 0) -> None:
-        self.owner[block] = None
-        self.generation[block] = generation
+    def _hand_out(self, block: int, generation: int = 0) -> int:
+        """Give ``block`` (free, never handed out) books; the block, as a shared int."""
+        cfg = self.config
+        i = block - cfg.first
+        n = len(self._books)
+        if n <= i < max(2 * n, _DENSE_MIN):  # near the list's end: grow it past the block
+            self._grow(min(cfg.num_blocks, cfg.first + max(i + 1, n + n // 8 + 64)))
+        elif i >= n:  # far ahead: its books wait in the dict until the list reaches it
+            self._far_min = min(self._far_min, block)
+        self._put(block, generation)
+        self._out += 1
         if block >= self._span:
             self._span = block + 1
+        return shared_int(block)
+
+    def _grow(self, end: int) -> None:
+        """The list covers blocks ``[first, end)``; a block claimed far ahead that it now
+        reaches moves its books into it."""
+        first = self.config.first
+        self._books.extend(itertools.repeat(_UNSEEN, end - first - len(self._books)))
+        if self._far_min < end:  # (the list grows by an eighth at least: O(log) scans)
+            for block in [b for b in self._far if b < end]:
+                self._books[block - first] = self._far.pop(block)
+            self._far_min = min(self._far, default=_NO_BLOCK)
 
     def claim(self, block: int) -> bool:
         """Take the free ``block`` itself (an owner re-confirms what it still holds there);
@@ -155,14 +252,14 @@ class BlockPool:
         cfg = self.config
         if not cfg.first <= block < cfg.num_blocks:
             return None
-        gens = self.generation
-        known = gens.get(block)
-        if known is not None:
+        known = self._slot(block)
+        if known is not _UNSEEN:
             if block not in self._free:
                 return None
             self._free.discard(block)
+            assert type(known) is int, "a free block held by a record"
             if generation > known:
-                gens[block] = generation
+                self._put(block, generation)
                 return generation
             return known
         self._hand_out(block, generation)  # (take() steps over it if it is ahead)
@@ -175,18 +272,22 @@ class BlockPool:
 
     def forget(self, block: int) -> None:
         """A retired pool (its owner incarnation lost) lets go of ``block``'s books as the
-        reaper passes it, and of as many queued free blocks: dropped whole when the reap
-        ends, one incarnation's books are freed in one step that holds the GIL."""
-        self.owner.pop(block, None)
-        self.generation.pop(block, None)
+        reaper passes it (the record it held goes then, not all at once when the pool is
+        dropped), and of as many queued free blocks."""
+        i = block - self.config.first
+        if 0 <= i < len(self._books):
+            if self._books[i] is not _UNSEEN:
+                self._books[i] = _UNSEEN
+                self._out -= 1
+        elif self._far.pop(block, _UNSEEN) is not _UNSEEN:
+            self._out -= 1
         self._free.discard(block)
         for _ in range(min(2, len(self.free))):
             self.free.popleft()
 
     def release(self, block: int) -> None:
         """Free a block; its generation moves on so every outstanding handle goes stale."""
-        self.owner[block] = None
-        self.generation[block] += 1
+        self._put(block, self.generation_of(block) + 1)
         self.free.append(block)
         self._free.add(block)
 
@@ -197,9 +298,9 @@ class BlockPool:
         if occupied == 0:
             return None
         if occupied <= _SAMPLE:
-            pool = [r for r in self.owner.values() if r is not None]
+            pool = self.held()
         else:  # sampled over the block numbers in use (claimed ones ahead may be sparse)
-            get, rnd = self.owner.get, self._rng.random
+            get, rnd = self.owner_of, self._rng.random
             lo = self.config.first
             n = self._span - lo  # (random() scaled: randrange is ~4x its cost, 48 a victim)
             pool = [r for r in (get(lo + int(rnd() * n)) for _ in range(_SAMPLE))

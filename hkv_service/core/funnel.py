@@ -15,7 +15,8 @@
     cands:        p = k*L  for k = floor(nH/L) .. 1      (layer 1)
     at p:    tail(p) complete?   SWA blocks meeting [p-W, p) valid?     (layer 3)
 
-The walk is one dict lookup and one integer test per block: per-block readiness of all groups is
+The walk is one integer test per block, the block's entry found through its parent's child
+hint (one comparison) or else one dict lookup: per-block readiness of all groups is
 pre-folded into ``PrefixEntry.flags`` by the state view. Runs of blocks it walked before are
 taken whole, one dict lookup and one memcmp per run (core/segments.py). Failing a layer
 downgrades with a :class:`Reason`; the funnel never raises for an unusable hit.
@@ -145,7 +146,7 @@ def run_funnel(
     else:
         entries = []
         segments.walk_blocks(index, itertools.islice(hashes, max_entries), need, entries,
-                             layout, align_of, first)
+                             layout, align_of, first, exact=isinstance(hashes, PackedHashes))
     n = len(entries)
     downgrades: list[Downgrade] = []
     if n < max_entries:
@@ -156,9 +157,10 @@ def run_funnel(
     usable = _shrink(entries, first, min(reach, limit), layout, downgrades, need, align_of)
     if usable < min(reach, limit) // hb * hb and not downgrades:
         downgrades.append(Downgrade(Reason.PARTIAL_BLOCK, None, usable))
+    used = max(0, usable // hb - first)  # (the walked list itself when all are used)
     return FunnelResult(
-        usable, (first + n) * hb, entries[: max(0, usable // hb - first)], tuple(downgrades),
-        entries, runs, first,
+        usable, (first + n) * hb, entries if used == n else entries[:used],
+        tuple(downgrades), entries, runs, first,
     )
 
 

@@ -21,6 +21,8 @@ __all__ = [
     "PackedHashes",
     "ShardId",
     "check_hash_lengths",
+    "grow_by",
+    "shared_int",
 ]
 
 BLOCK_HASH_BYTES = 16  # xxh3-128 digest
@@ -35,8 +37,8 @@ CaptureId = NewType("CaptureId", int)
 
 def check_hash_lengths(hashes: Sequence[bytes], start: int = 0) -> None:
     """Raise BadHash unless every hash from ``start`` on is 16 bytes."""
-    if isinstance(hashes, PackedHashes):
-        return  # 16 bytes each by construction
+    if isinstance(hashes, PackedHashes) or start >= len(hashes):
+        return  # 16 bytes each by construction, or none to check
     tail = list(itertools.islice(hashes, start, None))
     kinds = set(map(type, tail))  # C speed; what is not bytes has no length to check
     if not all(issubclass(k, bytes) for k in kinds):
@@ -115,3 +117,35 @@ class PackedHashes(Sequence[BlockHash]):
 
     def __repr__(self) -> str:
         return f"PackedHashes({len(self)} hashes)"
+
+
+# Non-negative ints below its length, one object each: a block number (the same in every
+# column's pool and every owner's) or a depth (the same in every chain) held by millions of
+# records and entries is one shared object, not 32 B each. Grown by copy (a reader never
+# sees a list being changed) a 64th past the value asked at a time (each value is copied
+# ~64 times in all; a 1M table's copy is ~1 ms), and only for a value below twice its
+# length: a block claimed far out is not shared (and costs it nothing).
+_SHARED: list[int] = list(range(1024))
+
+
+def shared_int(n: int) -> int:
+    """``n`` as the one shared object of its value, where there is one (else ``n``)."""
+    table = _SHARED
+    if 0 <= n < len(table):
+        return table[n]
+    if 0 <= n < 2 * len(table):
+        return _grow_shared(n)
+    return n
+
+
+def grow_by(length: int) -> int:
+    """How far past the value asked a table of shared values grows (its slack)."""
+    return max(256, length // 64)
+
+
+def _grow_shared(n: int) -> int:
+    global _SHARED
+    table = _SHARED
+    if n >= len(table):
+        table = _SHARED = table + list(range(len(table), n + 1 + grow_by(len(table))))
+    return table[n]

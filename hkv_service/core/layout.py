@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .ids import GroupName
+from .ids import GroupName, grow_by
 from .spec import CacheSpec, GroupKind, GroupSpec
 from .states import Kind
 
@@ -67,6 +67,8 @@ class Layout:
         self.hash_block = spec.hash_block_size
         self.lcm = spec.lcm_block_size
         self.step = self.lcm // self.hash_block  # entries per LCM block
+        # k * hash_block, one object each: block bounds records keep (block_range)
+        self._positions = [k * self.hash_block for k in range(1024)]
         cols = [
             _column(i, _KIND_OF_GROUP[g.kind], g, g.bytes_per_block)
             for i, g in enumerate(spec.groups)
@@ -157,7 +159,24 @@ class Layout:
         return col.nbytes
 
     def block_range(self, column: int, depth: int) -> tuple[int, int]:
-        """Token range [start, end) covered by the block of ``column`` ending at ``depth``."""
-        end = (depth + 1) * self.hash_block
+        """Token range [start, end) covered by the block of ``column`` ending at ``depth``.
+        (The bounds are shared int objects where they are multiples of the hash block: an
+        SWA record keeps them as its valid range, one per block of every prompt.)"""
+        hb, end = self.hash_block, self._at(depth + 1)
         col = self.columns[column]
-        return (end, end) if col.kind in AT_BOUNDARY else (end - col.group.block_size, end)
+        if col.kind in AT_BOUNDARY:
+            return end, end
+        size = col.group.block_size
+        return (self._at(depth + 1 - size // hb) if size % hb == 0 else end - size), end
+
+    def _at(self, k: int) -> int:
+        """Token position ``k * hash_block``, a shared object for ``k`` in the table."""
+        table = self._positions
+        if 0 <= k < len(table):
+            return table[k]
+        if 0 <= k < 2 * len(table):  # grown by copy, as ids.shared_int's table is
+            hb = self.hash_block
+            table = self._positions = table + [
+                j * hb for j in range(len(table), k + 1 + grow_by(len(table)))]
+            return table[k]
+        return k * self.hash_block

@@ -73,7 +73,7 @@ def dead(rec: ObjRecord, owners: Mapping[ShardId, Owner]) -> bool:
     if o is None or not o.alive:
         return True
     pool = o.pools.get(rec.column)
-    return pool is None or pool.owner.get(rec.block) is not rec
+    return pool is None or pool.owner_of(rec.block) is not rec
 
 
 def disk_part_alive(rec: ObjRecord, owners: Mapping[ShardId, Owner]) -> bool:
@@ -96,7 +96,7 @@ def sweep(reap: Reap, budget: int, bury: Callable[[ObjRecord], None]) -> int:
         reap.block = max(reap.block, pool.config.first)  # the blocks below are not its own
         end = min(pool.span, reap.block + budget)
         for block in range(reap.block, end):
-            held = pool.owner.get(block)
+            held = pool.owner_of(block)
             if held is not None and held.state not in TERMINAL_STATES:
                 bury(held)
             pool.forget(block)  # (its books freed a slice at a time, not all at the end)

@@ -229,7 +229,9 @@ class Packer:
         ``first``)."""
         lay = self.layout
         # a comprehension: 3.11's specialised slot load beats operator.attrgetter here
-        joined = b"".join([e.row or self._build_row(e) for e in entries[lo - first:hi - first]])
+        if lo > first or hi - first < len(entries):
+            entries = entries[lo - first:hi - first]
+        joined = b"".join([e.row or self._build_row(e) for e in entries])
         # opaque 22-byte records: a strided copy of those is a memcpy per record, ~4x faster
         # than copying HANDLE_DTYPE's fields one by one
         grid = np.frombuffer(joined, _HANDLE_BYTES).reshape(hi - lo, len(lay.mono_columns))

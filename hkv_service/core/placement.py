@@ -25,7 +25,7 @@ from .api import Allocation, AllocRequest
 from .errors import IllegalTransition, PoolExhausted
 from .ids import BlockHash, ObjectId, ShardId
 from .inputs import check_hashes, check_range, check_root, check_slot, column_of
-from .records import ObjRecord, PrefixEntry, new_record
+from .records import ObjRecord, PrefixEntry, new_record, set_mem
 from .states import TERMINAL_STATES, Event, Kind, State
 from .tables import Tables
 from .transitions import Params
@@ -125,10 +125,10 @@ class Placement:
         column = self.layout.columns[col]
         rec = new_record(
             column.kind, col, t.objects.new_id(), entry, State.ALLOCATED, shard, block,
-            pool.generation[block],
+            pool.generation_of(block),
         )
-        pool.owner[block] = rec
-        entry.mem[col] = rec
+        pool.hold(block, rec)
+        set_mem(entry, col, rec)
         t.objects.put(rec)
         made.append(rec)
         return Allocation(t.handle(rec), False, rec.state)

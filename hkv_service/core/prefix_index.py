@@ -7,7 +7,7 @@ size, under the view's lock and the GIL. ``hkv bench scale`` times that insert a
 (``flat_index_resize_ms``, one dict of every entry, beside ``index_resize_ms``, the fullest
 part; ``benchmarks/README.md``, runs I and J). Split by the hash's first byte (block hashes
 are xxh3 digests: uniform), each part holds ~1/256 of the entries. The rule that picks a part
-(``parts[h[0]]``) is inlined where a lookup is hot (``segments.walk_blocks``, the
+(``parts[h[0]]``) is inlined where a lookup is hot (``segments._from_index``, the
 re-confirm's checked hashes in ``Rebuild``); ``test_prefix_index`` pins it.
 
 Reads pay one list subscript and one byte read more than a flat dict (``hkv bench core``'s

@@ -25,10 +25,10 @@ from collections.abc import Sequence
 from . import contracts
 from .api import ObjectReport
 from .errors import InvalidInput
-from .ids import BLOCK_HASH_BYTES, BlockHash, ObjectId, ShardId
+from .ids import BLOCK_HASH_BYTES, BlockHash, ObjectId, ShardId, shared_int
 from .inputs import check_hashes, check_report, column_of
 from .owners import Owner
-from .records import ObjRecord, PrefixEntry, new_record
+from .records import ObjRecord, PrefixEntry, new_record, set_mem
 from .states import State
 from .tables import Tables
 from .tree import other_parent, unchained_report
@@ -178,7 +178,7 @@ class Rebuild:
             if entry.disk is not None and entry.disk[col] is not None:
                 return None
             return t.add_disk_record(entry, col, _ON_DISK, owner, r)
-        pool, block = o.pools.get(col), r.block
+        pool, block = o.pools.get(col), shared_int(r.block)
         if pool is None or entry.mem[col] is not None:
             return None
         generation = pool.claim_at(block, r.generation)  # (generations issued stay issued)
@@ -189,8 +189,8 @@ class Rebuild:
                          generation, version=r.version, lo=r.lo, hi=r.hi)
         if r.version >= t.next_version:
             t.saw_version(r.version)
-        pool.owner[block] = rec
-        entry.mem[col] = rec
+        pool.hold(block, rec)
+        set_mem(entry, col, rec)
         tree = self.tree
         if tree.resume_point_of(rec):  # (the slot was empty: the point was not complete)
             tree.track(entry, False, tree.complete(entry, rec))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import ClassVar, Protocol
+from typing import ClassVar, Protocol, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -25,10 +25,12 @@ from .states import Kind, State
 
 __all__ = [
     "HANDLE_DTYPE",
+    "NO_CHILD",
     "Dependent",
     "DiskRecord",
     "Handle",
     "HandleColumn",
+    "NoChild",
     "ObjRecord",
     "PrefixEntry",
     "Segment",
@@ -40,6 +42,7 @@ __all__ = [
     "new_record",
     "record_type",
     "register",
+    "set_mem",
 ]
 
 
@@ -299,6 +302,19 @@ def new_record(
                 disk_owner)
 
 
+class NoChild:
+    """What :attr:`PrefixEntry.child` reads when there is no hint: it passes no walk's gate
+    (so the walk needs no test for its absence)."""
+
+    __slots__ = ()
+    gate: ClassVar[int] = -1
+    block_hash: ClassVar[bytes] = b""
+
+
+# (typed as an entry: it is read where one is, and passes no gate, so it is never taken for one)
+NO_CHILD = cast("PrefixEntry", NoChild())
+
+
 @dataclass(slots=True, eq=False)
 class PrefixEntry:
     """One hash block of some prefix: the objects of every column that end at this block.
@@ -312,7 +328,9 @@ class PrefixEntry:
     block_hash: BlockHash
     parent: PrefixEntry | None
     depth: int  # index of this hash block in its prefix: tokens [depth*H, (depth+1)*H)
-    mem: list[ObjRecord | None]
+    # per column, its memory object: a tuple (16 B less than a list), replaced on a change
+    # (set_mem: an entry's memory objects change a few times in its life, are read often)
+    mem: Sequence[ObjRecord | None]
     disk: list[ObjRecord | None] | None = None  # disk copies, allocated on first offload
     flags: int = 0
     gate: int = 0  # align if every monotone column is usable, else 0: the walk's one test
@@ -336,6 +354,16 @@ class PrefixEntry:
     # The hash of the parent this entry waits for (an orphan: a re-confirm made it before
     # its parent's entry, prefix_index.Orphans); None when it waits for none.
     awaits: BlockHash | None = field(default=None, repr=False)
+    # The child a walk through this entry last went on to (or the last one made): the walk
+    # asks it first (segments.walk_blocks). Only ever a linked child still in the index.
+    child: PrefixEntry = field(default=NO_CHILD, repr=False)
+
+
+def set_mem(entry: PrefixEntry, column: int, rec: ObjRecord | None) -> None:
+    """``entry``'s memory object of ``column`` is ``rec`` from now on."""
+    mem = list(entry.mem)
+    mem[column] = rec
+    entry.mem = tuple(mem)
 
 
 class Dependent(Protocol):

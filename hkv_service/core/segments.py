@@ -1,9 +1,9 @@
 """Walk segments: runs of blocks the funnel's walk verified, reused by every later walk.
 
-A long lookup's walk is one dict lookup and one integer test per block (~0.1 us each in
-Python, several times that with caches cold between RPCs), so a 2,048-block prompt pays for
-2,048 of them even when every block was walked a moment ago by another prompt sharing the
-prefix (a document many questions ask about, a long chat history). A segment certifies one
+A long lookup's walk is one hint read (or dict lookup) and one integer test per block (~0.05
+us each in Python, several times that with caches cold between RPCs), so a 2,048-block prompt
+pays for 2,048 of them even when every block was walked a moment ago by another prompt sharing
+the prefix (a document many questions ask about, a long chat history). A segment certifies one
 aligned run of ``S`` blocks ``[j*S, (j+1)*S)``: those ``S`` hashes, byte for byte, are in the
 index as these entries, each with ``gate >= Segment.gate``. It hangs on the run's last entry and
 registers itself on all ``S`` entries; ``contracts.summarise`` (every change to an entry passes
@@ -41,6 +41,8 @@ from .records import ObjRecord, PrefixEntry, Segment, register
 __all__ = ["DEFAULT_SEGMENT_BLOCKS", "Segment", "first_missing", "segment_blocks_for", "walk"]
 
 _GATE = operator.attrgetter("gate")
+# What a walk asks for the first block's entry: no entry's parent, no child hint
+_NOWHERE = PrefixEntry(BlockHash(b""), None, -1, [])
 AlignOf = Callable[[ObjRecord], int]
 
 
@@ -76,41 +78,84 @@ def walk(index: PrefixIndex, data: bytes, count: int, need: int,
             entries += seg.entries
             used.append(seg)
             continue
-        if not walk_blocks(index, split(data, lo), need, entries, layout, align_of, start):
+        if not walk_blocks(index, split(data, lo), need, entries, layout, align_of, start,
+                           exact=True):
             return entries, used
         assert end is not None and entries[-1] is end  # the run was walked whole
         used.append(_certify(end, data[lo : lo + run_bytes], entries[-size:]))
     tail = count % size
     if tail:
         walk_blocks(index, _splitter(tail).unpack_from(data, (count - tail) * hb), need,
-                    entries, layout, align_of, count - tail)
+                    entries, layout, align_of, count - tail, exact=True)
     return entries, used
 
 
 def walk_blocks(index: PrefixIndex, hashes: Iterable[BlockHash], need: int,
                 out: list[PrefixEntry], layout: Layout | None, align_of: AlignOf | None,
-                depth: int) -> bool:
+                depth: int, exact: bool = False) -> bool:
     """The per-block walk over ``hashes``, the first of them block ``depth``'s, appending to
     ``out``; False where it stopped (a pending entry is summarised first:
     ``contracts.defer``). A hash the index holds at another depth is another block's
-    (:class:`MisplacedHash`): its KV, served here, would be read at the wrong position."""
-    append, parts = out.append, index.parts
+    (:class:`MisplacedHash`): its KV, served here, would be read at the wrong position.
+    ``exact``: every hash is a ``bytes`` (split from packed ones), none of another type.
+
+    Each block is first asked of the entry before it: its ``child`` is the child a walk
+    last went on to (or the last made), and where that child has the block's hash and
+    passes the gate it is the entry the index holds for the hash (a hint never outlives
+    its child in the index: ``PrefixTree.gc_entry`` clears it), one block below (a child
+    is its parent's depth + 1: ``PrefixTree.entry_under``, ``PrefixTree.adopt``): one
+    attribute read and one comparison, not a hash, a part and a dict lookup. Elsewhere (the
+    first block, a branch, an orphan, a pending entry) the index answers
+    (:func:`_from_index`), and the hint is turned to the child found. A hash of another
+    type than ``bytes`` (a ``bytearray`` equal to a cached one, say) is never taken from
+    a hint: the index answers for it, as it always did."""
+    parts, c = index.parts, _NOWHERE  # (c: the entry before the block)
+    if exact:
+        for h in hashes:
+            e = c.child
+            if e.gate < need or e.block_hash != h:
+                got = _from_index(parts, h, c, depth, need, layout, align_of)
+                if got is None:
+                    return False
+                e = got
+            out.append(e)
+            c = e
+        return True
     for h in hashes:
-        try:
-            e = parts[h[0]].get(h)  # (PrefixIndex.get, inlined: the walk's one lookup)
-        except (IndexError, TypeError):
-            return False  # not a block hash: no entry has it (the length check names it)
-        if e is None:
-            return False
-        if e.depth != depth:
-            raise MisplacedHash(depth, e.depth)
-        # gate: F_MONO and byte alignment folded in one int (a pending entry: 0 until
-        # summarised here, contracts.defer)
-        if e.gate < need and not settled(e, need, layout, align_of):
-            return False
-        append(e)
-        depth += 1
+        e = c.child
+        # (the same hash object: a bytes, as every key is; else a bytes equal to it)
+        if e.gate < need or (e.block_hash is not h and (
+                e.block_hash != h or type(h) is not bytes)):
+            got = _from_index(parts, h, c, depth, need, layout, align_of)
+            if got is None:
+                return False
+            e = got
+        out.append(e)
+        c = e
     return True
+
+
+def _from_index(parts: list[dict[BlockHash, PrefixEntry]], h: BlockHash, c: PrefixEntry,
+                depth: int, need: int, layout: Layout | None, align_of: AlignOf | None
+                ) -> PrefixEntry | None:
+    """The entry of ``h``, the block after ``c`` (``_NOWHERE``: block ``depth``), as the index
+    has it, if the walk goes on through it; None where it stops."""
+    try:
+        e = parts[h[0]].get(h)  # (PrefixIndex.get, inlined)
+    except (IndexError, TypeError):
+        return None  # not a block hash: no entry has it (the length check names it)
+    if e is None:
+        return None
+    d = depth if c is _NOWHERE else c.depth + 1
+    if e.depth != d:
+        raise MisplacedHash(d, e.depth)
+    # gate: F_MONO and byte alignment folded in one int (a pending entry: 0 until
+    # summarised here, contracts.defer)
+    if e.gate < need and not settled(e, need, layout, align_of):
+        return None
+    if e.parent is c:  # (never _NOWHERE)
+        c.child = e  # the next walk through c asks this child first
+    return e
 
 
 def _certify(end: PrefixEntry, hashes: bytes, run: list[PrefixEntry]) -> Segment | None:

@@ -40,7 +40,7 @@ from .layout import Layout
 from .objects import ObjectTable
 from .owners import Owner, Reap, dead, disk_part_alive
 from .partitions import check_range_blocks
-from .records import DiskRecord, Handle, ObjRecord, PrefixEntry, new_record
+from .records import DiskRecord, Handle, ObjRecord, PrefixEntry, new_record, set_mem
 from .spec import CacheSpec
 from .states import TERMINAL_STATES, Event, Kind, State
 from .transitions import Params
@@ -94,6 +94,11 @@ class Tables:
         self.next_version = 1
         self._ordinals: dict[ShardId, int] = {}  # shard name -> index in shard_names
         self.shard_names: tuple[ShardId, ...] = ()
+        # strides() per column, as of (owners_epoch, len(shard_names)): a pool's stride
+        # changes only with the owner table (an owner registered again, or lost), whose
+        # epoch moves on, and the name table only grows (a lookup packs every column)
+        self._strides: dict[int, tuple[int, ...]] = {}
+        self._strides_as_of = (0, 0)
 
     # ---- accessors ------------------------------------------------------------------------
 
@@ -153,7 +158,15 @@ class Tables:
 
     def strides(self, col: int) -> tuple[int, ...]:
         """Per shard ordinal: the block stride of its pool for ``col`` (0: no such pool)."""
-        return tuple(self.stride(name, col) for name in self.shard_names)
+        as_of = (self.owners_epoch, len(self.shard_names))
+        if as_of != self._strides_as_of:
+            self._strides.clear()
+            self._strides_as_of = as_of
+        got = self._strides.get(col)
+        if got is None:
+            got = self._strides[col] = tuple(self.stride(name, col)
+                                             for name in self.shard_names)
+        return got
 
     def stride(self, shard: ShardId, col: int) -> int:
         """The block stride of ``shard``'s current pool for ``col`` (0: no such pool)."""
@@ -317,7 +330,7 @@ class Tables:
                 tier.disk.pop(rec, None)
             self.end_transfer(rec)
         else:
-            entry.mem[col] = None
+            set_mem(entry, col, None)
         self.release_copy(rec)
         self.objects.pop(rec.object_id)
 
@@ -327,7 +340,7 @@ class Tables:
             return
         o = self.owners.get(rec.shard)
         pool = o.pools.get(rec.column) if o else None
-        if pool is not None and pool.owner.get(rec.block) is rec:  # (not a lost incarnation's)
+        if pool is not None and pool.owner_of(rec.block) is rec:  # (not a lost incarnation's)
             pool.release(rec.block)
         rec.block = -1
 

@@ -70,7 +70,7 @@ class Transfers:
             t.admission.release(ticket)
             raise
         t.tickets[rec.object_id] = ticket
-        rec.shard, rec.block, rec.generation = shard, block, pool.generation[block]
-        pool.owner[block] = rec
+        rec.shard, rec.block, rec.generation = shard, block, pool.generation_of(block)
+        pool.hold(block, rec)
         t.apply(rec, Event.LOAD_BEGIN, Params())
         return t.handle(rec)

@@ -24,10 +24,10 @@ from collections.abc import Sequence
 from . import contracts
 from .allocator import SWA_LANE_BITS
 from .errors import BadHash
-from .ids import BLOCK_HASH_BYTES, BlockHash
+from .ids import BLOCK_HASH_BYTES, BlockHash, shared_int
 from .layout import Layout
 from .prefix_index import Orphans, PrefixIndex
-from .records import ObjRecord, PrefixEntry
+from .records import NO_CHILD, ObjRecord, PrefixEntry
 from .states import Kind
 
 __all__ = [
@@ -56,7 +56,7 @@ class PrefixTree:
         self.range_blocks = range_blocks
         self.index = PrefixIndex()  # (in parts: one dict's resize was O(all entries))
         self._empty_summary = _empty_summaries(layout)
-        self._width = len(layout.columns)
+        self._no_mem = (None,) * len(layout.columns)  # a new entry's (set_mem replaces it)
         # entries a re-confirm made before their parent's, and the complete resume points whose
         # walk up waits at one of them, with the increment each goes on with when adopted
         self.orphans = Orphans()
@@ -82,11 +82,14 @@ class PrefixTree:
         part = self.index.parts[h[0]]  # (a checked 16-byte hash: its part, looked up once)
         e = part.get(h)
         if e is None:
-            e = PrefixEntry(h, parent, depth, [None] * self._width)
+            if parent is not None and parent.depth != depth - 1:  # (the walk relies on it)
+                raise AssertionError(f"a parent at depth {parent.depth} for depth {depth}")
+            e = PrefixEntry(h, parent, shared_int(depth), self._no_mem)
             e.flags, e.gate = self._empty_summary[depth % self.layout.period]
             part[h] = e
             if parent is not None:
                 parent.children += 1
+                parent.child = e
             elif parent_hash is not None:
                 self.orphans.wait(e, parent_hash)
             if self.orphans and self.orphans.waits_for(h):
@@ -116,6 +119,8 @@ class PrefixTree:
             parent = entry.parent
             if parent is not None:
                 parent.children -= 1
+                if parent.child is entry:  # (a walk's hint never names an entry gone)
+                    parent.child = NO_CHILD
             entry = parent
 
     def age(self, entries: Sequence[PrefixEntry]) -> None:
@@ -175,6 +180,8 @@ class PrefixTree:
             return
         orphan.parent = parent
         parent.children += 1
+        if parent.child is NO_CHILD:
+            parent.child = orphan
         for point, step in self.cut_walks.pop(orphan, {}).items():
             self.count_resume_point(point, parent, step, 1)
 

@@ -26,10 +26,10 @@ def test_generation_moves_on_every_free(state: CacheState, spec) -> None:
     hs = prompt_hashes(spec, 1)
     (a,) = state.allocate(hs, [AllocRequest(0, "c4")])
     pool = state.owners[ShardId("s0")].pools[0]
-    gen = pool.generation[a.handle.block]
+    gen = pool.generation_of(a.handle.block)
     state.transition(a.handle.object_id, Event.WRITE_DONE)
     state.evict(a.handle.object_id)
-    assert pool.generation[a.handle.block] == gen + 1
+    assert pool.generation_of(a.handle.block) == gen + 1
 
 
 def test_compressed_leaves_go_before_parents(spec, clock) -> None:
@@ -204,7 +204,8 @@ def test_a_claim_far_ahead_costs_one_block_of_metadata() -> None:
     pool = BlockPool(PoolConfig(1 << 24, 256), nbytes=256)
     last = (1 << 24) - 1
     assert pool.claim(last) and not pool.claim(last)
-    assert len(pool.generation) == 1 and pool.free_count() == (1 << 24) - 1
+    assert pool.tracked() == 1 and pool.free_count() == (1 << 24) - 1
+    assert not pool._books and list(pool.books()) == [(last, 0, None)]  # no list for it
     assert [pool.take() for _ in range(3)] == [0, 1, 2]
     assert pool.claim(5) and pool.take() == 3 and pool.take() == 4 and pool.take() == 6
     pool.release(last)
@@ -219,18 +220,18 @@ def test_a_claim_keeps_the_greater_generation() -> None:
     from hkv_service.core.allocator import BlockPool
 
     pool = BlockPool(PoolConfig(64, 256, first=8), nbytes=256)
-    assert pool.claim_at(9, 7) == 7 and pool.generation[9] == 7  # never handed out
+    assert pool.claim_at(9, 7) == 7 and pool.generation_of(9) == 7  # never handed out
     assert pool.claim_at(9, 1) is None  # in use
     assert pool.claim_at(7, 1) is None and pool.claim_at(64, 1) is None  # outside
     for _ in range(4):
         pool.release(9)
         pool.claim_at(9, 0)
     pool.release(9)
-    assert pool.generation[9] == 12
-    assert pool.claim_at(9, 3) == 12 and pool.generation[9] == 12  # the pool's is greater
+    assert pool.generation_of(9) == 12
+    assert pool.claim_at(9, 3) == 12 and pool.generation_of(9) == 12  # the pool's is greater
     pool.release(9)
-    assert pool.claim_at(9, 40) == 40 and pool.generation[9] == 40  # the owner's is
-    assert 7 not in pool.generation and 64 not in pool.generation
+    assert pool.claim_at(9, 40) == 40 and pool.generation_of(9) == 40  # the owner's is
+    assert not pool.handed_out(7) and not pool.handed_out(64)
     assert pool.span == 10 and pool.take() == 8 and pool.take() == 10  # 9 stepped over
 
 
@@ -295,3 +296,50 @@ def test_an_incomplete_resume_point_protects_nothing(clock) -> None:
     assert need(15) == 0 and st.objects[ids[(15, "narrow")]].entry.swa_need == 0
     st.allocate(prompt_hashes(spec, 16, seed=2), [AllocRequest(0, "narrow")])
     assert st.objects.get(ids[(0, "narrow")]) is None  # the least recently used went
+
+
+def test_books_of_blocks_claimed_far_ahead_move_into_the_list() -> None:
+    """A re-confirm claims blocks in any order: one far past the arrays' end keeps its books
+    aside, and when blocks going out in order reach it they move into the list with its
+    generation; every block handed out has books exactly once, and take() never hands out a
+    block with books."""
+    import random
+
+    from hkv_service.core.allocator import BlockPool
+
+    pool = BlockPool(PoolConfig(1 << 16, 256, first=16), nbytes=256)
+    far = [5000, 3000, 9000]
+    for g, b in enumerate(far, start=1):
+        assert pool.claim_at(b, g) == g
+    assert sorted(b for b, _, _ in pool.books()) == sorted(far) and not pool._books
+    taken = [pool.take() for _ in range(5000)]
+    assert 3000 not in taken and 5000 not in taken  # stepped over
+    assert pool.generation_of(3000) == 2 and pool.generation_of(5000) == 1
+    assert not pool._far.keys() & {3000, 5000}  # in the list now
+    assert pool.generation_of(9000) == 3 and 9000 in pool._far
+    rng = random.Random(7)
+    held: set[int] = set(far) | {b for b in taken if b is not None}
+    for _ in range(3000):
+        b = rng.choice(sorted(held))
+        gen = pool.generation_of(b)
+        pool.release(b)
+        assert pool.generation_of(b) == gen + 1 and pool.owner_of(b) is None
+        assert pool.claim_at(b, 0) == gen + 1 and pool.claim_at(b, 0) is None
+    books = sorted(b for b, _, _ in pool.books())
+    assert books == sorted(held) and pool.tracked() == len(held)
+
+
+def test_forgetting_a_retired_pool_counts_only_blocks_with_books() -> None:
+    """The reaper forgets every block below the span, a gap a claim ahead left among them
+    too: only blocks with books are counted off, so the pool ends with none and every
+    declared block free."""
+    from hkv_service.core.allocator import BlockPool
+
+    pool = BlockPool(PoolConfig(4096, 256), nbytes=256)
+    taken = [pool.take() for _ in range(5)]
+    assert pool.claim(40) and pool.claim(3000) and pool.tracked() == 7
+    pool.release(taken[2])
+    for block in range(pool.span):
+        pool.forget(block)
+    assert pool.tracked() == 0 and not list(pool.books())
+    assert pool.free_count() == 4096 and pool.occupied() == 0

@@ -226,13 +226,13 @@ def test_a_reaped_incarnations_pools_hold_nothing_per_block(how: str) -> None:
         st.mark_owner_lost(S1)
     else:
         st.register_owner(S1, pools_for(st.layout, 256))
-    before = sum(len(p.generation) for p in old.pools.values())
+    before = sum(p.tracked() for p in old.pools.values())
     assert before > 0
     assert st.reap(budget=8)  # one slice: its blocks' books go now, not when the reap ends
-    assert before - 8 <= sum(len(p.generation) for p in old.pools.values()) < before
+    assert before - 8 <= sum(p.tracked() for p in old.pools.values()) < before
     st.reap_all()
     for pool in old.pools.values():
-        assert not pool.generation and not pool.owner and not pool._free and not pool.free
+        assert not list(pool.books()) and not pool.tracked() and not pool._free and not pool.free
     assert st.lookup(LookupRequest(hashes)).usable_tokens == 0
 
 

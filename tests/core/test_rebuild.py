@@ -98,8 +98,8 @@ def _view(st: CacheState) -> tuple[object, ...]:
         for h, e in st.index.items()
     )
     pools = {
-        (s, c): (tuple(p.free), sorted(p.generation.items()),
-                 sorted((b, r.object_id if r is not None else None) for b, r in p.owner.items()))
+        (s, c): (tuple(p.free), sorted(
+            (b, g, r.object_id if r is not None else None) for b, g, r in p.books()))
         for s, o in st.owners.items() for c, p in o.pools.items()
     }
     owners = {s: (o.incarnation, o.alive) for s, o in st.owners.items()}
@@ -527,12 +527,12 @@ def test_exactly_the_reconfirmed_objects_are_reused(spec: CacheSpec, data: st.Da
 
     pool_of = {name: new.owners[S0].pools[c] for name, c in new.layout.by_name.items()}
     for (_, column), r in by_key.items():  # each re-confirmed object holds its reported block
-        rec = pool_of[column].owner[r.block]
+        rec = pool_of[column].owner_of(r.block)
         assert rec is not None and rec.entry.block_hash == r.block_hash
         assert rec.generation == r.generation
     for column, pool in pool_of.items():  # and no other block is taken
         taken = {r.block for (_, c), r in by_key.items() if c == column}
-        assert {b for b, o in pool.owner.items() if o is not None} == taken
+        assert {b for b, _, o in pool.books() if o is not None} == taken
 
     safe = [p for p in range(0, _N_BLOCKS * 64 + 1, _L)
             if p == 0 or _needed(new.layout, p) <= set(by_key)]

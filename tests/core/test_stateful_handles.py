@@ -202,9 +202,9 @@ def copy_problem(state: CacheState, entry: PrefixEntry, c: int, rec: ObjRecord, 
         pool = owner.pools.get(c) if owner is not None else None
         if owner is None or not owner.alive or pool is None:
             return f"placed at owner {rec.shard!r}, which is gone"
-        if pool.owner.get(rec.block) is not rec:
+        if pool.owner_of(rec.block) is not rec:
             return f"block {rec.block} is not this record's"
-        if pool.generation[rec.block] != rec.generation:
+        if pool.generation_of(rec.block) != rec.generation:
             return "generation moved on"
         cfg = pool.config
         if alignment(rec.block * cfg.stride, col.nbytes, cfg.base_align) < align:
