@@ -27,7 +27,13 @@ def _print_human(result: dict[str, Any]) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     module = importlib.import_module(f"hkv_service.bench.{args.name}")
-    result: dict[str, Any] = module.run(quick=args.quick)
+    extra: dict[str, Any] = {}
+    if getattr(args, "vllm_python", None) is not None:
+        if args.name != "serve":
+            sys.stderr.write("hkv: error: --vllm-python applies to 'hkv bench serve' only.\n")
+            return 2
+        extra["vllm_python"] = args.vllm_python
+    result: dict[str, Any] = module.run(quick=args.quick, **extra)
     if args.json:
         print(json.dumps(result, sort_keys=True))
     else:
