@@ -66,7 +66,7 @@ __all__ = ["Workload", "find_vllm_python", "run"]
 
 ENV_PYTHON = "HKV_VLLM_PYTHON"
 MODEL_NAME = "tiny-hybrid"
-BLOCK = 16
+BLOCK = 32  # vLLM resolves 32 for this model on CPU whatever is asked; ask for it
 CLIENTS = 8
 REPLICAS = 2
 START_TIMEOUT_S = 600.0  # an engine starts in ~60 s here; a loaded machine is slower
@@ -256,6 +256,11 @@ class Engine:
                     return
             time.sleep(1.0)
         raise RuntimeError(f"vllm serve {self.name} did not get ready:\n" + _tail(self.log))
+
+    def kv_tokens(self) -> int | None:
+        """The tokens vLLM says its KV cache holds (its start-up log line)."""
+        m = re.search(r"KV cache size: ([0-9,]+) tokens", _tail(self.log, 10**7))
+        return int(m.group(1).replace(",", "")) if m else None
 
     def metrics(self) -> dict[str, float]:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60.0)
@@ -498,6 +503,7 @@ def _run_pair(engines: list[Engine], w: Workload) -> tuple[dict[str, Any], dict[
         out[name] = summarize(results, wall, before, [e.metrics() for e in engines])
         out[name]["load_avg_1_5_15"] = load
         outputs.update({f"{name}/{r.key}": r.output for r in results})
+    out["engine_kv_tokens"] = [e.kv_tokens() for e in engines]
     return out, outputs
 
 
