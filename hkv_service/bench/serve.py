@@ -184,7 +184,9 @@ def _child_env(**extra: str) -> dict[str, str]:
     (the vLLM venv may have another hkv installed), vLLM's CPU KV space bounded."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1")
+    # Stats every second: the connector's counters reach the log before a workload's end.
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1",
+               VLLM_LOG_STATS_INTERVAL="1")
     env.pop("RAY_ADDRESS", None)
     env.update(extra)
     return env
@@ -261,6 +263,21 @@ class Engine:
         """The tokens vLLM says its KV cache holds (its start-up log line)."""
         m = re.search(r"KV cache size: ([0-9,]+) tokens", _tail(self.log, 10**7))
         return int(m.group(1).replace(",", "")) if m else None
+
+    def log_size(self) -> int:
+        return self.log.stat().st_size
+
+    def connector_stats(self, since: int) -> dict[str, float]:
+        """The hkv connector's counters vLLM logged after byte ``since`` of the log (its
+        ``KV Transfer metrics`` lines, one per stats interval, each that interval's)."""
+        with self.log.open("rb") as f:
+            f.seek(since)
+            text = f.read().decode(errors="replace")
+        out: dict[str, float] = {}
+        for line in re.findall(r"KV Transfer metrics: (.*)", text):
+            for k, v in re.findall(r"([\w.]+)=([0-9.eE+-]+)", line):
+                out[k] = out.get(k, 0.0) + float(v)
+        return out
 
     def metrics(self) -> dict[str, float]:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60.0)
@@ -497,11 +514,18 @@ def _run_pair(engines: list[Engine], w: Workload) -> tuple[dict[str, Any], dict[
     outputs: dict[str, list[int]] = {}
     for name, drive in (("shared_prefix", shared_prefix), ("no_reuse", no_reuse)):
         before = [e.metrics() for e in engines]
+        logs = [e.log_size() for e in engines]
         load = _load()
         results, wall = drive(ports, w)
-        time.sleep(1.0)  # the last step's stats reach /metrics with its outputs
+        time.sleep(2.5)  # the last steps' stats reach /metrics and the log (1 s interval)
         out[name] = summarize(results, wall, before, [e.metrics() for e in engines])
         out[name]["load_avg_1_5_15"] = load
+        stats: dict[str, float] = {}
+        for e, at in zip(engines, logs, strict=True):
+            for k, v in e.connector_stats(at).items():
+                stats[k] = stats.get(k, 0.0) + v
+        if stats:  # the hkv connector's own counters over this workload, both engines
+            out[name]["connector"] = {k: round(v, 4) for k, v in sorted(stats.items())}
         outputs.update({f"{name}/{r.key}": r.output for r in results})
     out["engine_kv_tokens"] = [e.kv_tokens() for e in engines]
     return out, outputs
