@@ -496,6 +496,11 @@ def summarize(results: list[Result], wall_s: float, before: list[dict[str, float
     }
 
 
+def _first_diff(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                min(len(a), len(b)))
+
+
 def _ratio(a: float, b: float) -> float | None:
     return round(a / b, 4) if b else None
 
@@ -606,6 +611,7 @@ def _bench(python: str, quick: bool, work: Path) -> dict[str, Any]:
         procs.stop_all()
 
     same = sum(alone_out.get(k) == v for k, v in hkv_out.items())
+    differing = sorted(k for k, v in hkv_out.items() if alone_out.get(k) != v)
     sp, sp0 = hkv_figs["shared_prefix"], alone_figs["shared_prefix"]
     nr, nr0 = hkv_figs["no_reuse"], alone_figs["no_reuse"]
     ratios: dict[str, float | None] = {}
@@ -619,6 +625,9 @@ def _bench(python: str, quick: bool, work: Path) -> dict[str, Any]:
         "outputs_compared": len(hkv_out),
         "outputs_identical": same,
         "outputs_all_identical": same == len(hkv_out) == len(alone_out),
+        # which requests differ, and at which output token first (a near-tie at bfloat16)
+        "outputs_differing": {k: _first_diff(alone_out.get(k, []), hkv_out[k])
+                              for k in differing[:10]},
         "hkv_share_shared_prefix": sp["hkv_share"],
         "workload": {"clients": CLIENTS, "replicas": REPLICAS, "block_size": BLOCK,
                      "engine_blocks": w.engine_blocks(), "hkv_blocks_per_group": hkv_blocks,
