@@ -659,12 +659,31 @@ def run(quick: bool = False, vllm_python: str | None = None) -> dict[str, Any]:
     except NoVllm as exc:
         sys.stderr.write(f"{exc}\n")
         raise SystemExit(2) from None
-    keep = os.environ.get("HKV_BENCH_KEEP")  # a folder to keep the logs in (debugging)
-    if keep:
-        Path(keep).mkdir(parents=True, exist_ok=True)
-        return _bench(python, quick, Path(tempfile.mkdtemp(prefix="serve-", dir=keep)))
-    with tempfile.TemporaryDirectory(prefix="hkv-serve-") as tmp:
-        return _bench(python, quick, Path(tmp))
+    with _stop_on_sigterm():
+        keep = os.environ.get("HKV_BENCH_KEEP")  # a folder to keep the logs in (debugging)
+        if keep:
+            Path(keep).mkdir(parents=True, exist_ok=True)
+            return _bench(python, quick, Path(tempfile.mkdtemp(prefix="serve-", dir=keep)))
+        with tempfile.TemporaryDirectory(prefix="hkv-serve-") as tmp:
+            return _bench(python, quick, Path(tmp))
+
+
+@contextlib.contextmanager
+def _stop_on_sigterm() -> Iterator[None]:
+    """SIGTERM (a CI timeout) raises SystemExit, so the engines and hkv up started here are
+    stopped by the ``finally`` that started them rather than left running in their groups."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    before = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 # --- the model (run in the vLLM venv) -------------------------------------------------------
