@@ -14,7 +14,7 @@ from .settings import DEFAULT_PORT, ClientSettings, DemoSettings, ServiceSetting
 
 __all__ = ["build_parser", "main"]
 
-BENCH_NAMES = ("core", "service", "disk", "shard", "e2e", "scale", "vllm", "route")
+BENCH_NAMES = ("core", "service", "disk", "shard", "e2e", "scale", "vllm", "route", "serve")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -50,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.add_argument("--model", default=None, help="vllm only: the model the engine runs, "
                        "'llama-hybrid' (default) or 'qwen3-next' (GatedDeltaNet states)")
+    bench.add_argument("--vllm-python", default=None,
+                       help="serve only: the python of a venv with vLLM (default: "
+                       "$HKV_VLLM_PYTHON, this python if it has vLLM, else .venv-vllm/bin/python "
+                       "beside the repository)")
 
     stats = sub.add_parser("stats", help="print a running service's counters")
     stats.add_argument("--endpoint", default=f"127.0.0.1:{DEFAULT_PORT}",

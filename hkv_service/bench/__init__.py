@@ -36,6 +36,11 @@ def run_bench(args: argparse.Namespace) -> int:
             sys.stderr.write(f"hkv bench {args.name}: --model is for hkv bench vllm only\n")
             return 2
         extra["model"] = args.model
+    if getattr(args, "vllm_python", None) is not None:
+        if args.name != "serve":
+            sys.stderr.write("hkv: error: --vllm-python applies to 'hkv bench serve' only.\n")
+            return 2
+        extra["vllm_python"] = args.vllm_python
     result: dict[str, Any] = module.run(quick=args.quick, **extra)
     if args.json:
         print(json.dumps(result, sort_keys=True))

@@ -1,0 +1,102 @@
+"""``hkv bench serve`` where vLLM is absent, and its sizing and figures (no vLLM needed).
+
+The bench itself needs vLLM and runs in ``.ci/vllm`` (``--quick``) and in
+``tests/connectors/test_bench_serve.py``."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hkv_service.bench import serve
+from hkv_service.cli import BENCH_NAMES, main
+
+
+def _exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """``hkv ARGV`` ends with status 2 (raised by the bench, or returned to ``sys.exit``)."""
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code  # type: ignore[assignment]
+    assert code == 2
+    out = capsys.readouterr()
+    assert out.out == ""
+    assert out.err.count("\n") == 1, out.err  # one sentence
+    return out.err
+
+
+def test_without_vllm_anywhere_the_bench_exits_2_saying_where_to_get_it(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert "serve" in BENCH_NAMES
+    real = importlib.util.find_spec
+
+    def find_spec(name: str, *args: Any, **kwargs: Any) -> Any:
+        return None if name == "vllm" else real(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    monkeypatch.setattr(serve, "REPO", tmp_path)  # no .venv-vllm beside this "repository"
+    monkeypatch.delenv(serve.ENV_PYTHON, raising=False)
+    err = _exit_2(["bench", "serve", "--quick", "--json"], capsys)
+    assert "vLLM is not installed" in err and "--vllm-python" in err
+    assert str(tmp_path / ".venv-vllm" / "bin" / "python") in err
+
+
+def test_a_given_python_without_vllm_exits_2_naming_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = str(tmp_path / "no-such-python")
+    err = _exit_2(["bench", "serve", "--quick", "--vllm-python", missing], capsys)
+    assert f"{missing} cannot import vllm" in err
+
+
+def test_the_env_names_the_python_when_no_flag_does(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    missing = str(tmp_path / "env-python")
+    monkeypatch.setenv(serve.ENV_PYTHON, missing)
+    with pytest.raises(serve.NoVllm, match="env-python cannot import vllm"):
+        serve.find_vllm_python(None)
+
+
+def test_vllm_python_is_refused_by_the_other_benches(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    err = _exit_2(["bench", "core", "--vllm-python", "/x/python"], capsys)
+    assert "applies to 'hkv bench serve' only" in err
+
+
+@pytest.mark.parametrize("quick", [True, False])
+def test_the_working_set_is_about_four_engines_and_every_prompt_fits(quick: bool) -> None:
+    w = serve.Workload.of(quick)
+    engine_tokens = w.engine_blocks() * serve.BLOCK // 2  # two KV cache groups
+    assert 3.5 <= w.working_set_tokens / engine_tokens <= 4.5
+    assert engine_tokens >= 2 * w.longest_prompt
+
+
+def test_summary_takes_percentiles_and_the_shares_from_metric_deltas() -> None:
+    results = [serve.Result(f"r{i}", 100, ttft_s=0.01 * (i + 1), e2e_s=0.1, output=[5, 6])
+               for i in range(100)]
+    zero = dict.fromkeys(serve.METRICS, 0.0)
+    a = dict(zero, **{"vllm:prompt_tokens_total": 6000.0,
+                      "vllm:external_prefix_cache_hits_total": 3000.0,
+                      "vllm:prefix_cache_hits_total": 600.0})
+    b = dict(zero, **{"vllm:prompt_tokens_total": 4000.0,
+                      "vllm:external_prefix_cache_hits_total": 1000.0})
+    got = serve.summarize(results, 2.0, [zero, zero], [a, b])
+    assert got["requests"] == 100 and got["requests_per_s"] == 50.0
+    assert got["output_tokens_per_s"] == 100.0
+    assert got["ttft_p50_s"] == pytest.approx(0.505) and got["ttft_p99_s"] == 0.99
+    assert got["prompt_tokens"] == 10000 and got["hkv_hit_tokens"] == 4000
+    assert got["hkv_share"] == 0.4 and got["local_prefix_share"] == 0.06
+
+
+def test_connector_counters_add_up_over_the_log_lines_after_the_mark(tmp_path: Path) -> None:
+    log = tmp_path / "vllm.log"
+    early = "INFO KV Transfer metrics: load_ok=7, lookup_s=9.0\n"
+    log.write_text(early + "INFO KV Transfer metrics: load_ok=2, lookup_s=0.5, "
+                   "downgrade.NO_STATE=3\nother line\nKV Transfer metrics: load_ok=1, "
+                   "lookup_s=0.25\n")
+    engine = serve.Engine("e", 0, None, log)  # type: ignore[arg-type]
+    got = engine.connector_stats(len(early))
+    assert got == {"load_ok": 3.0, "lookup_s": 0.75, "downgrade.NO_STATE": 3.0}
