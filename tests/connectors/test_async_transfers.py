@@ -126,11 +126,19 @@ def test_a_save_lands_with_the_bytes_of_its_step_though_vllm_reuses_the_pages(
         make: Callable[..., Harness]) -> None:
     h = make()
     tokens = prompt(N, seed=1)
+    held = threading.Event()  # the save lane busy with a task ahead of A's saves
+    work(h)._saves.submit(Task(lambda: None if held.wait(30.0) else None, lambda why: None))
     gate = Gate(work(h).plane, "write_prefix")
     h.add("A", tokens)
-    steps_while_gated(h, gate)
+    for _ in range(20):
+        if not h.sched.has_requests():
+            break
+        h.step()
+    assert not h.sched.has_requests(), "vLLM still holds the request: the engine waits on hkv"
     assert certified_bytes(h, tokens) == 0  # nothing certified before its bytes landed
     scribble(h)
+    held.set()
+    assert gate.entered.wait(10.0)
     gate.open()
     assert work(h).drain(30.0)
     assert certified_bytes(h, tokens) == 384  # the staged copy, not the reused pages
