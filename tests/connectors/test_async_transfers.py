@@ -127,7 +127,11 @@ def test_a_save_lands_with_the_bytes_of_its_step_though_vllm_reuses_the_pages(
     h = make()
     tokens = prompt(N, seed=1)
     held = threading.Event()  # the save lane busy with a task ahead of A's saves
-    work(h)._saves.submit(Task(lambda: None if held.wait(30.0) else None, lambda why: None))
+
+    def busy() -> None:
+        assert held.wait(30.0)
+
+    work(h)._saves.submit(Task(busy, lambda why: None))
     gate = Gate(work(h).plane, "write_prefix")
     h.add("A", tokens)
     for _ in range(20):
