@@ -31,6 +31,7 @@ import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -112,8 +113,11 @@ class WorkerSide:
             if job.match is None:
                 self._settle_load(job, False)
                 continue
-            self._loads.submit(Task(lambda job=job: self._settle_load(job, self._load(job)),
-                                    lambda why, job=job: self._abandon_load(job, why)))
+            self._loads.submit(Task(partial(self._run_load, job),
+                                    partial(self._abandon_load, job)))
+
+    def _run_load(self, job: LoadJob) -> None:
+        self._settle_load(job, self._load(job))
 
     def _abandon_load(self, job: LoadJob, why: str) -> None:
         self.stats.add("load_failed.abandoned")
@@ -183,8 +187,8 @@ class WorkerSide:
             if staged is None:
                 continue
             self.stats.add("staged_bytes", staged.nbytes)
-            self._saves.submit(Task(lambda st=staged: self._write(st),
-                                    lambda why, st=staged: self._give_up(st, why)))
+            self._saves.submit(Task(partial(self._write, staged),
+                                    partial(self._give_up, staged)))
 
     def _stage(self, job: SaveJob) -> Staged | None:
         need = sum(self._group(it.column).block_bytes for it in job.items)
@@ -212,7 +216,7 @@ class WorkerSide:
             return None
         ready = None
         if any(isinstance(b, torch.Tensor) and b.is_pinned() for b in blocks.values()):
-            ready = torch.cuda.Event()
+            ready = torch.cuda.Event()  # type: ignore[no-untyped-call, unused-ignore]
             ready.record()  # on vLLM's current stream, after the copies it queued
         return Staged(job, blocks, need, ready)
 
