@@ -183,7 +183,9 @@ def main(work: Path) -> dict[str, Any]:
 
     out["faults"] = {}
     for fault in ("evict", "disk_bitflip", "shard_kill"):
-        b.reset_prefix_cache()
+        # B's own saves of the last run (they land off the step) are what the fault hits
+        assert b_work.worker.drain(30.0), "B's saves still in flight after 30 s"
+        assert b.reset_prefix_cache()
         before = dict(b_work.worker.stats.total)
         injected = _inject(fault, system, hashes, limit, work)
         token, lps = first_token(b, tokens)
