@@ -173,6 +173,7 @@ class Die(BaseException):
     """What kills a lane's thread (no task raises it on purpose)."""
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_dead_save_thread_is_replaced_and_its_task_settled(
         make: Callable[..., Harness]) -> None:
     h = make()
