@@ -16,7 +16,10 @@ them at one position.
 A recurrent (Mamba / GatedDeltaNet) group's states are saved only from vLLM's per-step
 ``boundary_state_offloads`` and each request's output names the boundary hkv certified
 (``kv_transfer_params["hkv"]``, see :class:`.scheduler.Certified`).
-Loads are asynchronous to the scheduler, so a stale handle (or any failed read) becomes a
+Nothing waits on hkv's I/O inside vLLM's step (:mod:`.worker`): ``wait_for_save`` only copies
+the pages to save into a staging buffer, their write and commit run on a background lane, and a
+finished request's blocks stay held (``request_finished`` returns a delay) until its save
+landed. Loads are asynchronous to the scheduler, so a stale handle (or any failed read) becomes a
 failed receive and vLLM recomputes; with one full-attention group the failed blocks are
 reported as load errors instead and vLLM keeps the prefix before them.
 """
