@@ -77,6 +77,7 @@ class WorkerSide:
         self.plane = plane
         self.stats = Counters()
         self.views: dict[str, list[torch.Tensor]] = {}  # group name -> layer views
+        self._pages: dict[str, list[np.ndarray]] = {}  # ... as [blocks, page bytes] (CPU)
         self.staging_bytes = staging_bytes  # staged bytes in flight at most; past it, drop
         self.drain_s = drain_s  # how long ``close`` waits for saves in flight
         self._out = Outcomes()
@@ -104,6 +105,11 @@ class WorkerSide:
                                      f"says {g.page_bytes}")
                 views.append(t)
             self.views[g.name] = views
+            if all(v.device.type == "cpu" and v.is_contiguous() for v in views):
+                # numpy views of the pages, made once: a page copy is then one numpy slice
+                # assignment (~1 us of Python) instead of five torch calls (~25 us)
+                self._pages[g.name] = [v.view(torch.uint8).reshape(num_blocks, -1).numpy()
+                                       for v in views]
 
     # -- load -------------------------------------------------------------------------------
 
@@ -164,6 +170,12 @@ class WorkerSide:
         raw = np.asarray(data).reshape(-1).view(np.uint8)
         if raw.nbytes != g.block_bytes:
             raise ValueError(f"{g.name}: {raw.nbytes} bytes read for a {g.block_bytes}-byte block")
+        pages = self._pages.get(g.name)
+        if pages is not None:
+            rows = raw.reshape(len(pages), g.page_bytes)
+            for i, p in enumerate(pages):
+                p[block_id] = rows[i]
+            return
         for i, view in enumerate(self.views[g.name]):
             dst = view[block_id]
             page = raw[i * g.page_bytes : (i + 1) * g.page_bytes]
@@ -267,6 +279,12 @@ class WorkerSide:
                 out_t[i * g.page_bytes : (i + 1) * g.page_bytes].copy_(page, non_blocking=True)
             return out_t
         out = np.empty(g.block_bytes, np.uint8)
+        pages = self._pages.get(g.name)
+        if pages is not None:
+            rows = out.reshape(len(pages), g.page_bytes)
+            for i, p in enumerate(pages):
+                rows[i] = p[block_id]
+            return out
         for i, v in enumerate(views):
             page = v[block_id].contiguous().view(torch.uint8).reshape(-1)
             out[i * g.page_bytes : (i + 1) * g.page_bytes] = page.numpy()
