@@ -150,6 +150,34 @@ def test_a_save_lands_with_the_bytes_of_its_step_though_vllm_reuses_the_pages(
     assert work(h).stats.total["save_failed"] == 0
 
 
+def test_a_request_preempted_with_its_save_in_flight_leaves_hkv_its_bytes(
+        make: Callable[..., Harness]) -> None:
+    """vLLM preempts A (its blocks freed, its KV dropped) while A's saves wait on the lane;
+    the freed pages are overwritten, C and A (rescheduled, recomputing) run on; A's saves
+    land with A's bytes."""
+    h = make()
+    a_tokens, c_tokens = prompt(N, seed=8), prompt(N, seed=9)
+    held = threading.Event()
+
+    def busy() -> None:
+        assert held.wait(30.0)
+
+    work(h)._saves.submit(Task(busy, lambda why: None))
+    h.add("A", a_tokens, max_tokens=8)
+    h.step()  # A's prefill: its blocks staged and handed to the (busy) lane
+    assert h.sched.reset_prefix_cache(reset_running_requests=True)  # A preempted
+    assert h.sched.requests["A"].num_computed_tokens == 0
+    scribble(h)  # A's freed blocks are anyone's now
+    h.add("C", c_tokens)
+    for _ in range(5):  # C (and A again) reuse the freed blocks while A's saves wait
+        h.step()
+    assert certified_bytes(h, a_tokens) == 0
+    held.set()
+    h.run()
+    assert certified_bytes(h, a_tokens) == 384
+    assert certified_bytes(h, c_tokens) == 384
+
+
 def test_a_shard_killed_under_a_save_in_flight_certifies_nothing_wrong(
         make: Callable[..., Harness]) -> None:
     h = make()
