@@ -16,7 +16,8 @@ Time to first token (``max_tokens=1``, one request at a time, the median of ``ru
   loads them (a step of its own: loads are asynchronous to the scheduler) and vLLM computes
   the rest;
 * ``figures.ttft_miss_s``: the engine with hkv, a prompt hkv does not hold: a full prefill
-  plus hkv's probe and the save of every whole block (synchronous, inside the step).
+  plus hkv's probe and the staging of every whole block (the copy out of vLLM's cache is
+  all a save costs inside the step; its write and commit run off the step).
 
 hkv's own time per request, summed over the request's steps: the scheduler-side hooks
 (``get_num_new_matched_tokens``, ``update_state_after_alloc``, ``build_connector_meta``) and
@@ -174,10 +175,16 @@ def _first_token(llm: Any, tokens: list[int]) -> tuple[float, int, dict[int, flo
                                           for t, lp in comp.logprobs[0].items()}
 
 
-def _reset(llm: Any) -> None:
+def _reset(llm: Any, worker: Any = None) -> None:
+    """vLLM's prefix cache dropped once hkv's saves in flight landed (they run off the step;
+    the next request would race them) and vLLM took back blocks it held for them (it learns
+    that in a step: one is run if none is due)."""
+    if worker is not None and not worker.drain(60.0):
+        raise RuntimeError("hkv saves still in flight after 60 s")
     for _ in range(50):
         if llm.reset_prefix_cache():
             return
+        llm.llm_engine.step()
         time.sleep(0.1)
     raise RuntimeError("vLLM would not reset its prefix cache")
 
@@ -222,6 +229,23 @@ def _per_request_us(rows: list[dict[str, float]], names: tuple[str, ...]) -> dic
     out = {name: round(1e6 * sum(r.get(name, 0.0) for r in rows) / n, 1) for name in names}
     out["total"] = round(sum(out.values()), 1)
     return out
+
+
+def _memcpy_s(nbytes: int, runs: int = 5) -> float:
+    """A plain memory copy of ``nbytes`` (numpy, into a fresh buffer as staging does): the
+    median of ``runs``."""
+    import numpy as np
+
+    if nbytes <= 0:
+        return 0.0
+    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    took = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        dst = np.empty_like(src)
+        np.copyto(dst, src)
+        took.append(time.perf_counter() - start)
+    return statistics.median(took)
 
 
 def _diff(a: dict[int, float], b: dict[int, float]) -> float | None:
@@ -282,19 +306,26 @@ def _run(quick: bool, work: Path, model_name: str) -> dict[str, Any]:
         hooks = _Hooks()
         hooks.wrap(sched, SCHEDULER_HOOKS)
         hooks.wrap(worker, WORKER_HOOKS)
+        hooks.wrap(llm.llm_engine.engine_core.engine_core.model_executor, ("execute_model",))
+        side = worker.worker
         _first_token(llm, warm)  # warm-up miss: saved to hkv
-        _reset(llm)
+        _reset(llm, side)
         _first_token(llm, warm)  # warm-up hit: the load path's first use
         hooks.take()
 
         miss_s: list[float] = []
         miss_rows: list[dict[str, float]] = []
+        staged: list[float] = []
         for k in range(runs + 1):  # the last one leaves hit_prompt in hkv
             tokens = hit_prompt if k == runs else _prompt(prompt_tokens, 100 + k, vocab)
-            _reset(llm)
+            _reset(llm, side)
+            before = dict(side.stats.total)
             took, _tok, _lps = _first_token(llm, tokens)
             miss_s.append(took)
-            miss_rows.append(hooks.take())
+            row = hooks.take()
+            row["stage"] = side.stats.total["stage_s"] - before.get("stage_s", 0.0)
+            miss_rows.append(row)
+            staged.append(side.stats.total["staged_bytes"] - before.get("staged_bytes", 0))
 
         hit_s: list[float] = []
         hit_rows: list[dict[str, float]] = []
@@ -302,7 +333,7 @@ def _run(quick: bool, work: Path, model_name: str) -> dict[str, Any]:
         states: list[float] = []
         hit_token, hit_lps = 0, dict[int, float]()
         for _ in range(runs):
-            _reset(llm)
+            _reset(llm, side)
             total = worker.worker.stats.total
             before, before_states = total["loaded_tokens"], total["loaded_states"]
             took, hit_token, hit_lps = _first_token(llm, hit_prompt)
@@ -330,6 +361,11 @@ def _run(quick: bool, work: Path, model_name: str) -> dict[str, Any]:
     work_miss = _per_request_us(miss_rows, WORKER_HOOKS)
     overhead_hit_s = (sched_hit["total"] + work_hit["total"]) / 1e6
     overhead_miss_s = (sched_miss["total"] + work_miss["total"]) / 1e6
+    step_hit_s = _per_request_us(hit_rows, ("execute_model",))["total"] / 1e6
+    step_miss_s = _per_request_us(miss_rows, ("execute_model",))["total"] / 1e6
+    stage_miss_s = _per_request_us(miss_rows, ("stage",))["total"] / 1e6
+    staged_bytes = int(statistics.median(staged)) if staged else 0
+    memcpy_s = _memcpy_s(staged_bytes)
     figures = {
         "prompt_tokens": prompt_tokens,
         "runs": runs,
@@ -349,6 +385,16 @@ def _run(quick: bool, work: Path, model_name: str) -> dict[str, Any]:
         "worker_us_per_miss": work_miss,
         "hkv_overhead_ms_per_hit": round(1e3 * overhead_hit_s, 3),
         "hkv_overhead_ms_per_miss": round(1e3 * overhead_miss_s, 3),
+        # hkv's time inside vLLM's step (the hooks above), against the step itself (vLLM's
+        # execute_model, hooks included, summed over the request's steps) and against a
+        # plain memory copy of the bytes a miss saves (numpy, measured in this run)
+        "step_ms_per_hit": round(1e3 * step_hit_s, 3),
+        "step_ms_per_miss": round(1e3 * step_miss_s, 3),
+        "staging_ms_per_miss": round(1e3 * stage_miss_s, 3),
+        "staged_bytes_per_miss": staged_bytes,
+        "memcpy_ms_of_staged_bytes": round(1e3 * memcpy_s, 3),
+        "hkv_in_step_beyond_staging_ms_per_miss": round(1e3 * (overhead_miss_s - stage_miss_s),
+                                                        3),
         "connector_counters": counters,  # the connector's own stats, whole run (see stats.py)
     }
     baseline = {
@@ -361,6 +407,11 @@ def _run(quick: bool, work: Path, model_name: str) -> dict[str, Any]:
         "ttft_miss_vs_recompute": round(ttft_miss / ttft_recompute, 4),
         "hkv_overhead_hit_vs_recompute": round(overhead_hit_s / ttft_recompute, 4),
         "hkv_overhead_miss_vs_recompute": round(overhead_miss_s / ttft_recompute, 4),
+        "hkv_in_step_vs_step_hit": round(overhead_hit_s / step_hit_s, 4) if step_hit_s else None,
+        "hkv_in_step_vs_step_miss": (round(overhead_miss_s / step_miss_s, 4)
+                                     if step_miss_s else None),
+        "hkv_in_step_miss_vs_memcpy": round(overhead_miss_s / memcpy_s, 2) if memcpy_s else None,
+        "staging_vs_memcpy": round(stage_miss_s / memcpy_s, 2) if memcpy_s else None,
     }
     if qwen:  # what a hit restored of the recurrent groups: one state per group
         figures["states_loaded_per_hit"] = min(states) if states else 0

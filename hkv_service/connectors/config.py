@@ -37,6 +37,8 @@ class ConnectorConfig:
     lease_ttl_s: float = 30.0  # a lease pins the loaded objects from alloc to the read
     timeout_s: float = 10.0  # per call to the service or a shard
     spec_out: str | None = None  # write the spec this engine needs here (YAML)
+    staging_mib: float = 1024.0  # saves staged off vLLM's cache, not yet landed; past: dropped
+    drain_s: float = 10.0  # at shutdown, how long saves in flight get to land
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -58,6 +60,8 @@ class ConnectorConfig:
                                      "hkv service) and 'system' (an in-process hkv)")
         if self.lease_ttl_s <= 0 or self.timeout_s <= 0:
             raise BadConnectorConfig("lease_ttl_s", "lease_ttl_s and timeout_s must be > 0")
+        if self.staging_mib <= 0 or self.drain_s < 0:
+            raise BadConnectorConfig("staging_mib", "staging_mib must be > 0, drain_s >= 0")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise BadConnectorConfig("tls_cert", "tls_cert and tls_key go together (mTLS)")
 

@@ -2,9 +2,10 @@
 
 A request's life, as vLLM drives it::
 
-    get_num_new_matched_tokens   probe: a match-only lookup (no lease, no side effect), any
-                                 number of times; answers usable - local (tokens hkv's funnel
-                                 certifies beyond vLLM's own hit), loaded asynchronously
+    get_num_new_matched_tokens   probe: a match-only lookup (no lease, no side effect), at
+                                 most once per request per step (asked again in the same
+                                 step, the same answer); answers usable - local (tokens hkv's
+                                 funnel certifies beyond vLLM's own hit), loaded asynchronously
     update_state_after_alloc     the leased lookup at exactly local + what vLLM took; shorter
                                  than that (something changed since the probe) is a load error
     build_connector_meta         the step's LoadJobs, and a SaveJob per scheduled request for
@@ -12,9 +13,12 @@ A request's life, as vLLM drives it::
                                  sliding window's blocks are freed once it moves past them)
                                  and the recurrent states vLLM hands off in this step
                                  (``boundary_state_offloads``: the only source of states)
-    update_connector_output      a failed load caps the request's next probe (it recomputes)
+    update_connector_output      a failed load caps the request's next probe (it recomputes);
+                                 a received one ends the request's load in flight
     request_finished_all_groups  a SaveJob for any whole block still unsaved; vLLM keeps the
-                                 blocks until the worker says that save is done
+                                 blocks until the worker says that save landed. Not while
+                                 the request's load is in flight: vLLM then holds the blocks
+                                 for the load, and a second hold would be freed twice
 
 A request whose hkv answer is refused is never given a partial one it cannot check: multimodal
 and prompt-embedding requests are not looked up (their tokens do not name their KV).
@@ -99,6 +103,9 @@ class SchedulerSide:
         self._loads: list[LoadJob] = []
         self._saves: list[SaveJob] = []
         self._reports: dict[str, Certified] = {}
+        self._loading: set[str] = set()  # a LoadJob handed out, not yet reported received
+        self._step = 0  # build_connector_meta calls so far
+        self._asked: dict[str, tuple[int, int, int, tuple[int, bool]]] = {}  # this step's
         self.block_errors = geo.block_errors
 
     # -- probe ----------------------------------------------------------------------------
@@ -114,14 +121,25 @@ class SchedulerSide:
     def matched(self, request: Request, local: int) -> tuple[int, bool]:
         """``get_num_new_matched_tokens``: (tokens to load beyond ``local``, async)."""
         req_id = request.request_id
-        self._probes.pop(req_id, None)
         if request.mm_features or request.prompt_embeds is not None:
+            self._probes.pop(req_id, None)
             return 0, False
         tokens = list(request.all_token_ids)
         lcm = self.geo.lcm
         limit = min((len(tokens) - 1) // lcm * lcm, self._caps.get(req_id, len(tokens)))
+        asked = self._asked.get(req_id)
+        if asked is not None and asked[:3] == (self._step, local, limit):
+            return asked[3]  # hkv was asked this step already: its answer, not a second ask
+        self._probes.pop(req_id, None)
         if limit <= local or local % lcm:
             return 0, False
+        answer = self._probe(request, tokens, local, limit)
+        self._asked[req_id] = (self._step, local, limit, answer)
+        return answer
+
+    def _probe(self, request: Request, tokens: list[int], local: int, limit: int
+               ) -> tuple[int, bool]:
+        req_id = request.request_id
         hashes = tuple(hash_blocks(tokens[:limit], self.geo.hash_block_size,
                                    self.extra_keys(request)))
         match = self._lookup(LookupRequest(hashes, limit, self.abi, handles=False))
@@ -165,6 +183,7 @@ class SchedulerSide:
                                            lease_ttl_s=self.lease_ttl_s))
         job = self._plan(request.request_id, hashes, probe.local, target, match, block_ids)
         self._loads.append(job)
+        self._loading.add(request.request_id)
         if match is not None and job.match is not match and match.lease_id is not None:
             self._release(match)
         if job.match is not None:
@@ -239,6 +258,8 @@ class SchedulerSide:
         hand-offs are dropped (a state saved from a reused block would be a wrong state
         under a valid key)."""
         handoffs = handoffs or {}
+        self._step += 1
+        self._asked.clear()
         for req_id, n in scheduled.items():
             request = self._requests.get(req_id)
             if request is None or n <= 0:
@@ -288,6 +309,10 @@ class SchedulerSide:
             self._known.pop(req_id, None)
             self._report(req_id, loaded=0, why="the load failed: recomputed")
 
+    def received(self, req_ids: set[str]) -> None:
+        """Loads the worker reported done (or failed): their blocks are the request's again."""
+        self._loading -= req_ids
+
     def source(self, req_id: str) -> str | None:
         return self._sources.pop(req_id, None)
 
@@ -302,7 +327,13 @@ class SchedulerSide:
         self._caps.pop(req_id, None)
         self._sources.pop(req_id, None)
         self._requests.pop(req_id, None)
-        held = self._save(request, block_ids, request.num_computed_tokens, held=True)
+        self._asked.pop(req_id, None)
+        if req_id in self._loading:  # vLLM holds its blocks for the load; nothing to save
+            self._loading.discard(req_id)
+            self.stats.add("finished_while_loading")
+            held = False
+        else:
+            held = self._save(request, block_ids, request.num_computed_tokens, held=True)
         self._known.pop(req_id, None)
         report = self._reports.pop(req_id, None)
         if report is None:

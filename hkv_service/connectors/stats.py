@@ -6,6 +6,11 @@ vLLM's own hit), ``downgrade.<REASON>`` (hkv's reasons for answering less than t
 matched), ``source.host`` / ``source.disk`` (tokens served from shard memory or loaded from a
 disk tier first), ``load_ok``, ``load_failed``, ``load_failed.<why>``, ``loaded_tokens``,
 ``saved_blocks``, ``existing_blocks``, ``save_failed``, ``lookup_s``, ``read_s``, ``write_s``.
+Off the step (worker): ``stage_s`` / ``staged_bytes`` (the in-step copies out of vLLM's cache),
+``save_dropped`` (blocks not staged: the staging budget was full), ``save_abandoned`` (blocks
+of a save never run: its lane's thread died under it, or shutdown's drain ran out),
+``load_failed.abandoned``; scheduler: ``finished_while_loading`` (a request that ended while
+its load was in flight: nothing saved, vLLM frees its blocks once the load is reported).
 Recurrent states: ``state_handoffs`` / ``state_handoffs_dropped`` (what vLLM handed off, and
 what was not saved: no resume point of hkv's, null block, request gone), ``state_saves``
 (states written), ``loaded_states`` (states copied into vLLM's planned block);

@@ -16,7 +16,10 @@ them at one position.
 A recurrent (Mamba / GatedDeltaNet) group's states are saved only from vLLM's per-step
 ``boundary_state_offloads`` and each request's output names the boundary hkv certified
 (``kv_transfer_params["hkv"]``, see :class:`.scheduler.Certified`).
-Loads are asynchronous to the scheduler, so a stale handle (or any failed read) becomes a
+Nothing waits on hkv's I/O inside vLLM's step (:mod:`.worker`): ``wait_for_save`` only copies
+the pages to save into a staging buffer, their write and commit run on a background lane, and a
+finished request's blocks stay held (``request_finished`` returns a delay) until its save
+landed. Loads are asynchronous to the scheduler, so a stale handle (or any failed read) becomes a
 failed receive and vLLM recomputes; with one full-attention group the failed blocks are
 reported as load errors instead and vLLM keeps the prefix before them.
 """
@@ -120,7 +123,8 @@ class HkvConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unuse
         else:
             plane = dataplane(cfg, self.geometry.spec)
             self._check_spec(plane.layout.spec, cfg)
-            self.worker = WorkerSide(self.geometry, plane)
+            self.worker = WorkerSide(self.geometry, plane, int(cfg.staging_mib * (1 << 20)),
+                                     cfg.drain_s)
 
     def _check_spec(self, service: Any, cfg: ConnectorConfig) -> None:
         if service != self.geometry.spec:
@@ -184,6 +188,8 @@ class HkvConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unuse
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if connector_output.failed_recving:
             self._sched().failed(set(connector_output.failed_recving))
+        if connector_output.finished_recving:
+            self._sched().received(set(connector_output.finished_recving))
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
@@ -208,13 +214,14 @@ class HkvConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unuse
             self._work().load(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads finish in start_load_kv, a step before any forward reads them
+        return  # a load is reported (get_finished) before vLLM schedules its request
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
-        return  # a request's blocks are saved whole once it finishes (wait_for_save)
+        return  # whole blocks are staged after the forward (wait_for_save)
 
     def wait_for_save(self) -> None:
+        """Stage this step's saves (the copies out of vLLM's cache); they land off the step."""
         meta = self._meta()
         if meta is not None and meta.saves:
             self._work().save(meta.saves)
@@ -223,6 +230,10 @@ class HkvConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unuse
         out = self._work().take(finished_req_ids)
         self._errors = out.error_blocks
         return KVConnectorTransferResults(out.sent, out.recved, out.failed)
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()

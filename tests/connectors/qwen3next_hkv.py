@@ -68,9 +68,18 @@ def run(llm: Any, tokens: list[int], n: int = 16) -> dict[str, Any]:
 
 
 def reset(llm: Any) -> None:
+    """vLLM's prefix cache dropped, once hkv's saves in flight landed (they run off the step:
+    a request that follows would otherwise race them) and vLLM took back the blocks it held
+    for them (it learns that in a step: one is run if none is due)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if has_kv_transfer_group():
+        connector: Any = get_kv_transfer_group()
+        assert connector.worker.drain(30.0), "hkv saves still in flight after 30 s"
     for _ in range(50):
         if llm.reset_prefix_cache():
             return
+        llm.llm_engine.step()
         time.sleep(0.1)
     raise RuntimeError("vLLM would not reset its prefix cache")
 
@@ -109,6 +118,7 @@ def counters(connector: Any) -> dict[str, float]:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     worker: Any = get_kv_transfer_group()
+    assert worker.worker.drain(30.0), "hkv saves still in flight after 30 s"
     return {k: v for side in (connector.scheduler, worker.worker)
             for k, v in side.stats.total.items() if not k.endswith("_s")}
 

@@ -12,6 +12,7 @@ The real engine (Qwen3-Next) is ``test_qwen3next_hkv.py``.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from vllm_harness import (
 
 from hkv_service.connectors.errors import UnsupportedKVCache
 from hkv_service.connectors.geometry import geometry_from
+from hkv_service.connectors.lane import Task
 from hkv_service.connectors.plan import state_items
 from hkv_service.core.api import LookupRequest
 from hkv_service.core.hashing import ExtraKeys, hash_blocks
@@ -188,6 +190,42 @@ def test_hkv_saves_exactly_the_states_vllm_hands_off(make: Any, retention: int |
             assert bytes(memoryview(blob).cast("B")) == _want(h, tokens, g, p)
     stats = h.connector._sched().stats.total
     assert stats["state_handoffs"] == 2 * len(kept) and not stats["state_handoffs_dropped"]
+
+
+def test_states_are_staged_in_the_step_that_hands_them_off(make: Any) -> None:
+    """hkv's writes run off the step, held back here behind a busy save lane while vLLM
+    overwrites every page after each step (a state block is reused once handed off): the
+    states hkv then holds are still each boundary's."""
+    h = make(None)
+    w = h.worker.worker
+    held = threading.Event()
+
+    def busy() -> None:
+        assert held.wait(30.0)
+
+    w._saves.submit(Task(busy, lambda why: None))
+    tokens = prompt(N, seed=3)
+    h.add("a", tokens)
+    for _ in range(50):
+        if not h.sched.has_requests():
+            break
+        h.step()
+        for t in h.caches.values():
+            t.view(torch.uint8).fill_(0x5A)
+    assert not h.sched.has_requests()
+    held.set()
+    assert w.drain(30.0)
+    kept = list(range(BS, 1281, BS))
+    assert states_held(h, tokens) == {"g0": kept, "g1": kept}
+    spec = h.geo.spec
+    for p in kept:
+        hashes = hash_blocks(tokens[:p], spec.hash_block_size, ExtraKeys(spec.model_id))
+        got = h.system.dataplane().read(h.system.meta.lookup(LookupRequest(hashes, p)), hashes)
+        assert not isinstance(got, Recompute)
+        for g in h.geo.groups:
+            if g.recurrent:
+                (blob,) = got[g.name]  # type: ignore[index]
+                assert bytes(memoryview(blob).cast("B")) == _want(h, tokens, g, p), (g.name, p)
 
 
 def test_handoffs_of_a_request_gone_in_the_step_are_dropped(make: Any) -> None:

@@ -147,6 +147,7 @@ def main(work: Path) -> dict[str, Any]:
     out["a_token"], a_lps = first_token(a, tokens)
     out["a_s"] = time.perf_counter() - t
     out["a_loaded"] = a_work.worker.stats.total["loaded_tokens"]
+    assert a_work.worker.drain(30.0), "A's saves still in flight after 30 s"
     out["a_saved"] = a_work.worker.stats.total["saved_blocks"]
     full = {(it.column, it.depth): kv_of(a_work, it.column, it.block_id)
             for job in a_rec.saves for it in job.items}
@@ -182,7 +183,9 @@ def main(work: Path) -> dict[str, Any]:
 
     out["faults"] = {}
     for fault in ("evict", "disk_bitflip", "shard_kill"):
-        b.reset_prefix_cache()
+        # B's own saves of the last run (they land off the step) are what the fault hits
+        assert b_work.worker.drain(30.0), "B's saves still in flight after 30 s"
+        assert b.reset_prefix_cache()
         before = dict(b_work.worker.stats.total)
         injected = _inject(fault, system, hashes, limit, work)
         token, lps = first_token(b, tokens)

@@ -15,6 +15,7 @@ import json
 import random
 import re
 import shlex
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -236,6 +237,8 @@ class Harness:
         init_none_hash(sha256)
         self.hasher = get_request_block_hasher(hb, sha256)
         self.outputs: list[SchedulerOutput] = []
+        self.recved: set[str] = set()  # requests whose load the worker reported done
+        self.sent: set[str] = set()  # finished requests whose save the worker reported landed
 
     @property
     def connector(self) -> HkvConnector:
@@ -268,6 +271,8 @@ class Harness:
         res = w.get_transfer_results(out.finished_req_ids)
         errors = w.get_block_ids_with_load_errors()
         w.clear_connector_metadata()
+        self.recved |= res.finished_recving or set()
+        self.sent |= res.finished_sending or set()
         ids = list(out.num_scheduled_tokens)
         kco = KVConnectorOutput(finished_sending=res.finished_sending,
                                 finished_recving=res.finished_recving,
@@ -280,13 +285,25 @@ class Harness:
         self.sched.update_from_output(out, mro)
         return out
 
-    def run(self, max_steps: int = 50) -> list[SchedulerOutput]:
+    def run(self, max_steps: int = 50, wait_s: float = 30.0) -> list[SchedulerOutput]:
+        """Step until vLLM holds no request, then until every save handed to hkv landed
+        (saves and loads run off the step: a step that schedules nothing while some are in
+        flight waits for them a little, as an engine polling them would). Bounded."""
         start = len(self.outputs)
-        for _ in range(max_steps):
-            if not self.sched.has_requests():
+        work = self.worker.worker
+        assert work is not None
+        deadline = time.monotonic() + wait_s
+        steps = 0
+        while self.sched.has_requests() and steps < max_steps:
+            out = self.step()
+            if out.total_num_scheduled_tokens:
+                steps += 1
+            elif time.monotonic() > deadline:
                 break
-            self.step()
+            else:
+                work.drain(0.05)
         assert not self.sched.has_requests(), "requests still running"
+        assert work.drain(max(0.0, deadline - time.monotonic())), "hkv transfers in flight"
         return self.outputs[start:]
 
     def _forward(self, out: SchedulerOutput) -> None:
