@@ -46,6 +46,7 @@ from .commits import commit_many
 from .link import Pending, ShardLink, ShardUnavailable
 from .partitioned import range_blocks_of
 from .pool import HandleBatch
+from .shared import shared_links
 from .ports import Commit, ItemResult, Outcome, commit_bytes, payload_bytes
 from .tags import BlockTag
 
@@ -104,9 +105,12 @@ class DataPlane:
     ``workers.raylink.ray_links``); the data plane itself imports no Ray."""
 
     def __init__(self, metadata: MetadataPort, shards: Mapping[str, ShardLink],
-                 timeout_s: float = 10.0) -> None:
+                 timeout_s: float = 10.0, shared_memory: bool = True) -> None:
+        """``shared_memory``: reads and writes of a shard whose pools this process can map
+        copy the bytes once, through the segment (:class:`~workers.shared.SharedLink`)."""
         self.meta = metadata
-        self.shards = dict(shards)
+        self.shards: dict[str, ShardLink] = (shared_links(dict(shards)) if shared_memory
+                                             else dict(shards))
         self.timeout_s = timeout_s
         self.layout = Layout(metadata.get_spec())
 

@@ -27,6 +27,7 @@ from workers.launcher import SystemConfig, place_shards, shard_actor_class
 from workers.local import LocalMetadata
 from workers.raylink import ray_links
 from workers.shard import ShardConfig
+from workers.shm import process_start
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -203,6 +204,9 @@ def test_killed_shard_objects_lost_and_lookup_downgrades(service: Any, endpoint:
         assert info["pid"] != first["pid"]
     else:  # ray.kill returns before the process is gone: a read racing it still got bytes
         _await_death(actor)
+        # Ray reports the actor dead ~50 ms before its process exits; a read through the
+        # shared segment meanwhile gets the objects' own bytes (checked, and never changed)
+        _await_exit(first["pid"])
     out = dp.read(match, hashes)  # fails cleanly as recompute, never old bytes
     assert isinstance(out, Recompute)
     # no restart: the dead shard is marked lost; restart: the shard came back empty, so the
@@ -223,6 +227,13 @@ def _await_death(actor: Any) -> None:
             pass
         time.sleep(0.1)
     raise AssertionError("killed shard still answers after 60 s")
+
+
+def _await_exit(pid: int) -> None:
+    deadline = time.monotonic() + 60
+    while process_start(pid) is not None:
+        assert time.monotonic() < deadline, f"killed shard process {pid} still runs after 60 s"
+        time.sleep(0.02)
 
 
 def _await_restart(actor: Any, incarnation: int) -> dict[str, Any]:
@@ -252,7 +263,8 @@ def test_inflight_call_to_killed_shard_fails_within_deadline(service: Any, endpo
     sid = "victim-inflight"
     actor = _spare_shard(endpoint, tmp_path, sid, max_restarts=0)
     meta = LocalMetadata(service.state)
-    dp = DataPlane(meta, ray_links({sid: actor}), timeout_s=3.0)
+    # the link's deadline: a read through shared memory does not call the shard at all
+    dp = DataPlane(meta, ray_links({sid: actor}), timeout_s=3.0, shared_memory=False)
     hashes, _, match = write_and_lookup_on(dp, w, sid, seed=20)
     actor.__ray_call__.remote(lambda self: time.sleep(30))  # occupy the shard
     start = time.monotonic()
