@@ -93,6 +93,7 @@ class Mapped:
                 raise NotShared(f"process {info.pid}'s fd {info.fd} is not this shard's segment")
             self._data = mmap.mmap(fd, info.size - info.meta_bytes, offset=info.meta_bytes,
                                    flags=mmap.MAP_SHARED)  # pages faulted in as first used
+            self.inode = os.fstat(fd).st_ino  # (what /proc/<pid>/maps names the mapping by)
         except BaseException:
             os.close(self.pidfd)
             raise
