@@ -8,6 +8,8 @@ look at states.
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -338,3 +340,29 @@ def meta_layout() -> Any:
     from hkv_service.core.layout import Layout
 
     return Layout(default_spec())
+
+
+def test_a_sigkilled_ray_shard_is_never_read_through_its_old_segment(
+        service: Any, endpoint: str, tmp_path: Path, w: Any) -> None:
+    """A real shard actor on this node: the worker writes and reads through its shared
+    segment (no read reaches the actor); SIGKILLed and restarted by Ray, the old match is a
+    recompute, and this worker no longer maps the dead shard's segment (the kernel frees it)."""
+    sid = "victim-shm"
+    actor = _spare_shard(endpoint, tmp_path, sid, max_restarts=1)
+    meta = LocalMetadata(service.state)
+    dp = DataPlane(meta, ray_links({sid: actor}), timeout_s=5.0)
+    hashes, _, match = write_and_lookup_on(dp, w, sid, seed=30)
+    assert not isinstance(dp.read(match, hashes, release=False), Recompute)
+    before = ray.get(actor.stats.remote())["counts"]
+    assert before.get("claims", 0) > 0 and before.get("reads", 0) == 0  # the bytes went by
+    old = dp.shards[sid].mapped  # type: ignore[attr-defined]
+    assert old is not None
+    first = ray.get(actor.ping.remote())
+    os.kill(first["pid"], signal.SIGKILL)
+    _await_exit(first["pid"])
+    out = dp.read(match, hashes)
+    assert isinstance(out, Recompute), "a dead shard's segment was read"
+    with open("/proc/self/maps") as f:
+        assert not any(str(old.inode) in line.split() for line in f if "hkv-pool" in line)
+    _await_restart(actor, first["incarnation"])
+    ray.kill(actor, no_restart=True)
