@@ -66,6 +66,7 @@ from hkv_service.settings import SYSTEM_DEFAULTS, SystemSettings, TlsConfig
 from storage import CorruptEntry, DiskKey, DiskTier, NotOnDisk
 
 from .commits import commit_many, commit_one, failure
+from .control import ControlServer
 from .local import connect
 from .partitioned import (
     PartitionedMetadata,
@@ -170,6 +171,9 @@ class ShardActor:
         self.instance = new_instance()
         self.confirmed = 0
         self._register()
+        self._control: ControlServer | None = None  # claims of writers on this node
+        if self.pools.segment is not None:
+            self._control = ControlServer(self, f"hkv-ctl-{self.pools.segment.nonce.hex()}")
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat_loop, name="hkv-heartbeat",
                                       daemon=True)
@@ -446,7 +450,9 @@ class ShardActor:
         """How a worker on this node maps this shard's pools (:mod:`workers.shared`); None
         when they are not in shared memory (device pools, or ``shared_memory`` off)."""
         seg = self.pools.segment
-        return None if seg is None else seg.info(self.instance)
+        if seg is None:
+            return None
+        return seg.info(self.instance, "" if self._control is None else self._control.name)
 
     def claim_blocks(self, handles: Sequence[Handle], sizes: Sequence[int], writer: Writer,
                      tags: Sequence[BlockTag | None] | None = None,
@@ -643,7 +649,10 @@ class ShardActor:
                 buffers[0][base : base + data.nbytes] = data
             else:
                 buf, base = len(buffers), 0
-                buffers.append(data)
+                # A view is safe only while nothing writes between this call and Ray's copy
+                # of its answer; claims over the control socket (workers.control) run beside
+                # Ray's calls, so a shared pool's span is copied here, under the lock.
+                buffers.append(data.copy() if self.pools.segment is not None else data)
             stride, length = pool.stride, pool.length
             for i, blk in zip(items[lo:hi], b[lo:hi].tolist(), strict=True):
                 if spans[i] is _UNREAD:  # exactly the object's bytes, never the block's rest
@@ -927,6 +936,8 @@ class ShardActor:
             self.disk.close()
             if self.pools.segment is not None:  # workers let go at their next copy
                 self.pools.segment.close()
+            if self._control is not None:
+                self._control.close()
 
     def _bump(self, name: str, n: int = 1) -> None:
         self._counts[name] = self._counts.get(name, 0) + n

@@ -38,12 +38,14 @@ import mmap
 import os
 import platform
 import select
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
+from .control import ControlClient
 from .link import Pending, ShardLink, ShardUnavailable
 from .pool import HandleBatch, _as_bytes
 from .ports import ItemResult, Outcome, PackedRead
@@ -54,6 +56,7 @@ __all__ = ["ORDERED", "Mapped", "NotShared", "SharedLink", "shared_links"]
 log = logging.getLogger(__name__)
 
 ORDERED = platform.machine() in ("x86_64", "AMD64")  # loads not reordered with loads (TSO)
+ARENA_BYTES = 256 << 20  # read buffers kept for reuse per shard (_Arena)
 RETRY_ATTACH_S = 1.0  # a shard whose segment could not be mapped is asked again after this
 _EMPTY = -1
 
@@ -91,8 +94,10 @@ class Mapped:
             if self._meta[:8] != MAGIC or self._meta[NONCE_AT : NONCE_AT + 16] != info.nonce:
                 self._meta.close()  # another process's file under that pid and fd
                 raise NotShared(f"process {info.pid}'s fd {info.fd} is not this shard's segment")
+            # populated: one pass now instead of a page fault per 4 KiB on each page's first
+            # copy (which costs more than the copy); the pages exist already (the shard's)
             self._data = mmap.mmap(fd, info.size - info.meta_bytes, offset=info.meta_bytes,
-                                   flags=mmap.MAP_SHARED)  # pages faulted in as first used
+                                   flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
             self.inode = os.fstat(fd).st_ino  # (what /proc/<pid>/maps names the mapping by)
         except BaseException:
             os.close(self.pidfd)
@@ -185,8 +190,10 @@ class SharedLink:
         self.link = link
         self.shard_id = link.shard_id
         self.mapped: Mapped | None = None
+        self.control: ControlClient | None = None  # the shard's claim socket, if reachable
         self._next_try = 0.0
         self.writer = this_writer()
+        self._arena = _Arena()
 
     def __getattr__(self, name: str) -> Any:  # kill, revive, alive ... of the wrapped link
         return getattr(self.link, name)
@@ -207,6 +214,24 @@ class SharedLink:
         if self.mapped is not None:
             self.mapped.close()
             self.mapped = None
+        if self.control is not None:
+            self.control.close()
+            self.control = None
+
+    def _claim_call(self, method: str, *args: Any, **kwargs: Any) -> Pending:
+        """``method`` (claim, finish, release) over the shard's control socket when connected
+        (tens of microseconds), else through the link (a Ray call)."""
+        control = self.control
+        if control is None:
+            return self.link.submit(method, *args, **kwargs)
+
+        def call(timeout_s: float) -> Any:
+            try:
+                return control.call(method, *args, timeout_s=timeout_s, **kwargs)
+            except ShardUnavailable:
+                self.control = None  # gone or out of step: Ray from now on (or re-attach)
+                raise
+        return _Done(call)
 
     def _attached(self) -> Mapped | None:
         """The shard's segment, mapped (again) if need be; None: use the link."""
@@ -220,6 +245,11 @@ class SharedLink:
             info = self.link.submit("shared_pool").result(10.0)
             if info is not None:
                 self.mapped = Mapped(info)
+                if info.control:
+                    try:
+                        self.control = ControlClient(self.shard_id, info.control)
+                    except OSError as exc:  # another network namespace: claims through Ray
+                        log.info("shard %s: claims through the link (%s)", self.shard_id, exc)
         except NotShared as exc:
             log.info("shard %s: bytes through the link (%s)", self.shard_id, exc)
         except Exception as exc:  # the shard is down: the data plane's call finds out
@@ -228,11 +258,40 @@ class SharedLink:
 
     # -- read -------------------------------------------------------------------------------
 
+    def read_into(self, handles: Sequence[Any], dests: Sequence[np.ndarray],
+                  timeout_s: float) -> list[ItemResult | None]:
+        """Copy each handle's bytes into ``dests[i]`` (a writable uint8 array of exactly the
+        object's size: a staging buffer, a KV cache page): None where that was done, else
+        the item's result (STALE ...). Through the segment when mapped (one copy, no call to
+        the shard); what it cannot serve, through the link's ``read_blocks``."""
+        batch = HandleBatch.of(handles)
+        done = np.zeros(len(batch), dtype=bool)
+        m = self._attached()
+        if m is not None:
+            done = m.read(batch, lambda i, n: dests[i] if dests[i].nbytes == n else None)
+        out: list[ItemResult | None] = [None] * len(batch)
+        rest = np.flatnonzero(~done).tolist()
+        if rest:
+            got = self.link.submit("read_blocks", batch.take(rest)).result(timeout_s)
+            for j, i in enumerate(rest):
+                item = got[j]
+                if isinstance(item, ItemResult):
+                    out[i] = item
+                elif item.nbytes != dests[i].nbytes:
+                    out[i] = ItemResult(Outcome.FAILED, f"{item.nbytes} bytes for a "
+                                                        f"{dests[i].nbytes}-byte buffer")
+                else:
+                    np.copyto(dests[i], item)
+        return out
+
     def _read(self, m: Mapped, batch: HandleBatch) -> Pending:
         out: list[np.ndarray | ItemResult] = [ItemResult(Outcome.FAILED, "not read")] * len(batch)
+        sizes = [batch.columns[s][4] for s in batch.slot_of().tolist()]  # (each at most)
+        at = np.cumsum([0, *sizes]).tolist()
+        buf = self._arena.take(at[-1])
 
         def dest(i: int, n: int) -> np.ndarray:
-            arr = np.empty(n, dtype=np.uint8)
+            arr = buf[at[i] : at[i] + n]
             out[i] = arr
             return arr
 
@@ -255,7 +314,7 @@ class SharedLink:
                tags: Sequence[Any] | None = None, commits: Sequence[Any] | None = None,
                report: bool = True) -> Pending:
         sizes = [_as_bytes(a).size for a in arrays]
-        claimed = self.link.submit("claim_blocks", batch, sizes, self.writer, tags=tags,
+        claimed = self._claim_call("claim_blocks", batch, sizes, self.writer, tags=tags,
                                    commits=commits)
 
         def finish(timeout_s: float) -> list[ItemResult]:
@@ -272,16 +331,37 @@ class SharedLink:
                 raise ShardUnavailable(self.shard_id, "the shard's segment went away during "
                                        "a write") from None
             except BaseException:
-                self.link.submit("release_blocks", batch.take(mine), self.writer)
+                with contextlib.suppress(Exception):
+                    self._claim_call("release_blocks", batch.take(mine),
+                                     self.writer).result(timeout_s)
                 raise
             sub = (lambda xs: None if xs is None else [xs[i] for i in mine])
-            done = self.link.submit("finish_blocks", batch.take(mine), self.writer,
+            done = self._claim_call("finish_blocks", batch.take(mine), self.writer,
                                     tags=sub(tags), commits=sub(commits),
                                     report=report).result(timeout_s)
             for j, i in enumerate(mine):
                 claims[i] = done[j]
             return claims
         return _Done(finish)
+
+
+class _Arena:
+    """The buffers ``read_blocks`` answers in, reused once the caller let go of every array
+    cut from one (its only reference is then this list's): a fresh buffer costs a page fault
+    per 4 KiB on its first pass, which weighs more than the copy itself. At most
+    :data:`ARENA_BYTES` are kept."""
+
+    def __init__(self) -> None:
+        self._bufs: list[np.ndarray] = []
+
+    def take(self, nbytes: int) -> np.ndarray:
+        for i in range(len(self._bufs)):
+            if self._bufs[i].nbytes >= nbytes and sys.getrefcount(self._bufs[i]) == 2:
+                return self._bufs[i][:nbytes]  # no view of it is left anywhere
+        buf = np.empty(nbytes, dtype=np.uint8)
+        if sum(b.nbytes for b in self._bufs) + nbytes <= ARENA_BYTES:
+            self._bufs.append(buf)
+        return buf
 
 
 def _as_packed(items: list[np.ndarray | ItemResult]) -> PackedRead:

@@ -65,6 +65,7 @@ class SegmentInfo:
     size: int
     pools: tuple[PoolRegion, ...]
     instance: int  # the shard process (``ShardActor.instance``) the segment belongs to
+    control: str = ""  # its claims' socket (workers.control), abstract name; "": through Ray
 
 
 def _up(n: int, to: int = PAGE) -> int:
@@ -124,9 +125,9 @@ class Segment:
         return torch.frombuffer(self.map, dtype=torch.uint8,
                                 count=r.num_blocks * r.stride, offset=start)
 
-    def info(self, instance: int) -> SegmentInfo:
+    def info(self, instance: int, control: str = "") -> SegmentInfo:
         return SegmentInfo(os.getpid(), self.fd, self.nonce, self.meta_bytes, self.size,
-                           self.regions, instance)
+                           self.regions, instance, control)
 
     def close(self) -> None:
         """Say the segment is dead (a worker checks before every copy and lets go); the
