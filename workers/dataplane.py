@@ -46,8 +46,8 @@ from .commits import commit_many
 from .link import Pending, ShardLink, ShardUnavailable
 from .partitioned import range_blocks_of
 from .pool import HandleBatch
-from .shared import shared_links
 from .ports import Commit, ItemResult, Outcome, commit_bytes, payload_bytes
+from .shared import shared_links
 from .tags import BlockTag
 
 __all__ = ["DataPlane", "PendingLoad", "Recompute", "WriteReport"]

@@ -76,8 +76,8 @@ from .partitioned import (
     pool_ranges,
 )
 from .pool import BlockPool, HandleBatch, PoolSet, StaleRead, StaleWrite
-from .shm import SegmentInfo, Writer, writer_alive
 from .ports import Commit, ItemResult, Outcome, PackedRead, commit_bytes, payload_bytes
+from .shm import SegmentInfo, Writer, writer_alive
 from .tags import TAG, BlockTag, decode_tagged, encode_tagged, tag_bytes
 
 __all__ = ["PACK_BELOW", "REGISTER_ATTEMPTS", "ShardActor", "ShardConfig", "new_instance"]
@@ -393,7 +393,7 @@ class ShardActor:
             return self._written(batch, out, tag_of, commit_of, report)
 
     def _written(self, batch: HandleBatch, out: list[ItemResult],
-                 tag_of: list[BlockTag | None], commit_of: list[Commit | None],
+                 tag_of: Sequence[BlockTag | None], commit_of: Sequence[Commit | None],
                  report: bool) -> list[ItemResult]:
         """The end of a write whose ``out`` items are readable: report their commits (or,
         ``report=False``, leave that to the caller), record the tags of those that landed.

@@ -320,8 +320,10 @@ class SharedLink:
         def finish(timeout_s: float) -> list[ItemResult]:
             claims: list[ItemResult] | None = claimed.result(timeout_s)
             if claims is None:  # the shard cannot take this process's copies: the link's way
-                return self.link.submit("write_blocks", batch, arrays=arrays, tags=tags,
-                                        commits=commits, report=report).result(timeout_s)
+                plain: list[ItemResult] = self.link.submit(
+                    "write_blocks", batch, arrays=arrays, tags=tags, commits=commits,
+                    report=report).result(timeout_s)
+                return plain
             mine = [i for i, r in enumerate(claims) if r.ok]
             if not mine:
                 return claims
@@ -335,7 +337,8 @@ class SharedLink:
                     self._claim_call("release_blocks", batch.take(mine),
                                      self.writer).result(timeout_s)
                 raise
-            sub = (lambda xs: None if xs is None else [xs[i] for i in mine])
+            def sub(xs: Sequence[Any] | None) -> list[Any] | None:
+                return None if xs is None else [xs[i] for i in mine]
             done = self._claim_call("finish_blocks", batch.take(mine), self.writer,
                                     tags=sub(tags), commits=sub(commits),
                                     report=report).result(timeout_s)

@@ -70,7 +70,7 @@ class _Bench:
         from workers.shard import ShardConfig
         from workers.shared import SharedLink
 
-        self.meta_actor = MetadataActor.remote(_spec(), StateConfig(AdmissionCap()))
+        self.meta_actor: Any = MetadataActor.remote(_spec(), StateConfig(AdmissionCap()))
         self.meta = ActorMetadata(self.meta_actor, timeout_s=60)
         cfg = ShardConfig("bench", self.meta, tmp, blocks_per_group=blocks,
                           disk_budget_bytes=64 * MiB, heartbeat_interval_s=5.0, device="auto")
