@@ -190,3 +190,40 @@ def test_the_data_plane_copies_through_the_segment_and_drops_a_replaced_shards(
         assert time.monotonic() < deadline, "the replaced shard's segment is still mapped"
         gc.collect()
         time.sleep(0.05)
+
+
+def test_a_writer_the_shard_cannot_see_writes_through_the_link(
+        one_shard: InProcessSystem, w: Any) -> None:
+    """A shard refuses claims of a process it does not see live (another pid namespace; here
+    a dead one): the write goes through ``write_blocks`` instead, whole and readable."""
+    plane = DataPlane(one_shard.meta, one_shard.links)
+    link = plane.shards["shard-0"]
+    assert isinstance(link, SharedLink)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    start = process_start(gone.pid)
+    gone.wait()
+    link.writer = (gone.pid, start or 1)
+    hashes = w.prompt(2, seed=6)
+    blocks, tails = w.prefix_payload(plane.layout, 2, 6)
+    assert plane.write_prefix(hashes, blocks, tails).ok
+    counts = one_shard.links["shard-0"].shard.stats()["counts"]
+    assert counts.get("claims", 0) == 0 and counts["writes"] > 0
+    match = one_shard.meta.lookup(LookupRequest(hashes, lease_ttl_s=30.0))
+    assert not isinstance(plane.read(match, hashes), Recompute)
+
+
+def test_the_control_socket_serves_only_claims_and_stops_with_its_shard(
+        one_shard: InProcessSystem) -> None:
+    from workers.control import ControlClient
+    from workers.link import ShardUnavailable
+
+    shard = one_shard.links["shard-0"].shard
+    info = shard.shared_pool()
+    assert info is not None and info.control
+    client = ControlClient("shard-0", info.control)
+    assert client.call("release_blocks", HandleBatch.of([]), (os.getpid(), 1)) is None
+    with pytest.raises(ValueError, match="not served"):
+        client.call("read_blocks", HandleBatch.of([]))
+    one_shard.crash_shard("shard-0")
+    with pytest.raises(ShardUnavailable):
+        client.call("release_blocks", HandleBatch.of([]), (os.getpid(), 1))
