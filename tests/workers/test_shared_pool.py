@@ -227,3 +227,23 @@ def test_the_control_socket_serves_only_claims_and_stops_with_its_shard(
     one_shard.crash_shard("shard-0")
     with pytest.raises(ShardUnavailable):
         client.call("release_blocks", HandleBatch.of([]), (os.getpid(), 1))
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_read_into_fills_the_callers_buffers_or_says_recompute(
+        one_shard: InProcessSystem, w: Any, shared: bool) -> None:
+    plane = DataPlane(one_shard.meta, one_shard.links, shared_memory=shared)
+    hashes = w.prompt(3, seed=7)
+    blocks, tails = w.prefix_payload(plane.layout, 3, 7)
+    assert plane.write_prefix(hashes, blocks, tails).ok
+    match = one_shard.meta.lookup(LookupRequest(hashes, lease_ttl_s=30.0))
+    want = plane.read(match, hashes, release=False)
+    assert not isinstance(want, Recompute)
+    dests = {col: [np.zeros_like(a) for a in arrays] for col, arrays in want.items()}
+    assert plane.read_into(match, dests, hashes, release=False) is None
+    for col, arrays in want.items():
+        assert all(np.array_equal(a, d) for a, d in zip(arrays, dests[col], strict=True))
+    counts = one_shard.links["shard-0"].shard.stats()["counts"]
+    assert (counts.get("reads", 0) == 0) == shared  # shared: no read reached the shard
+    one_shard.kill_shard("shard-0")
+    assert isinstance(plane.read_into(match, dests, hashes), Recompute)
