@@ -39,6 +39,7 @@ import os
 import platform
 import select
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -192,6 +193,7 @@ class SharedLink:
         self.mapped: Mapped | None = None
         self.control: ControlClient | None = None  # the shard's claim socket, if reachable
         self._next_try = 0.0
+        self._attach_lock = threading.Lock()  # one mapping per link, whatever the threads
         self.writer = this_writer()
         self._arena = _Arena()
 
@@ -235,6 +237,10 @@ class SharedLink:
 
     def _attached(self) -> Mapped | None:
         """The shard's segment, mapped (again) if need be; None: use the link."""
+        with self._attach_lock:
+            return self._attach()
+
+    def _attach(self) -> Mapped | None:
         if self.mapped is not None and not self.mapped.alive():
             self.close_mapping()  # dead or replaced: never read it again
             self._next_try = 0.0
@@ -356,15 +362,17 @@ class _Arena:
 
     def __init__(self) -> None:
         self._bufs: list[np.ndarray] = []
+        self._lock = threading.Lock()  # two readers never take the same free buffer
 
     def take(self, nbytes: int) -> np.ndarray:
-        for i in range(len(self._bufs)):
-            if self._bufs[i].nbytes >= nbytes and sys.getrefcount(self._bufs[i]) == 2:
-                return self._bufs[i][:nbytes]  # no view of it is left anywhere
-        buf = np.empty(nbytes, dtype=np.uint8)
-        if sum(b.nbytes for b in self._bufs) + nbytes <= ARENA_BYTES:
-            self._bufs.append(buf)
-        return buf
+        with self._lock:
+            for i in range(len(self._bufs)):
+                if self._bufs[i].nbytes >= nbytes and sys.getrefcount(self._bufs[i]) == 2:
+                    return self._bufs[i][:nbytes]  # no view of it is left anywhere
+            buf = np.empty(nbytes, dtype=np.uint8)
+            if sum(b.nbytes for b in self._bufs) + nbytes <= ARENA_BYTES:
+                self._bufs.append(buf)
+            return buf
 
 
 def _as_packed(items: list[np.ndarray | ItemResult]) -> PackedRead:

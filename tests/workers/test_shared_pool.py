@@ -247,3 +247,27 @@ def test_read_into_fills_the_callers_buffers_or_says_recompute(
     assert (counts.get("reads", 0) == 0) == shared  # shared: no read reached the shard
     one_shard.kill_shard("shard-0")
     assert isinstance(plane.read_into(match, dests, hashes), Recompute)
+
+
+def test_a_reads_arrays_are_never_reused_while_the_caller_holds_one(
+        one_shard: InProcessSystem, w: Any) -> None:
+    """Reads answer in recycled buffers (a fresh one costs a page fault per 4 KiB); one is
+    taken again only once no array cut from it is left. (Mutation-checked: reusing a buffer
+    regardless overwrote the first read's arrays with the second's.)"""
+    plane = DataPlane(one_shard.meta, one_shard.links)
+    got = []
+    for seed in (8, 9):
+        hashes = w.prompt(2, seed=seed)
+        blocks, tails = w.prefix_payload(plane.layout, 2, seed)
+        assert plane.write_prefix(hashes, blocks, tails).ok
+        match = one_shard.meta.lookup(LookupRequest(hashes, lease_ttl_s=30.0))
+        out = plane.read(match, hashes)
+        assert not isinstance(out, Recompute)
+        got.append((out, {k: bytes(v[0]) for k, v in out.items()}))
+    for out, first in got:  # the first read's arrays still hold its bytes
+        assert {k: bytes(v[0]) for k, v in out.items()} == first
+    del got
+    link = plane.shards["shard-0"]
+    assert isinstance(link, SharedLink)
+    again = link._arena.take(1)  # every array is gone now: a kept buffer is taken again
+    assert any(np.shares_memory(again, b) for b in link._arena._bufs)
