@@ -101,7 +101,10 @@ class InProcessLink:
     def kill(self, timeout_s: float = 30.0) -> None:
         """Crash the shard: calls fail from now on; its heartbeats stop and its disk tier is
         closed once the call it may be running is over (LMDB is crash-safe either way; closing
-        lets a successor open the same environment in this process)."""
+        lets a successor open the same environment in this process). Killing a dead shard
+        does nothing."""
+        if self._dead.is_set():
+            return
         self._dead.set()
         done = self._calls.submit(self.shard.shutdown)
         try:

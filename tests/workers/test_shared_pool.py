@@ -271,3 +271,4 @@ def test_a_reads_arrays_are_never_reused_while_the_caller_holds_one(
     assert isinstance(link, SharedLink)
     again = link._arena.take(1)  # every array is gone now: a kept buffer is taken again
     assert any(np.shares_memory(again, b) for b in link._arena._bufs)
+
