@@ -583,7 +583,9 @@ class ShardActor:
         its next call (calls to one actor run in order), so no write can land between the
         check and the copy; a device pool's span is copied to the host and re-checked after
         the copy. Spans under ``PACK_BELOW`` bytes are packed into one buffer instead (Ray's
-        per-buffer cost would dominate them). ``len(result) == len(handles)``."""
+        per-buffer cost would dominate them), and every span of a pool in shared memory (claims
+        over the control socket do not wait for Ray's copy of the answer).
+        ``len(result) == len(handles)``."""
         batch = HandleBatch.of(handles)
         n = len(batch)
         spans: list[tuple[int, int, int] | ItemResult] = [_UNREAD] * n
@@ -625,11 +627,15 @@ class ShardActor:
         runs = list(zip(starts, [*starts[1:], len(good)], strict=True))
         small: list[tuple[int, int, int]] = []  # (run start, run end, offset in packed)
         packed = 0
+        # A view is safe only while nothing writes between this call and Ray's copy of its
+        # answer; claims over the control socket (workers.control) run beside Ray's calls, so
+        # a shared pool's spans are all packed (copied, under the lock, into the reused buffer).
+        pack_all = self.pools.segment is not None
         for lo, hi in runs:
             pool = pools[int(sl[lo])]
             assert pool is not None
             size = (hi - lo - 1) * pool.stride + pool.nbytes
-            if size < PACK_BELOW:
+            if size < PACK_BELOW or pack_all:
                 small.append((lo, hi, packed))
                 packed += size
         buffers = [self._scratch_view(packed)] if packed else []  # the packed one first
@@ -649,10 +655,7 @@ class ShardActor:
                 buffers[0][base : base + data.nbytes] = data
             else:
                 buf, base = len(buffers), 0
-                # A view is safe only while nothing writes between this call and Ray's copy
-                # of its answer; claims over the control socket (workers.control) run beside
-                # Ray's calls, so a shared pool's span is copied here, under the lock.
-                buffers.append(data.copy() if self.pools.segment is not None else data)
+                buffers.append(data)
             stride, length = pool.stride, pool.length
             for i, blk in zip(items[lo:hi], b[lo:hi].tolist(), strict=True):
                 if spans[i] is _UNREAD:  # exactly the object's bytes, never the block's rest
