@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import select
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -141,18 +142,14 @@ Writer = tuple[int, int]  # a writing process: (pid, start time in clock ticks s
 
 
 def process_start(pid: int) -> int | None:
-    """``pid``'s start time (``/proc/<pid>/stat`` field 22), None if no live process has it
-    (a zombie has stopped running: it writes nothing more). With the pid it names one process
-    for good: a pid reused later has another start time."""
+    """``pid``'s start time (``/proc/<pid>/stat`` field 22), None if no process has it. With the
+    pid it names one process for good: a pid reused later has another start time."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except OSError:
         return None
-    fields = stat.rsplit(b")", 1)[1].split()  # the name in (...) may hold spaces
-    if fields[0] in (b"Z", b"X"):
-        return None
-    return int(fields[19])
+    return int(stat.rsplit(b")", 1)[1].split()[19])  # the name in (...) may hold spaces
 
 
 def this_writer() -> Writer:
@@ -162,4 +159,18 @@ def this_writer() -> Writer:
 
 
 def writer_alive(writer: Writer) -> bool:
-    return process_start(writer[0]) == writer[1]
+    """Whether the process ``writer`` names may still run code: not while any of its threads
+    does (a pidfd turns readable only once the whole thread group exited; ``/proc``'s state
+    shows a zombie as soon as the main thread is one)."""
+    pid, start = writer
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:
+        return False  # reaped
+    try:
+        # the start time read after the open names the process the pidfd refers to
+        if process_start(pid) != start:
+            return False
+        return not select.select([fd], [], [], 0)[0]
+    finally:
+        os.close(fd)

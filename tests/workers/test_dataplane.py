@@ -29,7 +29,7 @@ from workers.launcher import SystemConfig, place_shards, shard_actor_class
 from workers.local import LocalMetadata
 from workers.raylink import ray_links
 from workers.shard import ShardConfig
-from workers.shm import process_start
+from workers.shm import process_start, writer_alive
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -232,8 +232,9 @@ def _await_death(actor: Any) -> None:
 
 
 def _await_exit(pid: int) -> None:
+    """Until every thread of ``pid`` is gone (its main thread turns zombie earlier)."""
     deadline = time.monotonic() + 60
-    while process_start(pid) is not None:
+    while writer_alive((pid, process_start(pid) or 0)):
         assert time.monotonic() < deadline, f"killed shard process {pid} still runs after 60 s"
         time.sleep(0.02)
 
