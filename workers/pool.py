@@ -372,7 +372,8 @@ class BlockPool:
                 self._ready[b].wait()
         holder = self.object_id[blocks]
         ok: np.ndarray = ((self.generation[blocks] == generations) & (holder != _EMPTY)
-                          & ((object_ids == _EMPTY) | (holder == object_ids)))
+                          & ((object_ids == _EMPTY) | (holder == object_ids))
+                          & ((self.seq[blocks] & 1) == 0))  # not while a worker fills it
         return ok
 
     def take(self, first: int, count: int) -> np.ndarray:
@@ -392,7 +393,7 @@ class BlockPool:
 
     def check(self, block: int, generation: int, object_id: int = _EMPTY) -> None:
         current, holder = int(self.generation[block]), int(self.object_id[block])
-        if current != generation or holder == _EMPTY or (
+        if current != generation or holder == _EMPTY or self.seq[block] & 1 or (
             object_id != _EMPTY and holder != object_id
         ):
             raise StaleRead(

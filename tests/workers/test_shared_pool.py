@@ -22,7 +22,7 @@ import pytest
 from hkv_service.core.api import LookupRequest
 from workers.dataplane import DataPlane, Recompute
 from workers.inprocess import InProcessSystem
-from workers.pool import HandleBatch, PoolSet, StaleWrite
+from workers.pool import HandleBatch, PoolSet, StaleRead, StaleWrite
 from workers.shared import ORDERED, Mapped, NotShared, SharedLink
 from workers.shm import process_start, writer_alive
 
@@ -272,3 +272,19 @@ def test_a_reads_arrays_are_never_reused_while_the_caller_holds_one(
     again = link._arena.take(1)  # every array is gone now: a kept buffer is taken again
     assert any(np.shares_memory(again, b) for b in link._arena._bufs)
 
+
+
+def test_a_claimed_block_is_not_readable_until_finished() -> None:
+    """Even through the shard's own reads (Ray, offload): a block a worker is filling holds
+    no object's bytes yet, whatever handle names it."""
+    pools = PoolSet({"c": 4096}, 2, "cpu", shared=True)
+    pool = pools["c"]
+    me = (os.getpid(), process_start(os.getpid()) or 0)
+    pool.claim(0, 1, 5, 4096, me)
+    assert not pool.readable(np.array([0]), np.array([1]), np.array([5]))[0]
+    with pytest.raises(StaleRead):
+        pool.read(0, 1, 5)
+    pool.finish(0, 1, 5, me)
+    assert pool.readable(np.array([0]), np.array([1]), np.array([5]))[0]
+    assert pool.read(0, 1, 5).nbytes == 4096
+    pools.segment.close()  # type: ignore[union-attr]
