@@ -210,7 +210,7 @@ class BlockPool:
         if not 0 < src.size <= self.nbytes:
             raise ValueError(f"{src.size} bytes cannot be a {self.name!r} object: a block "
                              f"holds 1 to {self.nbytes}")
-        self._check_claim(block, generation, object_id, None)
+        self._check_claim(block, generation, object_id)
         current, holder = int(self.generation[block]), int(self.object_id[block])
         if generation == current and holder == object_id != _EMPTY and self._holds(block, src):
             return  # a retry of the same write: its bytes are there
@@ -255,7 +255,7 @@ class BlockPool:
                              f"holds 1 to {self.nbytes}")
         if self._claims.get(block) == _Claim(generation, object_id, writer):
             return
-        self._check_claim(block, generation, object_id, writer)
+        self._check_claim(block, generation, object_id)
         self._check_stale(block, generation, object_id)
         self.seq[block] += 1  # odd until finish()
         self.generation[block] = generation
@@ -284,8 +284,7 @@ class BlockPool:
             self.seq[block] += 1
             self.forget(block, object_id)
 
-    def _check_claim(self, block: int, generation: int, object_id: int,
-                     writer: Writer | None) -> None:
+    def _check_claim(self, block: int, generation: int, object_id: int) -> None:
         """Refuse a write or claim of ``block`` while another live writer holds a claim on it;
         a dead writer's claim is dropped (its half-copied bytes are no object's)."""
         claim = self._claims.get(block)
