@@ -20,6 +20,10 @@ Write path (``write_prefix``)::
 
 Two metadata calls a request (one more per :data:`~workers.commits.COMMIT_CHUNK` objects past
 the first), whichever shards hold its blocks.
+
+A shard on this node whose pools are in shared memory is reached through a
+:class:`~workers.shared.SharedLink`: its reads call no shard (one copy out of the segment),
+its writes claim the blocks, copy into them and finish (one copy, no bytes through Ray).
 """
 
 from __future__ import annotations
