@@ -7,7 +7,10 @@ workers' data-plane client, and the launcher behind ``hkv up``.
                the workers need is the core's (hkv_service.core.port.MetadataPort)
     tags       a disk record's 64-byte tag (where its object sits in the prefix tree)
     local      the port in-process (LocalMetadata); raylink: through a Ray actor
-    pool       torch block pools: generations, stale checks, readiness
+    pool       torch block pools: generations, stale checks, readiness, claims
+    shm        a shard's host pools in one shared-memory segment (memfd) workers can map
+    shared     SharedLink: a worker's reads (seqlock) and writes (claims) through the segment
+    control    the claims' local socket (a round trip of tens of microseconds, not a Ray call)
     shard      ShardActor: write/read/offload/load, registration, heartbeats
     dataplane  DataPlane: lookup results -> bytes, prefixes -> shards; failures -> Recompute
     link       ShardLink: the seam to a shard (in-process link; raylink: the Ray link)

@@ -20,6 +20,10 @@ Write path (``write_prefix``)::
 
 Two metadata calls a request (one more per :data:`~workers.commits.COMMIT_CHUNK` objects past
 the first), whichever shards hold its blocks.
+
+A shard on this node whose pools are in shared memory is reached through a
+:class:`~workers.shared.SharedLink`: its reads call no shard (one copy out of the segment),
+its writes claim the blocks, copy into them and finish (one copy, no bytes through Ray).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from .link import Pending, ShardLink, ShardUnavailable
 from .partitioned import range_blocks_of
 from .pool import HandleBatch
 from .ports import Commit, ItemResult, Outcome, commit_bytes, payload_bytes
+from .shared import SharedLink, shared_links
 from .tags import BlockTag
 
 __all__ = ["DataPlane", "PendingLoad", "Recompute", "WriteReport"]
@@ -104,9 +109,12 @@ class DataPlane:
     ``workers.raylink.ray_links``); the data plane itself imports no Ray."""
 
     def __init__(self, metadata: MetadataPort, shards: Mapping[str, ShardLink],
-                 timeout_s: float = 10.0) -> None:
+                 timeout_s: float = 10.0, shared_memory: bool = True) -> None:
+        """``shared_memory``: reads and writes of a shard whose pools this process can map
+        copy the bytes once, through the segment (:class:`~workers.shared.SharedLink`)."""
         self.meta = metadata
-        self.shards = dict(shards)
+        self.shards: dict[str, ShardLink] = (shared_links(dict(shards)) if shared_memory
+                                             else dict(shards))
         self.timeout_s = timeout_s
         self.layout = Layout(metadata.get_spec())
 
@@ -122,8 +130,61 @@ class DataPlane:
             if release and match.lease_id is not None:
                 self._quietly(lambda: self.meta.release_lease(match.lease_id))  # type: ignore[arg-type]
 
-    def _read(self, match: Match, block_hashes: Sequence[BlockHash] | None
-              ) -> dict[str, list[np.ndarray]] | Recompute:
+    def read_into(self, match: Match, dests: Mapping[str, Sequence[np.ndarray]],
+                  block_hashes: Sequence[BlockHash] | None = None,
+                  release: bool = True) -> Recompute | None:
+        """As :meth:`read`, but each object's bytes are copied into ``dests[column][i]`` (a
+        writable uint8 array of exactly that object's size, in ``match.handles`` order: a
+        staging buffer, a KV cache page) instead of returned: from a shard on this node, one
+        copy straight out of its shared segment. None when every object landed; on a
+        Recompute some ``dests`` may hold bytes, none of which is to be used."""
+        try:
+            handles = self._memory_handles(match, block_hashes)
+            if isinstance(handles, Recompute):
+                return handles
+            flat = [(h, dests[col][i]) for col, hs in handles.items() for i, h in enumerate(hs)]
+            by_shard: dict[str, list[int]] = defaultdict(list)
+            for j, (h, _) in enumerate(flat):
+                by_shard[h.shard].append(j)
+            for sid, idx in by_shard.items():
+                why = self._read_shard_into(sid, [flat[j][0] for j in idx],
+                                            [flat[j][1] for j in idx])
+                if why is not None:
+                    return why
+            return None
+        finally:
+            if release and match.lease_id is not None:
+                self._quietly(lambda: self.meta.release_lease(match.lease_id))  # type: ignore[arg-type]
+
+    def _read_shard_into(self, sid: str, handles: list[Handle], dests: list[np.ndarray]
+                         ) -> Recompute | None:
+        link = self.shards.get(sid)
+        if link is None:
+            return Recompute(Reason.OWNER_LOST, f"{sid!r} is not a known shard")
+        if not isinstance(link, SharedLink):
+            got = self._by_shard(handles, "read_blocks")
+            results: list[ItemResult | None] = []
+            for res, dest in zip(got, dests, strict=True):
+                if isinstance(res, ItemResult):
+                    results.append(res)
+                elif res.nbytes != dest.nbytes:
+                    results.append(ItemResult(Outcome.FAILED, "size differs from its buffer"))
+                else:
+                    np.copyto(dest, res)
+                    results.append(None)
+        else:
+            answer = self._get(sid, _Call(lambda t: link.read_into(handles, dests, t)), handles)
+            results = answer if answer is not None else [
+                ItemResult(Outcome.UNAVAILABLE, f"shard {sid} died or timed out: recompute")]
+        for res in results:
+            if res is not None:
+                return Recompute(_OUTCOME_REASON.get(res.outcome, Reason.STALE_HANDLE),
+                                 res.detail)
+        return None
+
+    def _memory_handles(self, match: Match, block_hashes: Sequence[BlockHash] | None
+                        ) -> dict[str, list[Handle]] | Recompute:
+        """``match.handles``, a disk object's replaced by its memory copy once loaded."""
         handles = {col: list(hs) for col, hs in match.handles.items()}
         if match.needs_load:
             loaded = self.load(match, block_hashes)
@@ -131,6 +192,13 @@ class DataPlane:
                 return loaded
             for hs in handles.values():
                 hs[:] = [loaded.get(h.object_id, h) for h in hs]
+        return handles
+
+    def _read(self, match: Match, block_hashes: Sequence[BlockHash] | None
+              ) -> dict[str, list[np.ndarray]] | Recompute:
+        handles = self._memory_handles(match, block_hashes)
+        if isinstance(handles, Recompute):
+            return handles
         flat = [(col, i, h) for col, hs in handles.items() for i, h in enumerate(hs)]
         results = self._by_shard([h for _, _, h in flat], "read_blocks")
         out: dict[str, list[np.ndarray]] = {col: [None] * len(hs)  # type: ignore[list-item]
@@ -477,6 +545,16 @@ class DataPlane:
         except Exception as exc:
             log.debug("ignored: %s", exc)
             return None
+
+
+class _Call:
+    """A call made when its result is asked for (``Pending``)."""
+
+    def __init__(self, fn: Callable[[float], Any]) -> None:
+        self.fn = fn
+
+    def result(self, timeout_s: float) -> Any:
+        return self.fn(timeout_s)
 
 
 class PendingLoad:

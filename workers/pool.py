@@ -17,7 +17,16 @@ with the handle, and a readiness token::
                               exactly the ``length`` bytes written, never more
 
 "Written" and "readable" are distinct: a read waits for the block's copy event, so a caller
-never sees a half-finished device copy. Bytes cross process boundaries as numpy arrays.
+never sees a half-finished device copy. Bytes cross process boundaries as numpy arrays, or,
+for host pools in a shared segment (``PoolSet(shared=True)``, :mod:`workers.shm`), are copied
+by a worker on the node straight from and into the segment::
+
+    claim(block, gen, n, writer)   write rules as above; seq odd, (gen, object, length) set,
+                                   the rest zeroed; no other write takes the block while the
+                                   writer process lives
+    (the worker copies its n bytes into the block)
+    finish(block, gen, writer)     seq even: readable
+    read by a worker               seq, gen, object checked before and after its copy
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ import logging
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, overload
+from typing import Any, NamedTuple, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -35,6 +44,8 @@ import torch
 from hkv_service.core.api import Handle, PoolConfig
 from hkv_service.core.ids import GroupName, ObjectId, ShardId
 from hkv_service.core.states import Kind
+
+from .shm import META_FIELDS, Segment, Writer, writer_alive
 
 __all__ = ["ALIGN", "BlockPool", "HandleBatch", "PoolSet", "StaleRead", "StaleWrite", "round_up"]
 
@@ -71,6 +82,12 @@ class _Ready:
     def wait(self) -> None:
         if self.event is not None and not self.event.query():
             self.event.synchronize()
+
+
+class _Claim(NamedTuple):
+    generation: int
+    object_id: int
+    writer: Writer
 
 
 HOST_ALIGN = 4096  # base alignment of host pools
@@ -142,16 +159,24 @@ class BlockPool:
     """``num_blocks`` blocks of ``nbytes`` (stride ``round_up(nbytes)``) for one column."""
 
     def __init__(self, name: str, nbytes: int, num_blocks: int, device: torch.device,
-                 stride_pad: int = 0) -> None:
+                 stride_pad: int = 0, segment: Segment | None = None) -> None:
         self.name, self.nbytes, self.num_blocks = name, nbytes, num_blocks
         self.stride = round_up(nbytes) + stride_pad  # pad: see ShardConfig.pool_stride_pad
         self.device = device
-        # a padded pool also starts ``stride_pad`` bytes into its buffer: none of its blocks
-        # is then aligned beyond the pad's own alignment
-        self.tensor = _allocate(num_blocks * self.stride + stride_pad, device)[stride_pad:]
-        self.generation = np.zeros(num_blocks, dtype=np.int64)
-        self.object_id = np.full(num_blocks, _EMPTY, dtype=np.int64)
-        self.length = np.zeros(num_blocks, dtype=np.int64)  # bytes the occupant wrote
+        if segment is None:
+            # a padded pool also starts ``stride_pad`` bytes into its buffer: none of its
+            # blocks is then aligned beyond the pad's own alignment
+            self.tensor = _allocate(num_blocks * self.stride + stride_pad, device)[stride_pad:]
+            meta = {f: np.zeros(num_blocks, dtype=np.int64) for f in META_FIELDS}
+        else:  # in shared memory (host pools only): workers on this node map it
+            assert device.type == "cpu", "only host pools live in a shared segment"
+            self.tensor, meta = segment.data(name), segment.meta(name)
+        self.seq = meta["seq"]  # even; odd while the bytes change (see workers.shm)
+        self.generation = meta["generation"]
+        self.object_id = meta["object_id"]
+        self.object_id[:] = _EMPTY
+        self.length = meta["length"]  # bytes the occupant wrote
+        self._claims: dict[int, _Claim] = {}  # blocks a worker is copying into (claim())
         self._ready = [_DONE] * num_blocks
         self._stream = _cuda.Stream(device) if device.type == "cuda" else None
         # Host pools are read and written through one numpy view (no torch on the hot path).
@@ -186,8 +211,22 @@ class BlockPool:
         if not 0 < src.size <= self.nbytes:
             raise ValueError(f"{src.size} bytes cannot be a {self.name!r} object: a block "
                              f"holds 1 to {self.nbytes}")
-        current = int(self.generation[block])
-        holder = int(self.object_id[block])
+        self._check_claim(block, generation, object_id)
+        current, holder = int(self.generation[block]), int(self.object_id[block])
+        if generation == current and holder == object_id != _EMPTY and self._holds(block, src):
+            return  # a retry of the same write: its bytes are there
+        self._check_stale(block, generation, object_id)
+        self.seq[block] += 1  # odd: a reader copying from shared memory now discards
+        self.generation[block] = generation  # claim first: a racing reader now sees stale
+        self.object_id[block] = object_id
+        self.length[block] = src.size
+        self._copy_in(block, src)
+        self.seq[block] += 1
+
+    def _check_stale(self, block: int, generation: int, object_id: int) -> None:
+        """The write rules of :meth:`write` a claim obeys too: never an older generation, nor
+        another object at the same one, nor new bytes for the object that holds the block."""
+        current, holder = int(self.generation[block]), int(self.object_id[block])
         if generation < current or (
             generation == current and _EMPTY not in (holder, object_id) and holder != object_id
         ):
@@ -196,15 +235,69 @@ class BlockPool:
                 f"write for generation {generation} (object {object_id}) is stale"
             )
         if generation == current and holder == object_id != _EMPTY:
-            if self._holds(block, src):
-                return  # a retry of the same write: its bytes are there
             raise StaleWrite(
                 f"{self.name!r} block {block} holds object {object_id}'s bytes already; an "
                 "object's bytes never change (a rewrite goes to a fresh object)")
-        self.generation[block] = generation  # claim first: a racing reader now sees stale
+
+    # -- writes by a worker on this node (workers.shared) ---------------------------------
+
+    def claim(self, block: int, generation: int, object_id: int, nbytes: int,
+              writer: Writer) -> None:
+        """Let ``writer`` (a process on this node) copy ``nbytes`` bytes of ``object_id`` into
+        ``block`` of the shared segment itself; :meth:`finish` makes them readable. Until then
+        the block reads as being written (odd ``seq``) and no other write or claim takes it
+        while the writer lives: a stalled copy never lands in a block reused meanwhile (a
+        dead writer writes nothing, so its claim lapses). The write rules of :meth:`write`
+        hold; a claim the writer already holds is granted again."""
+        self._check_block(block)
+        assert self._host is not None, "claims need a host pool"
+        if not 0 < nbytes <= self.nbytes:
+            raise ValueError(f"{nbytes} bytes cannot be a {self.name!r} object: a block "
+                             f"holds 1 to {self.nbytes}")
+        if self._claims.get(block) == _Claim(generation, object_id, writer):
+            return
+        self._check_claim(block, generation, object_id)
+        self._check_stale(block, generation, object_id)
+        self.seq[block] += 1  # odd until finish()
+        self.generation[block] = generation
         self.object_id[block] = object_id
-        self.length[block] = src.size
-        self._copy_in(block, src)
+        self.length[block] = nbytes
+        self._host[block, nbytes : self.nbytes] = 0  # no earlier occupant's bytes
+        self._claims[block] = _Claim(generation, object_id, writer)
+
+    def finish(self, block: int, generation: int, object_id: int, writer: Writer) -> None:
+        """``writer`` copied its claimed bytes: the block is readable (StaleWrite if the claim
+        is not the writer's any more)."""
+        self._check_block(block)
+        claim = _Claim(generation, object_id, writer)
+        if self._claims.get(block) != claim or (int(self.generation[block]),
+                                               int(self.object_id[block])) != claim[:2]:
+            raise StaleWrite(f"{self.name!r} block {block}: the claim of generation "
+                             f"{generation} (object {object_id}) is not held")
+        del self._claims[block]
+        self.seq[block] += 1
+        self._ready[block] = _DONE
+
+    def release(self, block: int, generation: int, object_id: int, writer: Writer) -> None:
+        """``writer`` gives its claim up (its copy failed): the block holds no object."""
+        if self._claims.get(block) == _Claim(generation, object_id, writer):
+            del self._claims[block]
+            self.seq[block] += 1
+            self.forget(block, object_id)
+
+    def _check_claim(self, block: int, generation: int, object_id: int) -> None:
+        """Refuse a write or claim of ``block`` while another live writer holds a claim on it;
+        a dead writer's claim is dropped (its half-copied bytes are no object's)."""
+        claim = self._claims.get(block)
+        if claim is None:
+            return
+        if writer_alive(claim.writer):
+            raise StaleWrite(f"{self.name!r} block {block} is being written by process "
+                             f"{claim.writer[0]} (generation {claim.generation}); "
+                             f"generation {generation} (object {object_id}) must wait")
+        del self._claims[block]
+        self.seq[block] += 1
+        self.forget(block, claim.object_id)
 
     def _holds(self, block: int, src: Bytes) -> bool:
         """Whether ``block`` holds exactly ``src`` (the bytes its occupant wrote)."""
@@ -279,7 +372,8 @@ class BlockPool:
                 self._ready[b].wait()
         holder = self.object_id[blocks]
         ok: np.ndarray = ((self.generation[blocks] == generations) & (holder != _EMPTY)
-                          & ((object_ids == _EMPTY) | (holder == object_ids)))
+                          & ((object_ids == _EMPTY) | (holder == object_ids))
+                          & ((self.seq[blocks] & 1) == 0))  # not while a worker fills it
         return ok
 
     def take(self, first: int, count: int) -> np.ndarray:
@@ -299,7 +393,7 @@ class BlockPool:
 
     def check(self, block: int, generation: int, object_id: int = _EMPTY) -> None:
         current, holder = int(self.generation[block]), int(self.object_id[block])
-        if current != generation or holder == _EMPTY or (
+        if current != generation or holder == _EMPTY or self.seq[block] & 1 or (
             object_id != _EMPTY and holder != object_id
         ):
             raise StaleRead(
@@ -320,10 +414,16 @@ class PoolSet:
     """One :class:`BlockPool` per column, built from ``{column: nbytes}``."""
 
     def __init__(self, columns: Mapping[str, int], num_blocks: int, device: str = "auto",
-                 stride_pad: int = 0) -> None:
+                 stride_pad: int = 0, shared: bool = False) -> None:
+        """``shared``: host pools go into one shared-memory :class:`~workers.shm.Segment`
+        (``self.segment``) that workers on this node map; device pools never do."""
         self.device = pick_device(device)
+        self.segment: Segment | None = None
+        if shared and self.device.type == "cpu":
+            self.segment = Segment({n: (b, round_up(b) + stride_pad) for n, b in columns.items()},
+                                   num_blocks, stride_pad)
         self.pools = {
-            name: BlockPool(name, nbytes, num_blocks, self.device, stride_pad)
+            name: BlockPool(name, nbytes, num_blocks, self.device, stride_pad, self.segment)
             for name, nbytes in columns.items()
         }
 

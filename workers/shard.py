@@ -66,6 +66,7 @@ from hkv_service.settings import SYSTEM_DEFAULTS, SystemSettings, TlsConfig
 from storage import CorruptEntry, DiskKey, DiskTier, NotOnDisk
 
 from .commits import commit_many, commit_one, failure
+from .control import ControlServer
 from .local import connect
 from .partitioned import (
     PartitionedMetadata,
@@ -76,6 +77,7 @@ from .partitioned import (
 )
 from .pool import BlockPool, HandleBatch, PoolSet, StaleRead, StaleWrite
 from .ports import Commit, ItemResult, Outcome, PackedRead, commit_bytes, payload_bytes
+from .shm import SegmentInfo, Writer, writer_alive
 from .tags import TAG, BlockTag, decode_tagged, encode_tagged, tag_bytes
 
 __all__ = ["PACK_BELOW", "REGISTER_ATTEMPTS", "ShardActor", "ShardConfig", "new_instance"]
@@ -119,6 +121,9 @@ class ShardConfig:
     metadata_timeout_s: float = 10.0
     tls: TlsConfig | None = None  # reaching the service over TLS: roots (+ client cert, mTLS)
     node_id: str = ""  # the node the launcher pinned this shard to (reported by ping)
+    # Host pools in a shared-memory segment that workers on this node copy to and from
+    # directly (workers.shm, workers.shared); off: every byte goes through Ray.
+    shared_memory: bool = True
     # Bytes of padding after every pool block. Not 0 only to make a shard whose block stride
     # is no multiple of a reader's alignment (the demo's misaligned_handle fault, tests).
     pool_stride_pad: int = 0
@@ -150,7 +155,7 @@ class ShardActor:
         self.layout = Layout(self.meta.get_spec())
         self.pools = PoolSet(
             {c.name: c.nbytes for c in self.layout.columns}, config.blocks_per_group, config.device,
-            config.pool_stride_pad,
+            config.pool_stride_pad, config.shared_memory,
         )
         path = Path(config.data_dir) / config.shard_id
         path.mkdir(parents=True, exist_ok=True)
@@ -166,6 +171,9 @@ class ShardActor:
         self.instance = new_instance()
         self.confirmed = 0
         self._register()
+        self._control: ControlServer | None = None  # claims of writers on this node
+        if self.pools.segment is not None:
+            self._control = ControlServer(self, f"hkv-ctl-{self.pools.segment.nonce.hex()}")
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat_loop, name="hkv-heartbeat",
                                       daemon=True)
@@ -374,7 +382,7 @@ class ShardActor:
             written: list[tuple[str, int]] = []
             for i, (slot, oid, gen, block, _) in enumerate(batch.rows.tolist()):
                 res = self._sized(batch.columns[slot][1], groups[slot], tag_of[i], commit_of[i],
-                                  arrays[i])
+                                  payload_bytes(arrays[i]))
                 if res is None:
                     res = self._copy_in(groups[slot], block, gen, oid, arrays[i])
                     if res.ok:
@@ -382,18 +390,26 @@ class ShardActor:
                 out.append(res)
             for group, block in written:  # commits are reported only once bytes are readable
                 self.pools[group].wait(block)
-            if not report:
-                self._bump("writes", len(out))
-                return out
-            done = {i: batch[i] for i, res in enumerate(out)
-                    if res.ok and (tag_of[i] is not None or commit_of[i] is not None)}
-            committed = iter(commit_many(
-                self.meta, [(h, c) for i, h in done.items() if (c := commit_of[i]) is not None]))
-            for i, h in done.items():
-                c = commit_of[i]
-                out[i] = self._after_write(h, tag_of[i], c, None if c is None else next(committed))
+            return self._written(batch, out, tag_of, commit_of, report)
+
+    def _written(self, batch: HandleBatch, out: list[ItemResult],
+                 tag_of: Sequence[BlockTag | None], commit_of: Sequence[Commit | None],
+                 report: bool) -> list[ItemResult]:
+        """The end of a write whose ``out`` items are readable: report their commits (or,
+        ``report=False``, leave that to the caller), record the tags of those that landed.
+        The caller holds the shard lock."""
+        if not report:
             self._bump("writes", len(out))
             return out
+        done = {i: batch[i] for i, res in enumerate(out)
+                if res.ok and (tag_of[i] is not None or commit_of[i] is not None)}
+        committed = iter(commit_many(
+            self.meta, [(h, c) for i, h in done.items() if (c := commit_of[i]) is not None]))
+        for i, h in done.items():
+            c = commit_of[i]
+            out[i] = self._after_write(h, tag_of[i], c, None if c is None else next(committed))
+        self._bump("writes", len(out))
+        return out
 
     def settle_blocks(
         self,
@@ -428,15 +444,88 @@ class ShardActor:
                 out.append(self._after_write(h, tags[i], commits[i], results[i]))
             return out
 
+    # -- writes by a worker on this node, straight into the shared segment ----------------
+
+    def shared_pool(self) -> SegmentInfo | None:
+        """How a worker on this node maps this shard's pools (:mod:`workers.shared`); None
+        when they are not in shared memory (device pools, or ``shared_memory`` off)."""
+        seg = self.pools.segment
+        if seg is None:
+            return None
+        return seg.info(self.instance, "" if self._control is None else self._control.name)
+
+    def claim_blocks(self, handles: Sequence[Handle], sizes: Sequence[int], writer: Writer,
+                     tags: Sequence[BlockTag | None] | None = None,
+                     commits: Sequence[Commit | None] | None = None
+                     ) -> list[ItemResult] | None:
+        """Let process ``writer`` copy ``sizes[i]`` bytes into ``handles[i]``'s block itself
+        (``BlockPool.claim``: the write rules and size checks of :meth:`write_blocks` hold);
+        :meth:`finish_blocks` then does what the rest of ``write_blocks`` does. Refused for a
+        writer that is not a live process seen from here, or a shard without a shared
+        segment: None (write through :meth:`write_blocks`)."""
+        batch = HandleBatch.of(handles)
+        if len(sizes) != len(batch):
+            raise ValueError(f"{len(batch)} handles but {len(sizes)} sizes")
+        if self.pools.segment is None or not writer_alive(writer):
+            return None
+        groups = [c[3] for c in batch.columns]
+        tag_of = list(tags) if tags else [None] * len(batch)
+        commit_of = list(commits) if commits else [None] * len(batch)
+        with self._lock:
+            out: list[ItemResult] = []
+            for i, (slot, oid, gen, block, _) in enumerate(batch.rows.tolist()):
+                res = self._sized(batch.columns[slot][1], groups[slot], tag_of[i], commit_of[i],
+                                  int(sizes[i]))
+                out.append(res or self._pool_step(groups[slot], lambda p, b=block, g=gen, o=oid,
+                                                  n=int(sizes[i]): p.claim(b, g, o, n, writer)))
+            self._bump("claims", len(out))
+            return out
+
+    def finish_blocks(self, handles: Sequence[Handle], writer: Writer,
+                      tags: Sequence[BlockTag | None] | None = None,
+                      commits: Sequence[Commit | None] | None = None,
+                      report: bool = True) -> list[ItemResult]:
+        """``writer`` copied the bytes of its claims (:meth:`claim_blocks`): make them
+        readable and go on as :meth:`write_blocks` does (the same ``report`` choice)."""
+        batch = HandleBatch.of(handles)
+        groups = [c[3] for c in batch.columns]
+        tag_of = list(tags) if tags else [None] * len(batch)
+        commit_of = list(commits) if commits else [None] * len(batch)
+        with self._lock:
+            out = [self._pool_step(groups[slot], lambda p, b=block, g=gen, o=oid:
+                                   p.finish(b, g, o, writer))
+                   for slot, oid, gen, block, _ in batch.rows.tolist()]
+            return self._written(batch, out, tag_of, commit_of, report)
+
+    def release_blocks(self, handles: Sequence[Handle], writer: Writer) -> None:
+        """``writer`` gives its claims up (its copy failed): those blocks hold no object."""
+        batch = HandleBatch.of(handles)
+        with self._lock:
+            for slot, oid, gen, block, _ in batch.rows.tolist():
+                pool = self.pools.get(batch.columns[slot][3])
+                if pool is not None and 0 <= block < pool.num_blocks:
+                    pool.release(block, gen, oid, writer)
+
+    def _pool_step(self, group: str, step: Any) -> ItemResult:
+        pool = self.pools.get(group)
+        if pool is None:
+            return ItemResult(Outcome.FAILED, f"bad handle: no column {group!r}")
+        try:
+            step(pool)
+        except StaleWrite as exc:
+            return ItemResult(Outcome.STALE, str(exc))
+        except (ValueError, IndexError) as exc:
+            return ItemResult(Outcome.FAILED, str(exc))
+        return _WRITTEN
+
     def _sized(self, column: int, group: str, tag: BlockTag | None, commit: Commit | None,
-               data: Any) -> ItemResult | None:
-        """None if ``data`` is exactly its object's bytes; else the refusal. A short write
+               got: int) -> ItemResult | None:
+        """None if ``got`` bytes are exactly its object's; else the refusal. A short write
         would be committed over a block whose rest is another object's."""
         if not 0 <= column < len(self.layout.columns) or \
                 self.layout.columns[column].name != group:
             return ItemResult(Outcome.FAILED, f"bad handle: column {column} is not {group!r}")
         want = commit_bytes(self.layout, column, tag.depth if tag else None, commit)
-        got = payload_bytes(data)
         if want is None:
             return ItemResult(Outcome.FAILED, f"{group}: the object's size depends on its depth "
                                               "or range: pass its tag or its commit")
@@ -448,16 +537,7 @@ class ShardActor:
                  data: Any) -> ItemResult:
         """Write one block; the caller waits until it is readable ("written" is not
         "readable")."""
-        pool = self.pools.get(group)
-        if pool is None:
-            return ItemResult(Outcome.FAILED, f"bad handle: no column {group!r}")
-        try:
-            pool.write(block, generation, data, oid)
-        except StaleWrite as exc:
-            return ItemResult(Outcome.STALE, str(exc))
-        except (ValueError, IndexError) as exc:
-            return ItemResult(Outcome.FAILED, str(exc))
-        return _WRITTEN
+        return self._pool_step(group, lambda p: p.write(block, generation, data, oid))
 
     def _after_write(self, h: Handle, tag: BlockTag | None, commit: Commit | None,
                      committed: ItemResult | None) -> ItemResult:
@@ -503,7 +583,9 @@ class ShardActor:
         its next call (calls to one actor run in order), so no write can land between the
         check and the copy; a device pool's span is copied to the host and re-checked after
         the copy. Spans under ``PACK_BELOW`` bytes are packed into one buffer instead (Ray's
-        per-buffer cost would dominate them). ``len(result) == len(handles)``."""
+        per-buffer cost would dominate them), and every span of a pool in shared memory (claims
+        over the control socket do not wait for Ray's copy of the answer).
+        ``len(result) == len(handles)``."""
         batch = HandleBatch.of(handles)
         n = len(batch)
         spans: list[tuple[int, int, int] | ItemResult] = [_UNREAD] * n
@@ -545,11 +627,15 @@ class ShardActor:
         runs = list(zip(starts, [*starts[1:], len(good)], strict=True))
         small: list[tuple[int, int, int]] = []  # (run start, run end, offset in packed)
         packed = 0
+        # A view is safe only while nothing writes between this call and Ray's copy of its
+        # answer; claims over the control socket (workers.control) run beside Ray's calls, so
+        # a shared pool's spans are all packed (copied, under the lock, into the reused buffer).
+        pack_all = self.pools.segment is not None
         for lo, hi in runs:
             pool = pools[int(sl[lo])]
             assert pool is not None
             size = (hi - lo - 1) * pool.stride + pool.nbytes
-            if size < PACK_BELOW:
+            if size < PACK_BELOW or pack_all:
                 small.append((lo, hi, packed))
                 packed += size
         buffers = [self._scratch_view(packed)] if packed else []  # the packed one first
@@ -851,6 +937,10 @@ class ShardActor:
             self._beat.join(self.config.metadata_timeout_s + 1.0)
         with self._lock:
             self.disk.close()
+            if self.pools.segment is not None:  # workers let go at their next copy
+                self.pools.segment.close()
+            if self._control is not None:
+                self._control.close()
 
     def _bump(self, name: str, n: int = 1) -> None:
         self._counts[name] = self._counts.get(name, 0) + n

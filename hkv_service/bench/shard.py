@@ -1,50 +1,56 @@
-"""Shard benchmark: block write/read throughput through the shard actor against a plain Ray
-actor moving the same bytes as numpy, and a local tensor copy, measured in the same run.
+"""Shard benchmark: block writes and reads through a real shard actor, against the plain memory
+copy of the same bytes (:mod:`hkv_service.bench.memcopy`) measured in the same run.
 
-Setup: one :class:`workers.shard.ShardActor` on a local Ray instance, with the metadata in a
-:class:`workers.raylink.MetadataActor` (no gRPC: the data plane never calls the service on a
-read or a plain write, so gRPC would only slow down the one-off allocation). The bench spec
-has one SWA group per block size (64 KiB, 1 MiB, 4 MiB). Data-plane calls are batched, so
-every call moves ``batch_bytes`` (64 MiB; 16 MiB with ``--quick``): N blocks of one size per
-call (1,024 x 64 KiB, 64 x 1 MiB, 16 x 4 MiB), against the baseline moving the same N arrays
-(the same total bytes) per call.
+Setup: one :class:`workers.shard.ShardActor` on a local Ray instance on this node, with the
+metadata in a :class:`workers.raylink.MetadataActor` (no gRPC: the data plane never calls the
+service on a read or a plain write). This process is the worker. The bench spec has one SWA
+group per block size (64 KiB, 1 MiB, 4 MiB).
 
-* ours: ``write_blocks(batch, arrays)`` (copy into the torch pool) and ``read_blocks(batch)``
-  (readiness + generation re-check, then the pool views handed to Ray, which copies them into
-  its object store), where ``batch = HandleBatch.of(handles)`` is built inside the timed call,
-  as :class:`workers.dataplane.DataPlane` does. Handles allocated one after another sit in
-  adjacent blocks, which a read moves as one span (one Ray buffer, where the baseline has N);
-  ``read_scattered`` reads the 64 KiB blocks even ones first, then odd ones (no two adjacent
-  in request order), so every block is its own buffer, as in the baseline. The headline
-  ``read_vs_numpy_roundtrip`` is the lowest read ratio, the scattered one included.
-* baseline ``numpy_actor``: an actor that stores numpy arrays on ``put`` and returns them on
-  ``get``: Ray's zero-copy numpy path with no pool, no checks. ``read_vs_numpy_roundtrip``
-  = our read GB/s over its ``get`` GB/s (target >= 0.8).
-* baseline ``tensor_copy``: ``torch.Tensor.copy_`` of the same bytes in this process (the
-  memory-bandwidth ceiling of one copy).
-* ``call_overhead_us``: an empty batch through each actor.
+Two paths, both through the same shard, timed interleaved (each round runs every path once;
+each figure is its best round, so drift on a busy host hits all alike):
+
+* ``shared``: :class:`workers.shared.SharedLink`, what the data plane uses on the shard's
+  node: a write is ``claim_blocks`` (one actor call), the copy into the shard's shared
+  segment, ``finish_blocks`` (one actor call); a read calls no actor (seqlock over the
+  segment), ``read`` into fresh arrays, ``read_into`` into buffers the caller holds (a
+  staging buffer, a KV cache page: what a connector does).
+* ``ray``: the shard's ``write_blocks`` / ``read_blocks`` through Ray (what a worker on
+  another node gets; what every worker got before the shared segment).
+
+Each timed write goes to freshly allocated objects (the previous round's are given back
+untimed, as a writer that gave up), so every write copies. Per block size, two shapes:
+
+* ``<size>``: a batch of ``batch_bytes`` per call (64 MiB, 16 MiB with ``--quick``);
+* ``one_<size>``: one block per call (the per-call cost shows).
+
+``ratios``: each path's GB/s over the memory copy's GB/s of the same bytes;
+``min_from_1MiB_vs_memcpy`` is the lowest of the shared path's write, read and read_into
+ratios from 1 MiB up (target >= 0.5).
 """
 
 from __future__ import annotations
 
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import ray
-import torch
 
 from hkv_service.core.api import AdmissionCap, AllocRequest, StateConfig
 from hkv_service.core.ids import BlockHash
 from hkv_service.core.spec import spec_from_dict
-from workers.pool import HandleBatch
+from hkv_service.core.states import Event
+
+from .memcopy import best_of, plain_copy
 
 __all__ = ["run"]
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = {"64KiB": 64 * KiB, "1MiB": MiB, "4MiB": 4 * MiB}
 TOKENS = 64  # tokens per block of every bench group
+PATHS = ("write", "read", "read_into", "ray_write", "ray_read")
 
 
 def _spec() -> Any:
@@ -55,98 +61,99 @@ def _spec() -> Any:
                            "groups": groups})
 
 
-class _NumpyActor:
-    def __init__(self) -> None:
-        self.arrays: list[np.ndarray] = []
+class _Bench:
+    """The shard, its two links and a source of fresh objects for one run."""
 
-    def put(self, arrays: list[np.ndarray]) -> int:
-        self.arrays = [np.array(a, copy=True) for a in arrays]
-        return len(self.arrays)
+    def __init__(self, blocks: int, tmp: str) -> None:
+        from workers.launcher import shard_actor_class
+        from workers.raylink import ActorMetadata, MetadataActor, RayLink
+        from workers.shard import ShardConfig
+        from workers.shared import SharedLink
 
-    def get(self, n: int) -> list[np.ndarray]:
-        return self.arrays[:n]
+        self.meta_actor: Any = MetadataActor.remote(_spec(), StateConfig(AdmissionCap()))
+        self.meta = ActorMetadata(self.meta_actor, timeout_s=60)
+        cfg = ShardConfig("bench", self.meta, tmp, blocks_per_group=blocks,
+                          disk_budget_bytes=64 * MiB, heartbeat_interval_s=5.0, device="auto")
+        self.shard = shard_actor_class(0, 0).remote(cfg)
+        ray.get(self.shard.ping.remote(), timeout=120)
+        self.ray = RayLink("bench", self.shard)
+        self.shared = SharedLink(self.ray)
+        self._next_hash = 1
+
+    def fresh(self, label: str, n: int) -> Any:
+        """``n`` newly allocated objects of ``label``'s group, as a HandleBatch."""
+        from workers.pool import HandleBatch
+
+        first, self._next_hash = self._next_hash, self._next_hash + n
+        hashes = [BlockHash(i.to_bytes(16, "big")) for i in range(first, first + n)]
+        allocs = self.meta.allocate(hashes, [AllocRequest(d, f"b{label}") for d in range(n)],
+                                    "bench")  # type: ignore[arg-type]
+        assert not any(a.existing for a in allocs)
+        return HandleBatch.of([a.handle for a in allocs])
+
+    def give_back(self, batch: Any) -> None:
+        from workers.commits import commit_many
+        from workers.ports import Commit
+
+        commit_many(self.meta, [(batch[i], Commit((Event.EVICT,))) for i in range(len(batch))])
+
+    def close(self) -> None:
+        self.shared.close_mapping()
+        for actor in (self.shard, self.meta_actor):
+            ray.kill(actor, no_restart=True)
 
 
-def _best(fn: Callable[[], Any], reps: int) -> float:
-    """Best of ``reps`` timed calls after one untimed warm-up call."""
+def _timed_write(b: _Bench, label: str, arrays: list[np.ndarray], link: Any) -> float:
+    batch = b.fresh(label, len(arrays))
+    t0 = time.perf_counter()
+    res = link.submit("write_blocks", batch, arrays=arrays).result(120)
+    took = time.perf_counter() - t0
+    assert all(r.ok for r in res), res[0]
+    b.give_back(batch)
+    return took
+
+
+def _measure(b: _Bench, label: str, size: int, n: int, reps: int) -> dict[str, float]:
+    """GB/s of each path moving ``n`` blocks of ``size`` bytes per call, and of the copy."""
+    rng = np.random.default_rng(n)
+    arrays = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(n)]
+    held = b.fresh(label, n)  # what the reads read
+    assert all(r.ok for r in b.shared.submit("write_blocks", held, arrays=arrays).result(120))
+    dests = [np.ones(size, np.uint8) for _ in range(n)]  # (touched: a connector's buffers)
+    copy = plain_copy(size * n)
+    calls: dict[str, Callable[[], float]] = {
+        "write": lambda: _timed_write(b, label, arrays, b.shared),
+        "ray_write": lambda: _timed_write(b, label, arrays, b.ray),
+        "read": lambda: _timed(lambda: b.shared.submit("read_blocks", held).result(120)),
+        "read_into": lambda: _timed(lambda: b.shared.read_into(held, dests, 120)),
+        "ray_read": lambda: _timed(lambda: b.ray.submit("read_blocks", held).result(120)),
+        "memcpy": lambda: _timed(copy),
+    }
+    best = dict.fromkeys(calls, float("inf"))
+    for _ in range(reps + 1):  # the first round warms up and counts like the others
+        for path, call in calls.items():
+            best[path] = min(best[path], call())
+    _check(b, held, arrays, dests)
+    gb = size * n / 1e9
+    return {path: gb / t for path, t in best.items()}
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
     fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    return time.perf_counter() - t0
 
 
-def _setup(batch_blocks: dict[str, int], tmp: str) -> tuple[Any, Any, dict[str, list[Any]]]:
-    from workers.launcher import shard_actor_class
-    from workers.raylink import ActorMetadata, MetadataActor
-    from workers.shard import ShardConfig
-
-    meta_actor = MetadataActor.remote(_spec(), StateConfig(AdmissionCap()))
-    meta = ActorMetadata(meta_actor, timeout_s=60)
-    cfg = ShardConfig("bench", meta, tmp, blocks_per_group=max(batch_blocks.values()),
-                      disk_budget_bytes=64 * MiB, heartbeat_interval_s=5.0, device="auto")
-    shard = shard_actor_class(0, 0).remote(cfg)
-    ray.get(shard.ping.remote(), timeout=120)
-    handles = {}
-    for label, n in batch_blocks.items():
-        hashes = [BlockHash(i.to_bytes(16, "big")) for i in range(1, n + 1)]
-        allocs = meta.allocate(hashes, [AllocRequest(d, f"b{label}") for d in range(n)],
-                               "bench")  # type: ignore[arg-type]
-        handles[label] = [a.handle for a in allocs]
-    return meta_actor, shard, handles
-
-
-def _best_pair(fa: Callable[[], Any], fb: Callable[[], Any], reps: int) -> tuple[float, float]:
-    """Best times of ``fa`` and ``fb``, interleaved (so drift on a busy host hits both)."""
-    fa(), fb()
-    ta = tb = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fa()
-        t1 = time.perf_counter()
-        fb()
-        t2 = time.perf_counter()
-        ta, tb = min(ta, t1 - t0), min(tb, t2 - t1)
-    return ta, tb
-
-
-def _measure_size(label: str, size: int, n: int, shard: Any, echo: Any,
-                  handles: list[Any], reps: int) -> dict[str, float]:
-    arrays = [np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8) for i in range(n)]
-    total = size * n
-    write, put = _best_pair(
-        lambda: ray.get(shard.write_blocks.remote(HandleBatch.of(handles), arrays)),
-        lambda: ray.get(echo.put.remote(arrays)), reps)
-    read, get = _best_pair(lambda: ray.get(shard.read_blocks.remote(HandleBatch.of(handles))),
-                           lambda: ray.get(echo.get.remote(n)), reps)
-    out = ray.get(shard.read_blocks.remote(HandleBatch.of(handles)))
-    assert all(np.array_equal(a, b) for a, b in zip(out, arrays, strict=True)), "bytes differ"
-    extra: dict[str, float] = {}
-    if size < MiB and n > 2:  # every other block first, then the rest: no two adjacent
-        order = [*range(0, n, 2), *range(1, n, 2)]
-        scattered = [handles[i] for i in order]
-        read_s, get_s = _best_pair(
-            lambda: ray.get(shard.read_blocks.remote(HandleBatch.of(scattered))),
-            lambda: ray.get(echo.get.remote(n)), reps)
-        out = ray.get(shard.read_blocks.remote(HandleBatch.of(scattered)))
-        assert len(out.buffers) == n, "scattered blocks were coalesced"
-        assert all(np.array_equal(out[j], arrays[i]) for j, i in enumerate(order)), "differ"
-        extra = {"read_scattered_gbps": total / 1e9 / read_s,
-                 "numpy_get_scattered_gbps": total / 1e9 / get_s}
-    src = torch.from_numpy(np.concatenate(arrays))
-    dst = torch.empty_like(src)
-    copy = _best(lambda: dst.copy_(src), reps)
-    gb = total / 1e9
-    return {"write_gbps": gb / write, "read_gbps": gb / read, "numpy_put_gbps": gb / put,
-            "numpy_get_gbps": gb / get, "tensor_copy_gbps": gb / copy, **extra}
+def _check(b: _Bench, held: Any, arrays: list[np.ndarray], dests: list[np.ndarray]) -> None:
+    assert all(r is None for r in b.shared.read_into(held, dests, 120))
+    assert all(np.array_equal(a, d) for a, d in zip(arrays, dests, strict=True)), "bytes differ"
+    for link in (b.shared, b.ray):
+        out = link.submit("read_blocks", held).result(120)
+        assert all(np.array_equal(out[i], a) for i, a in enumerate(arrays)), "bytes differ"
 
 
 def run(quick: bool = False) -> dict[str, Any]:
     """Measure and return ``{"name", "quick", "figures", "baseline", "ratios"}``."""
-    import tempfile
-
     batch_bytes, reps = (16 * MiB, 3) if quick else (64 * MiB, 7)
     batch_blocks = {label: max(1, batch_bytes // size) for label, size in SIZES.items()}
     started = not ray.is_initialized()
@@ -156,47 +163,42 @@ def run(quick: bool = False) -> dict[str, Any]:
         init_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         with tempfile.TemporaryDirectory(prefix="hkv-bench-shard-") as tmp:
-            meta_actor, shard, handles = _setup(batch_blocks, tmp)
-            echo_cls: Any = ray.remote(num_cpus=0)(_NumpyActor)
-            echo = echo_cls.remote()
-            per = {label: _measure_size(label, size, batch_blocks[label], shard, echo,
-                                        handles[label], reps)
-                   for label, size in SIZES.items()}
-            overhead = {
-                "shard_us": 1e6 * _best(lambda: ray.get(shard.read_blocks.remote([])), 50),
-                "numpy_actor_us": 1e6 * _best(lambda: ray.get(echo.get.remote(0)), 50),
-            }
-            device = ray.get(shard.ping.remote())["device"]
-            for actor in (shard, echo, meta_actor):
-                ray.kill(actor, no_restart=True)
+            b = _Bench(3 * max(batch_blocks.values()), tmp)
+            try:
+                per = {label: _measure(b, label, size, batch_blocks[label], reps)
+                       for label, size in SIZES.items()}
+                per |= {f"one_{label}": _measure(b, label, size, 1, 4 * reps)
+                        for label, size in SIZES.items()}
+                overhead_us = 1e6 * best_of(lambda: b.ray.submit("read_blocks", []).result(60),
+                                            50)
+                info = ray.get(b.shard.ping.remote())
+                shared = b.shared.mapped is not None
+            finally:
+                b.close()
     finally:
         if started:
             ray.shutdown()
-    return _report(quick, per, overhead, batch_bytes, device)
+    return _report(quick, per, overhead_us, batch_bytes, info["device"], shared)
 
 
 def r3(x: float) -> float:
     return round(x, 3)
 
 
-def _report(quick: bool, per: dict[str, dict[str, float]], overhead: dict[str, float],
-            batch_bytes: int, device: str) -> dict[str, Any]:
+def _report(quick: bool, per: dict[str, dict[str, float]], overhead_us: float,
+            batch_bytes: int, device: str, shared: bool) -> dict[str, Any]:
     figures: dict[str, Any] = {"batch_bytes": batch_bytes, "device": device,
-                               "call_overhead_us": {"shard": r3(overhead["shard_us"])}}
-    baseline: dict[str, Any] = {"call_overhead_us": {"numpy_actor": r3(overhead["numpy_actor_us"])}}
+                               "shared_segment_mapped": shared,
+                               "ray_call_overhead_us": r3(overhead_us)}
+    baseline: dict[str, Any] = {}
     ratios: dict[str, float] = {}
     for label, m in per.items():
-        figures[label] = {"write_gbps": r3(m["write_gbps"]), "read_gbps": r3(m["read_gbps"])}
-        baseline[label] = {"numpy_actor_put_gbps": r3(m["numpy_put_gbps"]),
-                           "numpy_actor_get_gbps": r3(m["numpy_get_gbps"]),
-                           "tensor_copy_gbps": r3(m["tensor_copy_gbps"])}
-        ratios[f"read_vs_numpy_roundtrip_{label}"] = r3(m["read_gbps"] / m["numpy_get_gbps"])
-        ratios[f"write_vs_numpy_roundtrip_{label}"] = r3(m["write_gbps"] / m["numpy_put_gbps"])
-        if "read_scattered_gbps" in m:
-            figures[label]["read_scattered_gbps"] = r3(m["read_scattered_gbps"])
-            ratios[f"read_scattered_vs_numpy_roundtrip_{label}"] = r3(
-                m["read_scattered_gbps"] / m["numpy_get_scattered_gbps"])
-    ratios["read_vs_numpy_roundtrip"] = r3(min(v for k, v in ratios.items()
-                                               if k.startswith("read_")))
+        figures[label] = {f"{p}_gbps": r3(m[p]) for p in PATHS}
+        baseline[label] = {"memcpy_gbps": r3(m["memcpy"])}
+        for p in PATHS:
+            ratios[f"{p}_vs_memcpy_{label}"] = r3(m[p] / m["memcpy"])
+    ratios["min_from_1MiB_vs_memcpy"] = min(
+        v for k, v in ratios.items()
+        if not k.startswith("ray_") and not k.endswith("64KiB"))
     return {"name": "shard", "quick": quick, "figures": figures, "baseline": baseline,
             "ratios": ratios}

@@ -24,8 +24,10 @@ from workers.tags import BlockTag
 
 @pytest.fixture
 def shard(meta: LocalMetadata, tmp_path: Path) -> Any:
+    # private pools: how spans travel through Ray (a shared pool's are all packed: below)
     cfg = ShardConfig("s0", meta, str(tmp_path), blocks_per_group=16,
-                      disk_budget_bytes=8 << 20, heartbeat_interval_s=60.0, device="cpu")
+                      disk_budget_bytes=8 << 20, heartbeat_interval_s=60.0, device="cpu",
+                      shared_memory=False)
     actor = ShardActor(cfg)
     yield actor
     actor.shutdown()
@@ -128,3 +130,23 @@ def test_write_batch_reports_stale_and_unknown_items(meta: LocalMetadata, shard:
     assert [r.outcome for r in res] == [Outcome.STALE, Outcome.FAILED]
     with pytest.raises(ValueError):
         shard.write_blocks(HandleBatch.of(handles), arrays[:1])
+
+
+def test_a_shared_pools_read_hands_ray_no_view_of_the_pool(meta: LocalMetadata,
+                                                           tmp_path: Path, w: Any) -> None:
+    """Claims over the control socket run beside Ray's calls, so an answer must not be a
+    view a claim could write into before Ray copies it: every span is packed into the
+    shard's reused buffer, under the lock. (Mutation-checked: returning the large spans as
+    views fails here.)"""
+    cfg = ShardConfig("s0", meta, str(tmp_path), blocks_per_group=64,
+                      disk_budget_bytes=8 << 20, heartbeat_interval_s=60.0, device="cpu")
+    shard = ShardActor(cfg)
+    try:  # 40 adjacent c4 blocks: one span past PACK_BELOW, a view from a private pool
+        handles, arrays = write_prefix(shard, meta, w, 40, ["c4"])
+        assert 40 * handles[0].nbytes > shard_mod.PACK_BELOW
+        out = shard.read_blocks(HandleBatch.of(handles))
+        assert [bytes(out[i]) for i in range(len(handles))] == [bytes(a) for a in arrays]
+        pools = [p.tensor.numpy() for p in shard.pools.pools.values()]
+        assert not any(np.shares_memory(b, p) for b in out.buffers for p in pools)
+    finally:
+        shard.shutdown()

@@ -8,6 +8,8 @@ look at states.
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +29,7 @@ from workers.launcher import SystemConfig, place_shards, shard_actor_class
 from workers.local import LocalMetadata
 from workers.raylink import ray_links
 from workers.shard import ShardConfig
+from workers.shm import process_start, writer_alive
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -203,6 +206,9 @@ def test_killed_shard_objects_lost_and_lookup_downgrades(service: Any, endpoint:
         assert info["pid"] != first["pid"]
     else:  # ray.kill returns before the process is gone: a read racing it still got bytes
         _await_death(actor)
+        # Ray reports the actor dead ~50 ms before its process exits; a read through the
+        # shared segment meanwhile gets the objects' own bytes (checked, and never changed)
+        _await_exit(first["pid"])
     out = dp.read(match, hashes)  # fails cleanly as recompute, never old bytes
     assert isinstance(out, Recompute)
     # no restart: the dead shard is marked lost; restart: the shard came back empty, so the
@@ -223,6 +229,14 @@ def _await_death(actor: Any) -> None:
             pass
         time.sleep(0.1)
     raise AssertionError("killed shard still answers after 60 s")
+
+
+def _await_exit(pid: int) -> None:
+    """Until every thread of ``pid`` is gone (its main thread turns zombie earlier)."""
+    deadline = time.monotonic() + 60
+    while writer_alive((pid, process_start(pid) or 0)):
+        assert time.monotonic() < deadline, f"killed shard process {pid} still runs after 60 s"
+        time.sleep(0.02)
 
 
 def _await_restart(actor: Any, incarnation: int) -> dict[str, Any]:
@@ -252,7 +266,8 @@ def test_inflight_call_to_killed_shard_fails_within_deadline(service: Any, endpo
     sid = "victim-inflight"
     actor = _spare_shard(endpoint, tmp_path, sid, max_restarts=0)
     meta = LocalMetadata(service.state)
-    dp = DataPlane(meta, ray_links({sid: actor}), timeout_s=3.0)
+    # the link's deadline: a read through shared memory does not call the shard at all
+    dp = DataPlane(meta, ray_links({sid: actor}), timeout_s=3.0, shared_memory=False)
     hashes, _, match = write_and_lookup_on(dp, w, sid, seed=20)
     actor.__ray_call__.remote(lambda self: time.sleep(30))  # occupy the shard
     start = time.monotonic()
@@ -326,3 +341,29 @@ def meta_layout() -> Any:
     from hkv_service.core.layout import Layout
 
     return Layout(default_spec())
+
+
+def test_a_sigkilled_ray_shard_is_never_read_through_its_old_segment(
+        service: Any, endpoint: str, tmp_path: Path, w: Any) -> None:
+    """A real shard actor on this node: the worker writes and reads through its shared
+    segment (no read reaches the actor); SIGKILLed and restarted by Ray, the old match is a
+    recompute, and this worker no longer maps the dead shard's segment (the kernel frees it)."""
+    sid = "victim-shm"
+    actor = _spare_shard(endpoint, tmp_path, sid, max_restarts=1)
+    meta = LocalMetadata(service.state)
+    dp = DataPlane(meta, ray_links({sid: actor}), timeout_s=5.0)
+    hashes, _, match = write_and_lookup_on(dp, w, sid, seed=30)
+    assert not isinstance(dp.read(match, hashes, release=False), Recompute)
+    before = ray.get(actor.stats.remote())["counts"]
+    assert before.get("claims", 0) > 0 and before.get("reads", 0) == 0  # the bytes went by
+    old = dp.shards[sid].mapped  # type: ignore[attr-defined]
+    assert old is not None
+    first = ray.get(actor.ping.remote())
+    os.kill(first["pid"], signal.SIGKILL)
+    _await_exit(first["pid"])
+    out = dp.read(match, hashes)
+    assert isinstance(out, Recompute), "a dead shard's segment was read"
+    with open("/proc/self/maps") as f:
+        assert not any(str(old.inode) in line.split() for line in f if "hkv-pool" in line)
+    _await_restart(actor, first["incarnation"])
+    ray.kill(actor, no_restart=True)

@@ -213,18 +213,25 @@ def test_a_failed_shard_write_commits_neither_the_block_nor_its_indexers(
     kv = min(s for s in blocks if s[0] >= 4 and
              lay.columns[lay.by_name[s[1]]].kind is Kind.COMPRESSED)
     link = system.links["shard-0"]
-    real = link.shard.write_blocks
+    real, real_finish = link.shard.write_blocks, link.shard.finish_blocks
 
-    def write_blocks(handles: Any, arrays: Any, tags: Any = None, commits: Any = None,
-                     report: bool = True) -> Any:
-        out = real(handles, arrays, tags, commits, report)
+    def failed(handles: Any, tags: Any, out: Any) -> Any:
         for i, t in enumerate(tags or []):  # the KV's copy failed on its shard
             if t is not None and (t.depth, handles[i].group) == kv:
                 link.shard.pools[kv[1]].forget(handles[i].block, handles[i].object_id)
                 out[i] = ItemResult(Outcome.FAILED, "the copy failed")
         return out
 
+    def write_blocks(handles: Any, arrays: Any, tags: Any = None, commits: Any = None,
+                     report: bool = True) -> Any:
+        return failed(handles, tags, real(handles, arrays, tags, commits, report))
+
+    def finish_blocks(handles: Any, writer: Any, tags: Any = None, commits: Any = None,
+                      report: bool = True) -> Any:  # the same write through shared memory
+        return failed(handles, tags, real_finish(handles, writer, tags, commits, report))
+
     link.shard.write_blocks = write_blocks  # type: ignore[method-assign]
+    link.shard.finish_blocks = finish_blocks  # type: ignore[method-assign]
     report = plane.write_prefix(hashes, blocks, tails, owner=ShardId("shard-0"))
     assert report.failed[kv].detail == "the copy failed"
     for (d, col), why in report.failed.items():

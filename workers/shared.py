@@ -1,0 +1,394 @@
+"""A worker's side of a shard's shared-memory pools (:mod:`workers.shm`): bytes copied once.
+
+:class:`Mapped` is one shard's segment mapped in this process (the meta region read-only, the
+data region read-write). :class:`SharedLink` wraps a :class:`~workers.link.ShardLink` and takes
+the data plane's ``read_blocks`` and ``write_blocks`` calls on itself when the shard's segment
+can be mapped here (same node, same pid namespace, host pools); every other call, and any
+shard it cannot map, goes through the wrapped link as before.
+
+Read (no call to the shard at all; a seqlock over the shard's own meta arrays)::
+
+    s0 = seq[b]; (s0 even, generation, object) checked    the shard's read check
+    copy length[b] bytes out of the segment
+    seq[b] == s0, generation and object still the same   else the copy is discarded
+    items that fail either check are asked of the shard (it gives the verdict: STALE ...)
+
+A write bumps ``seq`` before it changes a byte and after (``BlockPool.write``/``claim``/
+``finish``), so an unchanged ``seq`` means no byte changed during the copy. The loads of the
+copy and of the second ``seq`` are ordered on x86-64 (TSO) without a fence; Python has no fence
+to offer elsewhere, so other machines keep the Ray path (:data:`ORDERED`).
+
+Write (the bytes never go through Ray)::
+
+    claim_blocks(handles, sizes, writer)   the shard's write checks; the blocks are this
+                                           process's to fill (no one else's while it lives)
+    copy each array into its block
+    finish_blocks(...)                     readable; then as write_blocks (commits, tags)
+
+A shard that died (its pid's ``pidfd`` is readable) or shut down (the segment's alive word is
+0) is let go before the next copy: a worker never reads a replaced shard's segment. The mapping
+is dropped then, so the kernel frees a killed shard's memory once its workers noticed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import platform
+import select
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from .control import ControlClient
+from .link import Pending, ShardLink, ShardUnavailable
+from .pool import HandleBatch, _as_bytes
+from .ports import ItemResult, Outcome, PackedRead
+from .shm import ALIVE_AT, MAGIC, NONCE_AT, SegmentInfo, meta_arrays, this_writer
+
+__all__ = ["ORDERED", "Mapped", "NotShared", "SharedLink", "shared_links"]
+
+log = logging.getLogger(__name__)
+
+ORDERED = platform.machine() in ("x86_64", "AMD64")  # loads not reordered with loads (TSO)
+ARENA_BYTES = 256 << 20  # read buffers kept for reuse per shard (_Arena)
+RETRY_ATTACH_S = 1.0  # a shard whose segment could not be mapped is asked again after this
+_EMPTY = -1
+
+
+class NotShared(Exception):
+    """The shard's segment cannot be mapped here (another node or pid namespace, dead)."""
+
+
+class _Region:
+    __slots__ = ("data", "generation", "length", "num_blocks", "object_id", "seq", "stride")
+
+    def __init__(self, meta: dict[str, np.ndarray], data: np.ndarray, stride: int) -> None:
+        self.seq, self.generation = meta["seq"], meta["generation"]
+        self.object_id, self.length = meta["object_id"], meta["length"]
+        self.data, self.stride, self.num_blocks = data, stride, len(self.seq)
+
+
+class Mapped:
+    """One shard's segment, mapped in this process."""
+
+    def __init__(self, info: SegmentInfo) -> None:
+        self.info = info
+        try:
+            self.pidfd = os.pidfd_open(info.pid)  # before the open: see alive()
+        except OSError as exc:
+            raise NotShared(f"no process {info.pid} here: {exc}") from None
+        try:
+            fd = os.open(f"/proc/{info.pid}/fd/{info.fd}", os.O_RDWR)
+        except OSError as exc:
+            os.close(self.pidfd)
+            raise NotShared(f"cannot open the segment of process {info.pid}: {exc}") from None
+        try:
+            self._meta = mmap.mmap(fd, info.meta_bytes, flags=mmap.MAP_SHARED,
+                                   prot=mmap.PROT_READ)
+            if self._meta[:8] != MAGIC or self._meta[NONCE_AT : NONCE_AT + 16] != info.nonce:
+                self._meta.close()  # another process's file under that pid and fd
+                raise NotShared(f"process {info.pid}'s fd {info.fd} is not this shard's segment")
+            # populated: one pass now instead of a page fault per 4 KiB on each page's first
+            # copy (which costs more than the copy); the pages exist already (the shard's)
+            self._data = mmap.mmap(fd, info.size - info.meta_bytes, offset=info.meta_bytes,
+                                   flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+            self.inode = os.fstat(fd).st_ino  # (what /proc/<pid>/maps names the mapping by)
+        except BaseException:
+            os.close(self.pidfd)
+            raise
+        finally:
+            os.close(fd)
+        self._alive = np.frombuffer(self._meta, np.int64, 1, ALIVE_AT)
+        self.pools = {r.name: _Region(meta_arrays(self._meta, r), np.frombuffer(
+            self._data, np.uint8, r.num_blocks * r.stride, r.data_offset).reshape(
+                r.num_blocks, r.stride), r.stride) for r in info.pools}
+
+    def alive(self) -> bool:
+        """The shard process that made the segment still runs and has not shut it down.
+        (The pidfd was opened before the segment and the nonce matched: it is that process.)"""
+        if self.pidfd < 0 or not self._alive[0]:
+            return False
+        return not select.select([self.pidfd], [], [], 0)[0]  # readable once it exited
+
+    def close(self) -> None:
+        """Let go of the segment (its memory is freed once no one maps it)."""
+        if self.pidfd < 0:
+            return
+        os.close(self.pidfd)
+        self.pidfd = -1
+        self.pools = {}
+        self._alive = np.zeros(1, np.int64)
+        for m in (self._meta, self._data):
+            with contextlib.suppress(BufferError):  # a view still held: freed with it
+                m.close()
+
+    # -- the copies -------------------------------------------------------------------------
+
+    def read(self, batch: HandleBatch, dest: Callable[[int, int], np.ndarray | None]
+             ) -> np.ndarray:
+        """Copy each readable item's bytes into ``dest(i, nbytes)`` (None: skip the item);
+        returns one bool per item, True where the copy is the object's bytes (see the module
+        docstring). False items were not (wholly) copied: ask the shard."""
+        ok = np.zeros(len(batch), dtype=bool)
+        if not self.alive():
+            return ok
+        slots, blocks = batch.slot_of(), batch.field("block")
+        gens, oids = batch.field("generation"), batch.field("object_id")
+        for s, col in enumerate(batch.columns):
+            r = self.pools.get(col[3])
+            if r is None:
+                continue
+            idx = np.flatnonzero(slots == s) if len(batch.columns) > 1 else np.arange(len(batch))
+            idx = idx[(blocks[idx] >= 0) & (blocks[idx] < r.num_blocks)]
+            b = blocks[idx]
+            s0 = r.seq[b]  # (fancy indexing: a copy, taken before the bytes)
+            good = ((s0 & 1) == 0) & (r.generation[b] == gens[idx]) & (
+                r.object_id[b] == oids[idx]) & (oids[idx] != _EMPTY)
+            for i, blk, n in zip(idx[good].tolist(), b[good].tolist(),
+                                 r.length[b[good]].tolist(), strict=True):
+                out = dest(i, n)
+                if out is not None:
+                    np.copyto(out, r.data[blk, :n])
+                    ok[i] = True
+            ok[idx] &= (r.seq[b] == s0) & (r.generation[b] == gens[idx]) & (
+                r.object_id[b] == oids[idx])
+        return ok
+
+    def write(self, batch: HandleBatch, arrays: Sequence[Any], which: Sequence[int]) -> None:
+        """Copy ``arrays[i]`` into the block of item ``i`` (claimed for this process) for each
+        ``i`` in ``which``. Raises NotShared if the shard is gone."""
+        if not self.alive():
+            raise NotShared("the shard's segment is gone")
+        for i in which:
+            slot, _, _, block, _ = batch.rows[i].tolist()
+            r = self.pools[batch.columns[slot][3]]
+            src = _as_bytes(arrays[i])
+            np.copyto(r.data[block, : src.size], src)
+
+
+class _Done:
+    """A call answered without the shard (or in part by it: ``rest``)."""
+
+    def __init__(self, fn: Callable[[float], Any]) -> None:
+        self.fn = fn
+
+    def result(self, timeout_s: float) -> Any:
+        return self.fn(timeout_s)
+
+
+class SharedLink:
+    """A :class:`~workers.link.ShardLink` that copies the data plane's bytes through the
+    shard's shared segment when it can, and through ``link`` otherwise."""
+
+    def __init__(self, link: ShardLink) -> None:
+        self.link = link
+        self.shard_id = link.shard_id
+        self.mapped: Mapped | None = None
+        self.control: ControlClient | None = None  # the shard's claim socket, if reachable
+        self._next_try = 0.0
+        self._attach_lock = threading.Lock()  # one mapping per link, whatever the threads
+        self.writer = this_writer()
+        self._arena = _Arena()
+
+    def __getattr__(self, name: str) -> Any:  # kill, revive, alive ... of the wrapped link
+        return getattr(self.link, name)
+
+    def submit(self, method: str, *args: Any, **kwargs: Any) -> Pending:
+        if method == "read_blocks" and len(args) == 1 and not kwargs:
+            m = self._attached()
+            if m is not None:
+                return self._read(m, HandleBatch.of(args[0]))
+        if method == "write_blocks" and len(args) == 1 and "arrays" in kwargs and \
+                set(kwargs) <= {"arrays", "tags", "commits", "report"}:
+            m = self._attached()
+            if m is not None:
+                return self._write(m, HandleBatch.of(args[0]), **kwargs)
+        return self.link.submit(method, *args, **kwargs)
+
+    def close_mapping(self) -> None:
+        if self.mapped is not None:
+            self.mapped.close()
+            self.mapped = None
+        if self.control is not None:
+            self.control.close()
+            self.control = None
+
+    def _claim_call(self, method: str, *args: Any, **kwargs: Any) -> Pending:
+        """``method`` (claim, finish, release) over the shard's control socket when connected
+        (tens of microseconds), else through the link (a Ray call)."""
+        control = self.control
+        if control is None:
+            return self.link.submit(method, *args, **kwargs)
+
+        def call(timeout_s: float) -> Any:
+            try:
+                return control.call(method, *args, timeout_s=timeout_s, **kwargs)
+            except ShardUnavailable:
+                self.control = None  # gone or out of step: Ray from now on (or re-attach)
+                raise
+        return _Done(call)
+
+    def _attached(self) -> Mapped | None:
+        """The shard's segment, mapped (again) if need be; None: use the link."""
+        with self._attach_lock:
+            return self._attach()
+
+    def _attach(self) -> Mapped | None:
+        if self.mapped is not None and not self.mapped.alive():
+            self.close_mapping()  # dead or replaced: never read it again
+            self._next_try = 0.0
+        if self.mapped is not None or not ORDERED or time.monotonic() < self._next_try:
+            return self.mapped
+        self._next_try = time.monotonic() + RETRY_ATTACH_S
+        try:
+            info = self.link.submit("shared_pool").result(10.0)
+            if info is not None:
+                self.mapped = Mapped(info)
+                if info.control:
+                    try:
+                        self.control = ControlClient(self.shard_id, info.control)
+                    except OSError as exc:  # another network namespace: claims through Ray
+                        log.info("shard %s: claims through the link (%s)", self.shard_id, exc)
+        except NotShared as exc:
+            log.info("shard %s: bytes through the link (%s)", self.shard_id, exc)
+        except Exception as exc:  # the shard is down: the data plane's call finds out
+            log.debug("shard %s: no shared pool now: %s", self.shard_id, exc)
+        return self.mapped
+
+    # -- read -------------------------------------------------------------------------------
+
+    def read_into(self, handles: Sequence[Any], dests: Sequence[np.ndarray],
+                  timeout_s: float) -> list[ItemResult | None]:
+        """Copy each handle's bytes into ``dests[i]`` (a writable uint8 array of exactly the
+        object's size: a staging buffer, a KV cache page): None where that was done, else
+        the item's result (STALE ...). Through the segment when mapped (one copy, no call to
+        the shard); what it cannot serve, through the link's ``read_blocks``."""
+        batch = HandleBatch.of(handles)
+        done = np.zeros(len(batch), dtype=bool)
+        m = self._attached()
+        if m is not None:
+            done = m.read(batch, lambda i, n: dests[i] if dests[i].nbytes == n else None)
+        out: list[ItemResult | None] = [None] * len(batch)
+        rest = np.flatnonzero(~done).tolist()
+        if rest:
+            got = self.link.submit("read_blocks", batch.take(rest)).result(timeout_s)
+            for j, i in enumerate(rest):
+                item = got[j]
+                if isinstance(item, ItemResult):
+                    out[i] = item
+                elif item.nbytes != dests[i].nbytes:
+                    out[i] = ItemResult(Outcome.FAILED, f"{item.nbytes} bytes for a "
+                                                        f"{dests[i].nbytes}-byte buffer")
+                else:
+                    np.copyto(dests[i], item)
+        return out
+
+    def _read(self, m: Mapped, batch: HandleBatch) -> Pending:
+        out: list[np.ndarray | ItemResult] = [ItemResult(Outcome.FAILED, "not read")] * len(batch)
+        sizes = [batch.columns[s][4] for s in batch.slot_of().tolist()]  # (each at most)
+        at = np.cumsum([0, *sizes]).tolist()
+        buf = self._arena.take(at[-1])
+
+        def dest(i: int, n: int) -> np.ndarray:
+            arr = buf[at[i] : at[i] + n]
+            out[i] = arr
+            return arr
+
+        ok = m.read(batch, dest)
+        rest = np.flatnonzero(~ok)
+        if not len(rest):
+            return _Done(lambda _t: _as_packed(out))
+        pending = self.link.submit("read_blocks", batch.take(rest.tolist()))
+
+        def finish(timeout_s: float) -> PackedRead:
+            got = pending.result(timeout_s)
+            for j, i in enumerate(rest.tolist()):
+                out[i] = got[j]
+            return _as_packed(out)
+        return _Done(finish)
+
+    # -- write ------------------------------------------------------------------------------
+
+    def _write(self, m: Mapped, batch: HandleBatch, arrays: Sequence[Any],
+               tags: Sequence[Any] | None = None, commits: Sequence[Any] | None = None,
+               report: bool = True) -> Pending:
+        sizes = [_as_bytes(a).size for a in arrays]
+        claimed = self._claim_call("claim_blocks", batch, sizes, self.writer, tags=tags,
+                                   commits=commits)
+
+        def finish(timeout_s: float) -> list[ItemResult]:
+            claims: list[ItemResult] | None = claimed.result(timeout_s)
+            if claims is None:  # the shard cannot take this process's copies: the link's way
+                plain: list[ItemResult] = self.link.submit(
+                    "write_blocks", batch, arrays=arrays, tags=tags, commits=commits,
+                    report=report).result(timeout_s)
+                return plain
+            mine = [i for i, r in enumerate(claims) if r.ok]
+            if not mine:
+                return claims
+            try:
+                m.write(batch, arrays, mine)
+            except NotShared:
+                raise ShardUnavailable(self.shard_id, "the shard's segment went away during "
+                                       "a write") from None
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    self._claim_call("release_blocks", batch.take(mine),
+                                     self.writer).result(timeout_s)
+                raise
+            def sub(xs: Sequence[Any] | None) -> list[Any] | None:
+                return None if xs is None else [xs[i] for i in mine]
+            done = self._claim_call("finish_blocks", batch.take(mine), self.writer,
+                                    tags=sub(tags), commits=sub(commits),
+                                    report=report).result(timeout_s)
+            for j, i in enumerate(mine):
+                claims[i] = done[j]
+            return claims
+        return _Done(finish)
+
+
+class _Arena:
+    """The buffers ``read_blocks`` answers in, reused once the caller let go of every array
+    cut from one (its only reference is then this list's): a fresh buffer costs a page fault
+    per 4 KiB on its first pass, which weighs more than the copy itself. At most
+    :data:`ARENA_BYTES` are kept."""
+
+    def __init__(self) -> None:
+        self._bufs: list[np.ndarray] = []
+        self._lock = threading.Lock()  # two readers never take the same free buffer
+
+    def take(self, nbytes: int) -> np.ndarray:
+        with self._lock:
+            for i in range(len(self._bufs)):
+                if self._bufs[i].nbytes >= nbytes and sys.getrefcount(self._bufs[i]) == 2:
+                    return self._bufs[i][:nbytes]  # no view of it is left anywhere
+            buf = np.empty(nbytes, dtype=np.uint8)
+            if sum(b.nbytes for b in self._bufs) + nbytes <= ARENA_BYTES:
+                self._bufs.append(buf)
+            return buf
+
+
+def _as_packed(items: list[np.ndarray | ItemResult]) -> PackedRead:
+    """``items`` as the :class:`PackedRead` a shard's ``read_blocks`` answers with."""
+    buffers: list[np.ndarray] = []
+    spans: list[tuple[int, int, int] | ItemResult] = []
+    for it in items:
+        if isinstance(it, ItemResult):
+            spans.append(it)
+        else:
+            spans.append((len(buffers), 0, len(it)))
+            buffers.append(np.asarray(it))
+    return PackedRead(buffers, spans)
+
+
+def shared_links(links: dict[str, ShardLink]) -> dict[str, ShardLink]:
+    """Each link wrapped in a :class:`SharedLink` (once)."""
+    return {sid: link if isinstance(link, SharedLink) else SharedLink(link)
+            for sid, link in links.items()}
