@@ -47,7 +47,7 @@ from hkv_service.core.port import MetadataPort
 from hkv_service.core.states import Event, Kind, Reason, State
 
 from .commits import commit_many
-from .link import Pending, ShardLink, ShardUnavailable
+from .link import Deferred, Pending, ShardLink, ShardUnavailable
 from .partitioned import range_blocks_of
 from .pool import HandleBatch
 from .ports import Commit, ItemResult, Outcome, commit_bytes, payload_bytes
@@ -173,7 +173,7 @@ class DataPlane:
                     np.copyto(dest, res)
                     results.append(None)
         else:
-            answer = self._get(sid, _Call(lambda t: link.read_into(handles, dests, t)), handles)
+            answer = self._get(sid, Deferred(lambda t: link.read_into(handles, dests, t)), handles)
             results = answer if answer is not None else [
                 ItemResult(Outcome.UNAVAILABLE, f"shard {sid} died or timed out: recompute")]
         for res in results:
@@ -545,16 +545,6 @@ class DataPlane:
         except Exception as exc:
             log.debug("ignored: %s", exc)
             return None
-
-
-class _Call:
-    """A call made when its result is asked for (``Pending``)."""
-
-    def __init__(self, fn: Callable[[float], Any]) -> None:
-        self.fn = fn
-
-    def result(self, timeout_s: float) -> Any:
-        return self.fn(timeout_s)
 
 
 class PendingLoad:

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import pickle
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["InProcessLink", "Pending", "ShardLink", "ShardUnavailable"]
+__all__ = ["Deferred", "InProcessLink", "Pending", "ShardLink", "ShardUnavailable"]
 
 
 class ShardUnavailable(Exception):
@@ -41,6 +42,17 @@ class ShardUnavailable(Exception):
 
 class Pending(Protocol):
     def result(self, timeout_s: float) -> Any: ...
+
+
+class Deferred:
+    """A :class:`Pending` whose answer is computed when it is asked for (a call answered
+    without the shard, or made only once its result is wanted)."""
+
+    def __init__(self, fn: Callable[[float], Any]) -> None:
+        self.fn = fn
+
+    def result(self, timeout_s: float) -> Any:
+        return self.fn(timeout_s)
 
 
 @runtime_checkable

@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from .control import ControlClient
-from .link import Pending, ShardLink, ShardUnavailable
+from .link import Deferred, Pending, ShardLink, ShardUnavailable
 from .pool import HandleBatch, _as_bytes
 from .ports import ItemResult, Outcome, PackedRead
 from .shm import ALIVE_AT, MAGIC, NONCE_AT, SegmentInfo, meta_arrays, this_writer
@@ -173,16 +173,6 @@ class Mapped:
             np.copyto(r.data[block, : src.size], src)
 
 
-class _Done:
-    """A call answered without the shard (or in part by it: ``rest``)."""
-
-    def __init__(self, fn: Callable[[float], Any]) -> None:
-        self.fn = fn
-
-    def result(self, timeout_s: float) -> Any:
-        return self.fn(timeout_s)
-
-
 class SharedLink:
     """A :class:`~workers.link.ShardLink` that copies the data plane's bytes through the
     shard's shared segment when it can, and through ``link`` otherwise."""
@@ -233,7 +223,7 @@ class SharedLink:
             except ShardUnavailable:
                 self.control = None  # gone or out of step: Ray from now on (or re-attach)
                 raise
-        return _Done(call)
+        return Deferred(call)
 
     def _attached(self) -> Mapped | None:
         """The shard's segment, mapped (again) if need be; None: use the link."""
@@ -304,7 +294,7 @@ class SharedLink:
         ok = m.read(batch, dest)
         rest = np.flatnonzero(~ok)
         if not len(rest):
-            return _Done(lambda _t: _as_packed(out))
+            return Deferred(lambda _t: _as_packed(out))
         pending = self.link.submit("read_blocks", batch.take(rest.tolist()))
 
         def finish(timeout_s: float) -> PackedRead:
@@ -312,7 +302,7 @@ class SharedLink:
             for j, i in enumerate(rest.tolist()):
                 out[i] = got[j]
             return _as_packed(out)
-        return _Done(finish)
+        return Deferred(finish)
 
     # -- write ------------------------------------------------------------------------------
 
@@ -351,7 +341,7 @@ class SharedLink:
             for j, i in enumerate(mine):
                 claims[i] = done[j]
             return claims
-        return _Done(finish)
+        return Deferred(finish)
 
 
 class _Arena:

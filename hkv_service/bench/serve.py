@@ -78,7 +78,7 @@ REPO = Path(__file__).resolve().parents[2]
 TARGET_TTFT_P50 = 0.5  # hkv / alone on shared_prefix, at most
 TARGET_NO_REUSE_RPS = 0.97  # hkv / alone on no_reuse, at least
 
-# The tiny hybrid Llama of tests/connectors/vllm_harness.py (TINY): same shapes, same seed.
+# The tiny hybrid Llama the connector tests and this bench run (tests/connectors import it).
 TINY: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
     "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,

@@ -175,7 +175,7 @@ def _first_token(llm: Any, tokens: list[int]) -> tuple[float, int, dict[int, flo
                                           for t, lp in comp.logprobs[0].items()}
 
 
-def _reset(llm: Any, worker: Any = None) -> None:
+def reset_prefix_cache(llm: Any, worker: Any = None) -> None:
     """vLLM's prefix cache dropped once hkv's saves in flight landed (they run off the step;
     the next request would race them) and vLLM took back blocks it held for them (it learns
     that in a step: one is run if none is due)."""
@@ -289,7 +289,7 @@ def _run(quick: bool, work: Path, model_name: str) -> dict[str, Any]:
     recompute: list[float] = []
     ref_token, ref_lps = 0, dict[int, float]()
     for _ in range(runs):
-        _reset(alone)
+        reset_prefix_cache(alone)
         took, ref_token, ref_lps = _first_token(alone, hit_prompt)
         recompute.append(took)
     _shutdown(alone)
@@ -309,7 +309,7 @@ def _run(quick: bool, work: Path, model_name: str) -> dict[str, Any]:
         hooks.wrap(llm.llm_engine.engine_core.engine_core.model_executor, ("execute_model",))
         side = worker.worker
         _first_token(llm, warm)  # warm-up miss: saved to hkv
-        _reset(llm, side)
+        reset_prefix_cache(llm, side)
         _first_token(llm, warm)  # warm-up hit: the load path's first use
         hooks.take()
 
@@ -318,7 +318,7 @@ def _run(quick: bool, work: Path, model_name: str) -> dict[str, Any]:
         staged: list[float] = []
         for k in range(runs + 1):  # the last one leaves hit_prompt in hkv
             tokens = hit_prompt if k == runs else _prompt(prompt_tokens, 100 + k, vocab)
-            _reset(llm, side)
+            reset_prefix_cache(llm, side)
             before = dict(side.stats.total)
             took, _tok, _lps = _first_token(llm, tokens)
             miss_s.append(took)
@@ -333,7 +333,7 @@ def _run(quick: bool, work: Path, model_name: str) -> dict[str, Any]:
         states: list[float] = []
         hit_token, hit_lps = 0, dict[int, float]()
         for _ in range(runs):
-            _reset(llm, side)
+            reset_prefix_cache(llm, side)
             total = worker.worker.stats.total
             before, before_states = total["loaded_tokens"], total["loaded_states"]
             took, hit_token, hit_lps = _first_token(llm, hit_prompt)

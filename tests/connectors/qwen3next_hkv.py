@@ -68,20 +68,13 @@ def run(llm: Any, tokens: list[int], n: int = 16) -> dict[str, Any]:
 
 
 def reset(llm: Any) -> None:
-    """vLLM's prefix cache dropped, once hkv's saves in flight landed (they run off the step:
-    a request that follows would otherwise race them) and vLLM took back the blocks it held
-    for them (it learns that in a step: one is run if none is due)."""
+    """vLLM's prefix cache dropped once hkv's saves in flight landed (the bench's rule)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
-    if has_kv_transfer_group():
-        connector: Any = get_kv_transfer_group()
-        assert connector.worker.drain(30.0), "hkv saves still in flight after 30 s"
-    for _ in range(50):
-        if llm.reset_prefix_cache():
-            return
-        llm.llm_engine.step()
-        time.sleep(0.1)
-    raise RuntimeError("vLLM would not reset its prefix cache")
+    from hkv_service.bench.vllm import reset_prefix_cache
+
+    worker = get_kv_transfer_group().worker if has_kv_transfer_group() else None
+    reset_prefix_cache(llm, worker)
 
 
 def shutdown(llm: Any) -> None:

@@ -52,20 +52,12 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
 
+from hkv_service.bench.serve import TINY  # the tiny hybrid Llama: one home
 from hkv_service.connectors import systems
 from hkv_service.connectors.vllm import HkvConnector, HkvConnectorMetadata, engine_geometry
 from hkv_service.core.layout import Layout
 from workers.inprocess import InProcessConfig, InProcessSystem
 
-TINY = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
-    "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "head_dim": 32, "num_hidden_layers": 4, "vocab_size": 512,
-    "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-    "torch_dtype": "float32", "sliding_window": 128, "tie_word_embeddings": False,
-    "layer_types": ["sliding_attention", "full_attention"] * 2,
-    "bos_token_id": 1, "eos_token_id": 2, "initializer_range": 0.1,
-}
 LAYER = "model.layers.{}.self_attn.attn"
 F32 = torch.float32
 ROOT = Path(__file__).resolve().parents[2]
