@@ -41,9 +41,11 @@ currently only supported on CUDA-alike and XPU GPUs", docs/vllm-recurrent-state.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import http.client
 import itertools
 import json
+import math
 import os
 import queue
 import random
@@ -77,6 +79,9 @@ NATIVE_OFFLOAD = ("not run: vLLM's OffloadingConnector dies at engine start on v
 REPO = Path(__file__).resolve().parents[2]
 TARGET_TTFT_P50 = 0.5  # hkv / alone on shared_prefix, at most
 TARGET_NO_REUSE_RPS = 0.97  # hkv / alone on no_reuse, at least
+# fp32 logits move by ~1e-5 between chunkings of the same prefill; 100x that is a near-tie
+NEAR_TIE = 1e-3
+NEAR_TIE_CAUSE, NOT_NEAR_TIE, EARLIER_TURN = "near_tie", "not_near_tie", "earlier_turn_differed"
 
 # The tiny hybrid Llama the connector tests and this bench run (tests/connectors import it).
 TINY: dict[str, Any] = {
@@ -353,13 +358,16 @@ class Result:
     ttft_s: float
     e2e_s: float
     output: list[int]
+    # per output token: its top-1 minus top-2 logprob (how near a tie greedy decoding was)
+    margins: list[float] = field(default_factory=list)
+    prompt_digest: str = ""
 
 
 def complete(port: int, prompt: list[int], max_tokens: int, key: str) -> Result:
     """One streamed completion of token ids; TTFT is send to the first streamed token."""
     body = json.dumps({"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens,
                        "temperature": 0.0, "ignore_eos": True, "stream": True,
-                       "return_token_ids": True}).encode()
+                       "return_token_ids": True, "logprobs": 2}).encode()
     start = time.perf_counter()
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600.0)
     try:
@@ -369,6 +377,7 @@ def complete(port: int, prompt: list[int], max_tokens: int, key: str) -> Result:
             raise RuntimeError(f"completion {key}: HTTP {resp.status}: {resp.read()[:500]!r}")
         ttft: float | None = None
         out: list[int] = []
+        margins: list[float] = []
         for raw in resp:
             line = raw.strip()
             if not line.startswith(b"data:"):
@@ -381,11 +390,23 @@ def complete(port: int, prompt: list[int], max_tokens: int, key: str) -> Result:
                 if ids and ttft is None:
                     ttft = time.perf_counter() - start
                 out += [int(t) for t in ids]
+                margins += _margins(choice.get("logprobs"))
     finally:
         conn.close()
     if ttft is None or len(out) != max_tokens:
         raise RuntimeError(f"completion {key}: {len(out)} tokens streamed, not {max_tokens}")
-    return Result(key, len(prompt), ttft, time.perf_counter() - start, out)
+    digest = hashlib.blake2b(json.dumps(prompt).encode(), digest_size=8).hexdigest()
+    return Result(key, len(prompt), ttft, time.perf_counter() - start, out, margins, digest)
+
+
+def _margins(logprobs: dict[str, Any] | None) -> list[float]:
+    """Top-1 minus top-2 logprob per token of one streamed chunk (the completions API's
+    ``top_logprobs``: one dict of token -> logprob per token)."""
+    out = []
+    for top in (logprobs or {}).get("top_logprobs") or []:
+        ranked = sorted((v for v in (top or {}).values() if v is not None), reverse=True)
+        out.append(ranked[0] - ranked[1] if len(ranked) > 1 else math.inf)
+    return out
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
@@ -493,12 +514,45 @@ def summarize(results: list[Result], wall_s: float, before: list[dict[str, float
         "hkv_hit_tokens": int(delta["vllm:external_prefix_cache_hits_total"]),
         "local_prefix_share": round(delta["vllm:prefix_cache_hits_total"] / prompt, 4),
         "hkv_share": round(delta["vllm:external_prefix_cache_hits_total"] / prompt, 4),
+        # the nearest tie greedy decoding met (see compare_outputs); None: no logprobs came
+        "min_top2_margin": _finite(min((m for r in results for m in r.margins),
+                                       default=math.inf)),
     }
 
 
 def _first_diff(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
                 min(len(a), len(b)))
+
+
+def compare_outputs(alone: dict[str, Result], hkv: dict[str, Result]) -> dict[str, Any]:
+    """Every request whose output with hkv differs from vLLM alone, with why it may.
+
+    Greedy decoding flips where the top two logprobs are within float noise of each other:
+    KV reused from another engine's batch is computed in other chunks and batches, so its
+    last bits differ from a fresh prefill's (vLLM's own prefix cache does the same). A
+    difference at a token whose top-2 margin is >= ``NEAR_TIE`` in both runs has no such
+    excuse (``NOT_NEAR_TIE``: a wrong-bytes suspect). A later turn whose prompt holds an
+    earlier answer that differed is not comparable (``EARLIER_TURN``)."""
+    out: dict[str, Any] = {}
+    for key, got in hkv.items():
+        ref = alone.get(key)
+        if ref is None or ref.output == got.output:
+            continue
+        if ref.prompt_digest != got.prompt_digest:
+            out[key] = {"cause": EARLIER_TURN}
+            continue
+        i = _first_diff(ref.output, got.output)
+        margin = [r.margins[i] if i < len(r.margins) else math.inf for r in (ref, got)]
+        near = max(margin) < NEAR_TIE
+        out[key] = {"first_token": i, "margin_alone": _finite(margin[0]),
+                    "margin_hkv": _finite(margin[1]),
+                    "cause": NEAR_TIE_CAUSE if near else NOT_NEAR_TIE}
+    return out
+
+
+def _finite(x: float) -> float | None:
+    return round(x, 7) if math.isfinite(x) else None  # JSON has no infinity
 
 
 def _ratio(a: float, b: float) -> float | None:
@@ -511,12 +565,12 @@ def _load() -> list[float]:
 
 # --- the run --------------------------------------------------------------------------------
 
-def _run_pair(engines: list[Engine], w: Workload) -> tuple[dict[str, Any], dict[str, list[int]]]:
+def _run_pair(engines: list[Engine], w: Workload) -> tuple[dict[str, Any], dict[str, Result]]:
     ports = [e.port for e in engines]
     for i, e in enumerate(engines):  # an engine's first request pays one-time costs
         complete(e.port, _tokens(random.Random(f"warm-{i}"), 64), 2, f"warm{i}")
     out: dict[str, Any] = {}
-    outputs: dict[str, list[int]] = {}
+    outputs: dict[str, Result] = {}
     for name, drive in (("shared_prefix", shared_prefix), ("no_reuse", no_reuse)):
         before = [e.metrics() for e in engines]
         logs = [e.log_size() for e in engines]
@@ -531,7 +585,7 @@ def _run_pair(engines: list[Engine], w: Workload) -> tuple[dict[str, Any], dict[
                 stats[k] = stats.get(k, 0.0) + v
         if stats:  # the hkv connector's own counters over this workload, both engines
             out[name]["connector"] = {k: round(v, 4) for k, v in sorted(stats.items())}
-        outputs.update({f"{name}/{r.key}": r.output for r in results})
+        outputs.update({f"{name}/{r.key}": r for r in results})
     out["engine_kv_tokens"] = [e.kv_tokens() for e in engines]
     return out, outputs
 
@@ -610,8 +664,8 @@ def _bench(python: str, quick: bool, work: Path) -> dict[str, Any]:
     finally:
         procs.stop_all()
 
-    same = sum(alone_out.get(k) == v for k, v in hkv_out.items())
-    differing = sorted(k for k, v in hkv_out.items() if alone_out.get(k) != v)
+    differing = compare_outputs(alone_out, hkv_out)
+    same = len(hkv_out) - len(differing)
     sp, sp0 = hkv_figs["shared_prefix"], alone_figs["shared_prefix"]
     nr, nr0 = hkv_figs["no_reuse"], alone_figs["no_reuse"]
     ratios: dict[str, float | None] = {}
@@ -625,9 +679,10 @@ def _bench(python: str, quick: bool, work: Path) -> dict[str, Any]:
         "outputs_compared": len(hkv_out),
         "outputs_identical": same,
         "outputs_all_identical": same == len(hkv_out) == len(alone_out),
-        # which requests differ, and at which output token first (a near-tie at bfloat16)
-        "outputs_differing": {k: _first_diff(alone_out.get(k, []), hkv_out[k])
-                              for k in differing[:10]},
+        # which requests differ, where first, and how near a tie greedy decoding was there
+        "outputs_differing": dict(sorted(differing.items())),
+        "outputs_differing_unexplained": sum(d["cause"] == NOT_NEAR_TIE
+                                             for d in differing.values()),
         "hkv_share_shared_prefix": sp["hkv_share"],
         "workload": {"clients": CLIENTS, "replicas": REPLICAS, "block_size": BLOCK,
                      "engine_blocks": w.engine_blocks(), "hkv_blocks_per_group": hkv_blocks,

@@ -89,6 +89,7 @@ def test_summary_takes_percentiles_and_the_shares_from_metric_deltas() -> None:
     assert got["ttft_p50_s"] == pytest.approx(0.505) and got["ttft_p99_s"] == 0.99
     assert got["prompt_tokens"] == 10000 and got["hkv_hit_tokens"] == 4000
     assert got["hkv_share"] == 0.4 and got["local_prefix_share"] == 0.06
+    assert got["min_top2_margin"] is None  # these results carry no logprobs
 
 
 def test_connector_counters_add_up_over_the_log_lines_after_the_mark(tmp_path: Path) -> None:
@@ -100,3 +101,32 @@ def test_connector_counters_add_up_over_the_log_lines_after_the_mark(tmp_path: P
     engine = serve.Engine("e", 0, None, log)  # type: ignore[arg-type]
     got = engine.connector_stats(len(early))
     assert got == {"load_ok": 3.0, "lookup_s": 0.75, "downgrade.NO_STATE": 3.0}
+
+
+def _result(key: str, prompt: list[int], output: list[int], margins: list[float]
+            ) -> serve.Result:
+    digest = serve.hashlib.blake2b(serve.json.dumps(prompt).encode(), digest_size=8).hexdigest()
+    return serve.Result(key, len(prompt), 0.1, 0.2, output, margins, digest)
+
+
+def test_an_output_that_differs_is_explained_only_by_a_near_tie_or_an_earlier_turn() -> None:
+    alone = {"same": _result("same", [1, 2], [5, 6], [1.0, 1.0]),
+             "tie": _result("tie", [1, 2], [5, 6, 7], [1.0, 2e-5, 1.0]),
+             "wrong": _result("wrong", [1, 2], [5, 6], [0.5, 0.5]),
+             "later": _result("later", [1, 2, 5, 6], [9], [0.5])}
+    hkv = {"same": _result("same", [1, 2], [5, 6], [1.0, 1.0]),
+           "tie": _result("tie", [1, 2], [5, 8, 7], [1.0, 3e-5, 1.0]),
+           "wrong": _result("wrong", [1, 2], [4, 6], [0.5, 0.5]),
+           "later": _result("later", [1, 2, 5, 7], [8], [0.5])}
+    got = serve.compare_outputs(alone, hkv)
+    assert set(got) == {"tie", "wrong", "later"}
+    assert got["tie"] == {"first_token": 1, "margin_alone": 2e-5, "margin_hkv": 3e-5,
+                          "cause": serve.NEAR_TIE_CAUSE}
+    assert got["wrong"]["cause"] == serve.NOT_NEAR_TIE and got["wrong"]["first_token"] == 0
+    assert got["later"] == {"cause": serve.EARLIER_TURN}
+
+
+def test_margins_are_top1_minus_top2_per_streamed_token() -> None:
+    lp = {"top_logprobs": [{"t5": -0.1, "t6": -2.6}, {"t7": -1.0}, None]}
+    assert serve._margins(lp) == [pytest.approx(2.5), serve.math.inf, serve.math.inf]
+    assert serve._margins(None) == []

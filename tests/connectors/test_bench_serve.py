@@ -1,6 +1,6 @@
 """``hkv bench serve --quick`` as CI runs it: real ``vllm serve`` replicas with and without
 hkv (one ``hkv up``) under 8 clients; the report's fields, and that every request's output at
-temperature 0 is the same with hkv as without.
+temperature 0 is the same with hkv as without (or differs only at a near-tie).
 
 A subprocess (``python -m hkv_service.cli``), as a user runs it; it starts and stops its own
 processes. 4-6 minutes on 2 loaded cores (five engine starts), hence slow."""
@@ -46,8 +46,15 @@ def test_quick_serve_bench_reports_every_figure_and_hkv_changes_no_output() -> N
     assert sp["hkv_hit_tokens"] > 0 and 0 < figures["hkv_share_shared_prefix"] <= 1
     assert sp["connector"]["loaded_tokens"] == sp["hkv_hit_tokens"], sp["connector"]
     assert figures["outputs_compared"] == sum(sizes.values())
-    assert figures["outputs_identical"] == figures["outputs_compared"]
-    assert figures["outputs_all_identical"] is True
+    # Every output is the same with hkv as alone, but where greedy decoding met a near-tie
+    # (float noise of KV computed in another batch can flip it; vLLM's prefix cache does the
+    # same) or a later turn follows an earlier answer that flipped: none unexplained.
+    assert figures["outputs_differing_unexplained"] == 0, figures["outputs_differing"]
+    assert figures["outputs_identical"] + len(figures["outputs_differing"]) \
+        == figures["outputs_compared"]
+    for name, run in runs.items():  # the logprobs came back: the margins are real numbers
+        for wl in sizes:
+            assert 0 <= run[wl]["min_top2_margin"] < 100, (name, wl, run[wl])
     for key in ("shared_prefix_ttft_p50", "shared_prefix_ttft_p99",
                 "shared_prefix_requests_per_s", "no_reuse_requests_per_s",
                 "no_reuse_output_tokens_per_s"):
