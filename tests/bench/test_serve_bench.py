@@ -111,16 +111,16 @@ def _result(key: str, prompt: list[int], output: list[int], margins: list[float]
 
 def test_an_output_that_differs_is_explained_only_by_a_near_tie_or_an_earlier_turn() -> None:
     alone = {"same": _result("same", [1, 2], [5, 6], [1.0, 1.0]),
-             "tie": _result("tie", [1, 2], [5, 6, 7], [1.0, 2e-5, 1.0]),
+             "tie": _result("tie", [1, 2], [5, 6, 7], [1.0, 0.0, 1.0]),
              "wrong": _result("wrong", [1, 2], [5, 6], [0.5, 0.5]),
              "later": _result("later", [1, 2, 5, 6], [9], [0.5])}
     hkv = {"same": _result("same", [1, 2], [5, 6], [1.0, 1.0]),
-           "tie": _result("tie", [1, 2], [5, 8, 7], [1.0, 3e-5, 1.0]),
+           "tie": _result("tie", [1, 2], [5, 8, 7], [1.0, 1 / 64, 1.0]),
            "wrong": _result("wrong", [1, 2], [4, 6], [0.5, 0.5]),
            "later": _result("later", [1, 2, 5, 7], [8], [0.5])}
     got = serve.compare_outputs(alone, hkv)
     assert set(got) == {"tie", "wrong", "later"}
-    assert got["tie"] == {"first_token": 1, "margin_alone": 2e-5, "margin_hkv": 3e-5,
+    assert got["tie"] == {"first_token": 1, "margin_alone": 0.0, "margin_hkv": 0.015625,
                           "cause": serve.NEAR_TIE_CAUSE}
     assert got["wrong"]["cause"] == serve.NOT_NEAR_TIE and got["wrong"]["first_token"] == 0
     assert got["later"] == {"cause": serve.EARLIER_TURN}
