@@ -564,14 +564,58 @@ def _ratio(a: float, b: float) -> float | None:
     return round(a / b, 4) if b else None
 
 
+def _cpu_by_session() -> dict[int, float]:
+    """CPU seconds (user + system, with reaped children's) of every live process, summed per
+    session id: each process group started here is its own session (``start_new_session``)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[int, float] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        sid = int(fields[3])
+        out[sid] = out.get(sid, 0.0) + sum(int(x) for x in fields[11:15]) / tick
+    return out
+
+
+def _machine_cpu_s() -> float:
+    """Busy CPU seconds of the whole machine since boot (/proc/stat, all CPUs)."""
+    with open("/proc/stat") as f:
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (
+            int(x) for x in f.readline().split()[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_split(sessions: dict[str, list[int]], before: tuple[dict[int, float], float],
+              after: tuple[dict[int, float], float]) -> dict[str, float]:
+    """CPU seconds each role's sessions used between two samples, and the rest of the
+    machine (Ray's own daemons, other users): where a configuration's time went."""
+    used = {role: sum(after[0].get(s, 0.0) - before[0].get(s, 0.0) for s in sids)
+            for role, sids in sessions.items()}
+    used["rest_of_machine"] = (after[1] - before[1]) - sum(used.values())
+    return {k: round(v, 2) for k, v in used.items()}
+
+
+def _cpu_sample() -> tuple[dict[int, float], float]:
+    return _cpu_by_session(), _machine_cpu_s()
+
+
 def _load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
 # --- the run --------------------------------------------------------------------------------
 
-def _run_pair(engines: list[Engine], w: Workload) -> tuple[dict[str, Any], dict[str, Result]]:
+def _run_pair(engines: list[Engine], w: Workload, hkv_up: HkvUp | None = None
+              ) -> tuple[dict[str, Any], dict[str, Result]]:
     ports = [e.port for e in engines]
+    sessions = {"engines": [e.proc.pid for e in engines]}
+    if hkv_up is not None:
+        sessions["hkv_up"] = [hkv_up.proc.pid]
     for i, e in enumerate(engines):  # an engine's first request pays one-time costs
         complete(e.port, _tokens(random.Random(f"warm-{i}"), 64), 2, f"warm{i}")
     out: dict[str, Any] = {}
@@ -580,10 +624,13 @@ def _run_pair(engines: list[Engine], w: Workload) -> tuple[dict[str, Any], dict[
         before = [e.metrics() for e in engines]
         logs = [e.log_size() for e in engines]
         load = _load()
+        cpu = _cpu_sample()
         results, wall = drive(ports, w)
+        used = cpu_split(sessions, cpu, _cpu_sample())
         time.sleep(2.5)  # the last steps' stats reach /metrics and the log (1 s interval)
         out[name] = summarize(results, wall, before, [e.metrics() for e in engines])
         out[name]["load_avg_1_5_15"] = load
+        out[name]["cpu_s"] = used
         stats: dict[str, float] = {}
         for e, at in zip(engines, logs, strict=True):
             for k, v in e.connector_stats(at).items():
@@ -665,7 +712,7 @@ def _bench(python: str, quick: bool, work: Path) -> dict[str, Any]:
         deadline = time.monotonic() + START_TIMEOUT_S
         for e in with_hkv:
             e.await_ready(deadline)
-        hkv_figs, hkv_out = _run_pair(with_hkv, w)
+        hkv_figs, hkv_out = _run_pair(with_hkv, w, up)
     finally:
         procs.stop_all()
 

@@ -130,3 +130,20 @@ def test_margins_are_top1_minus_top2_per_streamed_token() -> None:
     lp = {"top_logprobs": [{"t5": -0.1, "t6": -2.6}, {"t7": -1.0}, None]}
     assert serve._margins(lp) == [pytest.approx(2.5), serve.math.inf, serve.math.inf]
     assert serve._margins(None) == []
+
+
+def test_cpu_split_charges_each_role_its_sessions_and_the_rest_to_the_machine() -> None:
+    before = ({10: 1.0, 20: 5.0, 30: 2.0}, 100.0)
+    after = ({10: 4.0, 20: 6.5, 30: 2.5, 40: 9.0}, 120.0)
+    got = serve.cpu_split({"engines": [10, 30], "hkv_up": [20]}, before, after)
+    assert got == {"engines": 3.5, "hkv_up": 1.5, "rest_of_machine": 15.0}
+
+
+def test_this_process_cpu_is_counted_in_its_session() -> None:
+    sid = serve.os.getsid(0)
+    a = serve._cpu_by_session()[sid]
+    deadline = serve.time.process_time() + 0.2
+    while serve.time.process_time() < deadline:  # bounded: 0.2 s of CPU
+        pass
+    assert serve._cpu_by_session()[sid] - a >= 0.15
+    assert serve._machine_cpu_s() > 0
