@@ -5,16 +5,21 @@ reports an owner would make of a state view's objects. Fixtures live in the conf
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 from hkv_service.core.api import ObjectReport
 from hkv_service.core.state_view import CacheState
+from hkv_service.lifeline import proc_stat
 
-__all__ = ["ROOT", "Lines", "child_env", "free_port", "reports_of", "up_env"]
+__all__ = ["ROOT", "Lines", "Procs", "child_env", "descendants", "free_port", "kill_procs",
+           "reports_of", "survivors", "up_env"]
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -80,3 +85,38 @@ def reports_of(st: CacheState, *, ordered: bool = False) -> list[ObjectReport]:
         for r in st.objects.values()
     ]
     return sorted(out, key=lambda r: (r.depth, r.column, r.block_hash)) if ordered else out
+
+
+Procs = dict[int, int]  # pid -> its start time: one process for good (lifeline.proc_stat)
+
+
+def descendants(root: int) -> Procs:
+    """Every live process under ``root`` (children, theirs, ...), not ``root`` itself."""
+    table = {int(p.name): st for p in Path("/proc").iterdir() if p.name.isdigit()
+             if (st := proc_stat(int(p.name))) is not None}
+    found: Procs = {}
+    todo = [pid for pid, (ppid, _) in table.items() if ppid == root]
+    while todo:
+        pid = todo.pop()
+        if pid not in found:
+            found[pid] = table[pid][1]
+            todo += [c for c, (ppid, _) in table.items() if ppid == pid]
+    return found
+
+
+def survivors(procs: Procs, timeout_s: float) -> Procs:
+    """Those of ``procs`` still running (the same process: pid and start time) after waiting
+    up to ``timeout_s`` for all of them to end."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = {p: t for p, t in procs.items() if (st := proc_stat(p)) is not None and st[1] == t}
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
+
+
+def kill_procs(procs: Procs) -> None:
+    """SIGKILL those of ``procs`` still running (a test's own, found by :func:`descendants`)."""
+    for pid in survivors(procs, 0):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)

@@ -29,7 +29,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from hkv_service.lifeline import end_processes, let_go, proc_stat, reap_when_gone, spawn_tied
 from hkv_service.settings import (
     ServiceInputs,
     ServiceSettings,
@@ -159,6 +160,7 @@ class System:
                 old.kill()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 old.wait(10.0)
+            let_go(old)
             replica = replace(replica_settings(self.config, i),
                               port=int(endpoints[i].rsplit(":", 1)[1]))
             self.services[i] = _spawn_service(replica)
@@ -208,7 +210,7 @@ class System:
         if self.ray_started and ray.is_initialized():
             ours = _ray_processes()
             ray.shutdown()
-            _reap(ours, 1.0 if hurry is not None and hurry.is_set() else 5.0)
+            end_processes(ours, 1.0 if hurry is not None and hurry.is_set() else 5.0)
             self.ray_started = False
             say("ray stopped")
 
@@ -295,6 +297,7 @@ def init_local_ray(attempts: int = 3, **kwargs: Any) -> None:
     for attempt in range(1, attempts + 1):
         try:
             ray.init(**kwargs)
+            _watch_ray()
             return
         except ConnectionError:
             ray_address_file().unlink(missing_ok=True)
@@ -304,6 +307,22 @@ def init_local_ray(attempts: int = 3, **kwargs: Any) -> None:
             log.warning("ray start-up timed out (attempt %d/%d); retrying", attempt, attempts)
         ray.shutdown()
     ray.init(**kwargs)
+    _watch_ray()
+
+
+_ray_watch: list[subprocess.Popen[Any]] = []  # the watcher of the local Ray started last
+
+
+def _watch_ray() -> None:
+    """Once this process is gone, however it ended (a SIGKILLed ``hkv up`` or demo), the local
+    Ray it started ends too. Ray ends most of it with us (``ray.init`` ties its processes to
+    this one: PR_SET_PDEATHSIG, and the raylet's workers end with it), but its dashboard and
+    runtime-env agents outlived us by ~60 s: a watcher (``lifeline.reap_when_gone``) ends
+    exactly the processes found now, by pid and start time. Replacing the last one lets it
+    go (that instance was shut down before this one started)."""
+    procs = _ray_processes()
+    if procs:
+        _ray_watch[:] = [reap_when_gone(procs)]
 
 
 def ray_address_file() -> Path:
@@ -356,9 +375,11 @@ def serve_argv(config: ServiceSettings) -> list[str]:
 
 
 def _spawn_service(config: ServiceSettings) -> subprocess.Popen[str]:
+    """``hkv serve`` tied to this process (``hkv_service.lifeline``): it stops when this
+    process ends, even by SIGKILL, instead of running on with no one to stop it."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=worker_pythonpath())
-    return subprocess.Popen(serve_argv(config), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
+    return spawn_tied(serve_argv(config), env, stdout=subprocess.PIPE,
+                      stderr=subprocess.STDOUT, text=True)
 
 
 def _await_listening(proc: subprocess.Popen[str], timeout_s: float) -> str:
@@ -404,6 +425,7 @@ def _stop_process(proc: subprocess.Popen[str], grace_s: float = 10.0,
             proc.kill()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(5.0)
+    let_go(proc)
 
 
 def _dial(address: str, here: str) -> str:
@@ -434,19 +456,7 @@ def _bounded_wait(refs: list[Any], timeout_s: float, hurry: threading.Event | No
 
 # -- processes of a local Ray instance --------------------------------------------------------
 
-def _proc_stat(pid: int) -> tuple[int, str] | None:
-    """(ppid, start time) of a live process, from /proc; None if gone or a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields_ = stat[stat.rindex(")") + 2:].split()
-    if fields_[0] in ("Z", "X"):
-        return None
-    return int(fields_[1]), fields_[19]
-
-
-def _ray_processes() -> dict[int, str]:
+def _ray_processes() -> dict[int, int]:
     """The processes of the local Ray instance this process started (gcs, raylet, agents and
     every descendant of theirs: the workers), pid -> start time. Empty where unknown."""
     roots: list[int] = []
@@ -457,11 +467,11 @@ def _ray_processes() -> dict[int, str]:
     if not roots or not Path("/proc").is_dir():
         return {}
     table = {int(p.name): st for p in Path("/proc").iterdir() if p.name.isdigit()
-             if (st := _proc_stat(int(p.name))) is not None}
+             if (st := proc_stat(int(p.name))) is not None}
     kids: dict[int, list[int]] = {}
     for pid, (ppid, _start) in table.items():
         kids.setdefault(ppid, []).append(pid)
-    found: dict[int, str] = {}
+    found: dict[int, int] = {}
     todo = [p for p in roots if p in table]
     while todo:
         pid = todo.pop()
@@ -469,22 +479,6 @@ def _ray_processes() -> dict[int, str]:
             found[pid] = table[pid][1]
             todo += kids.get(pid, [])
     return found
-
-
-def _reap(procs: Mapping[int, str], timeout_s: float) -> None:
-    """Wait up to ``timeout_s`` for ``procs`` (pid -> start time) to exit; SIGKILL the rest."""
-    def alive() -> Iterable[int]:
-        return [p for p, start in procs.items()
-                if (st := _proc_stat(p)) is not None and st[1] == start]
-
-    deadline = time.monotonic() + timeout_s
-    left = list(alive())
-    while left and time.monotonic() < deadline:
-        time.sleep(0.1)
-        left = list(alive())
-    for pid in left:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
 
 
 class _ServiceHost:

@@ -43,7 +43,7 @@ import secrets
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +67,7 @@ from storage import CorruptEntry, DiskKey, DiskTier, NotOnDisk
 
 from .commits import commit_many, commit_one, failure
 from .control import ControlServer
+from .generations import next_floor
 from .local import connect
 from .partitioned import (
     PartitionedMetadata,
@@ -166,6 +167,7 @@ class ShardActor:
         self._disk_ids: dict[DiskKey, ObjectId] = {}
         self._counts: dict[str, int] = {}
         self.incarnation = 0
+        self.floor = 0  # the generation floor of the last registration (workers.generations)
         # this process's own id, registered with the owner: a loss report names the process
         # its failed call went to, never a successor (CacheState.mark_owner_lost)
         self.instance = new_instance()
@@ -212,15 +214,19 @@ class ShardActor:
         lost us (one restarted); what the others hold is left as it is."""
         with self._lock:
             mine = self._in_partitions(partitions)
-            held = [(g, r) for g, r in self._memory_reports() if mine.block(g, r.block)]
+            self.floor = next_floor(self.floor, (int(p.generation.max())
+                                                 for p in self.pools.pools.values()))
+            held = [(g, replace(r, generation=self.floor)) for g, r in self._memory_reports()
+                    if mine.block(g, r.block)]
             self._reset_pools({(g, r.block) for g, r in held}, mine)
+            pools = {name: replace(cfg, generation_floor=self.floor)
+                     for name, cfg in self.pools.configs().items()}
             if partitions is None:
-                self.incarnation = self.meta.register_owner(self.shard_id, self.pools.configs(),
-                                                            self.instance)
+                self.incarnation = self.meta.register_owner(self.shard_id, pools, self.instance)
             else:
                 assert isinstance(self.meta, PartitionedMetadata)
                 self.incarnation = self.meta.register_owner(
-                    self.shard_id, self.pools.configs(), self.instance, partitions=partitions)
+                    self.shard_id, pools, self.instance, partitions=partitions)
             memory = self._confirm_memory(held)
             disk = self._confirm_disk(mine)
             self.confirmed = memory + disk
@@ -255,16 +261,19 @@ class ShardActor:
         return out
 
     def _reset_pools(self, keep: set[tuple[str, int]], mine: _Mine) -> None:
-        """Every block of the partitions re-registering but ``keep`` back to empty at
-        generation 0, as a new registration's fresh pool twin on the service hands it out."""
+        """Every block of the partitions re-registering to this registration's generation
+        floor, as the new registration's fresh pool twin on the service hands it out: empty,
+        but ``keep`` (re-confirmed at the floor with the object they hold). No claim handed
+        out before is at or above the floor (workers.generations): its write is refused as
+        older, in an emptied block and a kept one alike."""
         for group, pool in self.pools.pools.items():
             lo, hi = mine.blocks(group)
             kept = [b for g, b in keep if g == group]
-            saved = pool.generation[kept].copy(), pool.object_id[kept].copy()
+            saved = pool.object_id[kept].copy()
             for a, b in zip(lo, hi, strict=True):
-                pool.generation[a:b] = 0
+                pool.generation[a:b] = self.floor
                 pool.object_id[a:b] = -1
-            pool.generation[kept], pool.object_id[kept] = saved
+            pool.object_id[kept] = saved
         self._tags = {k: v for k, v in self._tags.items()
                       if k in keep or not mine.block(k[0], k[1])}
         self._disk_ids = {k: oid for k, oid in self._disk_ids.items() if not mine.object(oid)}
@@ -280,7 +289,7 @@ class ShardActor:
             for (group, r), oid in zip(batch, ids, strict=True):
                 pool = self.pools[group]
                 if oid is None:
-                    pool.generation[r.block], pool.object_id[r.block] = 0, -1
+                    pool.object_id[r.block] = -1  # (at the floor already: _reset_pools)
                     self._tags.pop((group, r.block), None)
                     continue
                 pool.object_id[r.block] = oid

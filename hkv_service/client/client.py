@@ -160,7 +160,8 @@ class MetadataClient:
             req.pools[name].CopyFrom(pb.PoolConfig(num_blocks=cfg.num_blocks, stride=cfg.stride,
                                                    base_align=cfg.base_align,
                                                    first_block=cfg.first,
-                                                   device=cfg.device))
+                                                   device=cfg.device,
+                                                   generation_floor=cfg.generation_floor))
         return int(self._call("RegisterOwner", req, idempotent=False).incarnation)
 
     def heartbeat(self, owner: str, incarnation: int) -> None:

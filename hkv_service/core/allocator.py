@@ -68,6 +68,10 @@ class PoolConfig:
     # Where the pool's blocks live ("cpu", "cuda"): what a router is told the tier is
     # (the residency feed's medium, core/kvevents.py); not part of any placement decision.
     device: str = "cpu"
+    # The generation a block is first handed out at: above every generation an earlier
+    # registration of this owner handed out (workers/generations.py picks it), so a claim
+    # from before a service restart is older than every block of the new registration.
+    generation_floor: int = 0
 
 
 _POWERS = {1 << i: 1 << i for i in range(31)}  # one shared int object per power of two
@@ -129,6 +133,7 @@ class BlockPool:
         self._far_min = _NO_BLOCK  # at most the least of them
         self._out = 0  # blocks with books
         self._next = config.first  # [_next, num_blocks): free, unless handed out ahead
+        self._floor = config.generation_floor  # a fresh block's first generation
         self._span = 0  # 1 + the highest block ever handed out (eviction samples below it)
         self._rng = random.Random(seed)
 
@@ -213,7 +218,7 @@ class BlockPool:
         if self._next >= self.config.num_blocks:
             return None
         block, self._next = self._next, self._next + 1
-        return self._hand_out(block)
+        return self._hand_out(block, self._floor)
 
     def _hand_out(self, block: int, generation: int = 0) -> int:
         """Give ``block`` (free, never handed out) books; the block, as a shared int."""

@@ -30,6 +30,7 @@ from .states import Event, Kind, State
 from .transitions import CORE_ONLY_EVENTS, Params
 
 __all__ = [
+    "MAX_GENERATION_FLOOR",
     "MAX_POOL_BLOCKS",
     "check_generation",
     "check_hashes",
@@ -47,6 +48,9 @@ __all__ = [
 ]
 
 MAX_POOL_BLOCKS = 1 << 24  # the metadata twin of a pool costs ~3 words per block
+# Generations live in int64 fields (shard pools, handle batches): a floor this far below
+# 2**63 leaves 2**62 frees of a block before one would overflow.
+MAX_GENERATION_FLOOR = 1 << 62
 # Enum members on a re-confirm's per-report path, read once: through their class each read
 # costs ~0.1 us in Python 3.11 (EnumType.__getattr__ puts every class attribute read on the
 # slow path), ~10x a module global.
@@ -137,6 +141,9 @@ def check_pool(name: str, cfg: PoolConfig) -> PoolConfig:
         raise InvalidInput(f"pool {name!r}: first block {cfg.first} must be in [0, num_blocks)")
     if cfg.stride < 1 or cfg.base_align < 1 or cfg.base_align & (cfg.base_align - 1):
         raise InvalidInput(f"pool {name!r}: stride >= 1 and a power-of-two base_align needed")
+    if not 0 <= cfg.generation_floor < MAX_GENERATION_FLOOR:
+        raise InvalidInput(f"pool {name!r}: generation_floor must be in [0, 2**62), got "
+                           f"{cfg.generation_floor}")
     return cfg
 
 

@@ -13,7 +13,8 @@ bind, auth guard, TLS/mTLS, allowed CNs, metrics, owner expiry, grace, the state
 ``hkv serve`` exit codes: 0 after a clean shutdown, 2 for bad flags (one sentence on
 stderr), 1 when the port cannot be bound. Once bound it prints ``hkv serve: listening on
 HOST:PORT`` (flushed), which launchers and tests wait for. SIGTERM/SIGINT: health NOT_SERVING
-first, then ``server.stop(grace)``.
+first, then ``server.stop(grace)``. Started by ``hkv up`` or a demo (``HKV_PARENT_FD``,
+:mod:`hkv_service.lifeline`): the same once that process is gone, however it ended.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from prometheus_client.core import CounterMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from hkv_service.core.state_view import CacheState
+from hkv_service.lifeline import watch_parent
 from hkv_service.settings import ServiceInputs, ServiceSettings, SettingsError
 
 from . import gcpolicy
@@ -50,6 +52,7 @@ REAP_IDLE_S = 0.05  # how often the reaper looks for a lost owner when there is 
 REAP_YIELD_S = 0.0005  # between two slices: heartbeats and lookups take the lock here
 OWNER_HEALTH_PREFIX = "hkv.v1.Shard/"  # + owner id: a per-shard health status
 DRAIN_S = 0.5  # NOT_SERVING is visible this long before new RPCs are refused
+BACKSTOP_S = 10.0  # past the grace, a service whose parent died exits hard
 
 
 def server_config(settings: ServiceSettings, inputs: ServiceInputs) -> ServerConfig:
@@ -237,6 +240,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    # started by hkv up or a demo (workers.launcher): stop as on SIGTERM once that process is
+    # gone, however it ended; hard exit if the drain has not ended well past the grace
+    watch_parent(done.set, settings.grace_s + BACKSTOP_S)
     print(f"hkv serve: listening on {running.address}", flush=True)
     while not done.wait(0.5):
         pass

@@ -124,7 +124,7 @@ class MetadataServicer(pb_grpc.MetadataServiceServicer):
         if not request.owner:
             raise InvalidInput("RegisterOwner: owner id must be a non-empty string")
         pools = {name: PoolConfig(p.num_blocks, p.stride, p.base_align or 4096, p.first_block,
-                                  p.device or "cpu")
+                                  p.device or "cpu", p.generation_floor)
                  for name, p in request.pools.items()}
         validation.check_pools(self.state, pools)
         inc = self.state.register_owner(ShardId(request.owner), pools, request.instance)

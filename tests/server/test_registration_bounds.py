@@ -57,3 +57,24 @@ def test_the_owner_table_is_bounded_and_lost_owners_make_room() -> None:
     st.mark_owner_lost("b")  # type: ignore[arg-type]
     st.register_owner("d", pools)  # type: ignore[arg-type]  # b's place, it holds nothing
     assert set(st.owners) == {"a", "c", "d"}
+
+
+def test_the_generation_floor_crosses_the_wire(procs: list[Proc]) -> None:
+    """A shard's ``generation_floor`` reaches the service (RegisterOwner) and its blocks go out
+    at it (workers/generations.py: a claim from before a restart stays below it); a floor
+    past 2**62 is refused."""
+    from dataclasses import replace
+
+    from hkv_service.core.api import AllocRequest
+
+    p = start_serve("--port", "0")
+    procs.append(p)
+    floor = (1 << 40) + 7
+    with MetadataClient(f"127.0.0.1:{p.port}") as c:
+        pools = pools_for(default_spec_layout(), 8)
+        c.register_owner("s", {n: replace(cfg, generation_floor=floor) for n, cfg in pools.items()})
+        (a,) = c.allocate(hashes(1), [AllocRequest(0, "c4")])
+        assert a.handle.generation == floor
+        with pytest.raises(E.InvalidInput, match="generation_floor"):
+            c.register_owner("t", {"c4": PoolConfig(8, 2048, 4096, generation_floor=1 << 62)})
+    assert p.stop() == 0

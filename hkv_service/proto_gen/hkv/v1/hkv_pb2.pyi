@@ -210,18 +210,20 @@ class GetSpecResponse(_message.Message):
     def __init__(self, spec_json: _Optional[str] = ..., model_id: _Optional[str] = ..., hash_block_size: _Optional[int] = ..., lcm_block_size: _Optional[int] = ..., columns: _Optional[_Iterable[_Union[ColumnInfo, _Mapping]]] = ...) -> None: ...
 
 class PoolConfig(_message.Message):
-    __slots__ = ("num_blocks", "stride", "base_align", "first_block", "device")
+    __slots__ = ("num_blocks", "stride", "base_align", "first_block", "device", "generation_floor")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     STRIDE_FIELD_NUMBER: _ClassVar[int]
     BASE_ALIGN_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FLOOR_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     stride: int
     base_align: int
     first_block: int
     device: str
-    def __init__(self, num_blocks: _Optional[int] = ..., stride: _Optional[int] = ..., base_align: _Optional[int] = ..., first_block: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+    generation_floor: int
+    def __init__(self, num_blocks: _Optional[int] = ..., stride: _Optional[int] = ..., base_align: _Optional[int] = ..., first_block: _Optional[int] = ..., device: _Optional[str] = ..., generation_floor: _Optional[int] = ...) -> None: ...
 
 class RegisterOwnerRequest(_message.Message):
     __slots__ = ("owner", "pools", "instance")
