@@ -75,6 +75,7 @@ class PoolConfig:
 
 
 _POWERS = {1 << i: 1 << i for i in range(31)}  # one shared int object per power of two
+_SHARED_GENERATIONS = 257  # as many as Python shares small ints (0..256)
 _DENSE_MIN = 1024  # a block this near the start, or within twice the arrays, grows them
 _NO_BLOCK = 1 << 62  # above every block number
 
@@ -134,6 +135,9 @@ class BlockPool:
         self._out = 0  # blocks with books
         self._next = config.first  # [_next, num_blocks): free, unless handed out ahead
         self._floor = config.generation_floor  # a fresh block's first generation
+        # floor + n for the first few n, one int object each: records hold these (a block
+        # freed n times), and a large floor's ints are not Python's shared small ints
+        self._gens = [config.generation_floor + n for n in range(_SHARED_GENERATIONS)]
         self._span = 0  # 1 + the highest block ever handed out (eviction samples below it)
         self._rng = random.Random(seed)
 
@@ -257,6 +261,7 @@ class BlockPool:
         cfg = self.config
         if not cfg.first <= block < cfg.num_blocks:
             return None
+        generation = self._shared(generation)  # a re-confirmed record keeps it
         known = self._slot(block)
         if known is not _UNSEEN:
             if block not in self._free:
@@ -269,6 +274,11 @@ class BlockPool:
             return known
         self._hand_out(block, generation)  # (take() steps over it if it is ahead)
         return generation
+
+    def _shared(self, generation: int) -> int:
+        """``generation`` as the pool's shared int object where it has one."""
+        n = generation - self._floor
+        return self._gens[n] if 0 <= n < _SHARED_GENERATIONS else generation
 
     def alignment_of(self, block: int) -> int:
         """:func:`alignment` of ``block``'s address and the column's object size."""
@@ -292,7 +302,7 @@ class BlockPool:
 
     def release(self, block: int) -> None:
         """Free a block; its generation moves on so every outstanding handle goes stale."""
-        self._put(block, self.generation_of(block) + 1)
+        self._put(block, self._shared(self.generation_of(block) + 1))
         self.free.append(block)
         self._free.add(block)
 

@@ -343,3 +343,33 @@ def test_forgetting_a_retired_pool_counts_only_blocks_with_books() -> None:
         pool.forget(block)
     assert pool.tracked() == 0 and not list(pool.books())
     assert pool.free_count() == 4096 and pool.occupied() == 0
+
+
+def test_generations_above_a_floor_stay_shared_ints() -> None:
+    """A registration's floor is a large int (workers/generations.py); every block freed n
+    times under it must hold the same int object for ``floor + n`` (as small ints were before
+    floors): a fresh int per freed block is 32 bytes more per record at steady churn."""
+    from hkv_service.core.allocator import BlockPool
+
+    floor = 123_456_789 << 24
+    pool = BlockPool(PoolConfig(num_blocks=64, stride=4096, generation_floor=floor),
+                     nbytes=4096)
+    blocks = [pool.take() for _ in range(64)]
+    assert None not in blocks
+    for _ in range(3):
+        for b in blocks:
+            pool.release(b)
+        for b in blocks:
+            assert pool.claim(b)
+    gens = [pool.generation_of(b) for b in blocks]  # type: ignore[arg-type]
+    assert gens == [floor + 3] * 64
+    assert len({id(g) for g in gens}) == 1, "each freed block made its own generation int"
+
+
+def test_a_reconfirmed_block_takes_the_pools_shared_generation() -> None:
+    from hkv_service.core.allocator import BlockPool
+
+    floor = 99 << 24
+    pool = BlockPool(PoolConfig(num_blocks=8, stride=4096, generation_floor=floor), nbytes=4096)
+    got = [pool.claim_at(b, int(str(floor))) for b in range(8)]  # fresh int objects, as decoded
+    assert got == [floor] * 8 and len({id(g) for g in got}) == 1
