@@ -55,6 +55,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from itertools import accumulate
 from typing import Any
 
 import numpy as np
@@ -75,6 +76,7 @@ RETRY_ATTACH_S = 1.0  # a shard whose segment could not be mapped is asked again
 SMALL_BATCH = 4  # reads of at most this many items check them one by one (Mapped._read_few)
 SYNC_S = 2.0  # a read waits this long at most for this process's finishes in flight
 _EMPTY = -1
+_UNREAD = ItemResult(Outcome.FAILED, "not read")  # an item's span until it is read
 
 
 class NotShared(Exception):
@@ -355,27 +357,35 @@ class SharedLink:
         return ok
 
     def _read(self, m: Mapped, batch: HandleBatch) -> Pending:
-        out: list[np.ndarray | ItemResult] = [ItemResult(Outcome.FAILED, "not read")] * len(batch)
-        sizes = [batch.columns[s][4] for s in batch.slot_of().tolist()]  # (each at most)
-        at = np.cumsum([0, *sizes]).tolist()
-        buf = self._arena.take(at[-1])
+        """``read_blocks``: each item's bytes in one arena buffer (a span each), what the
+        segment could not serve asked of the shard."""
+        cols = batch.columns
+        at = list(accumulate((cols[s][4] for s in batch.slot_of().tolist()), initial=0))
+        buf = self._arena.take(at[-1])  # (each item's size at most)
+        spans: list[tuple[int, int, int] | ItemResult] = [_UNREAD] * len(batch)
 
         def dest(i: int, n: int) -> np.ndarray:
-            arr = buf[at[i] : at[i] + n]
-            out[i] = arr
-            return arr
+            spans[i] = (0, at[i], n)
+            return buf[at[i] : at[i] + n]
 
         ok = self._read_mapped(m, batch, dest)
-        rest = np.flatnonzero(~ok)
-        if not len(rest):
-            return Deferred(lambda _t: _as_packed(out))
-        pending = self.link.submit("read_blocks", batch.take(rest.tolist()))
+        if ok.all():
+            read = PackedRead([buf], spans)
+            return Deferred(lambda _t: read)
+        rest = np.flatnonzero(~ok).tolist()
+        pending = self.link.submit("read_blocks", batch.take(rest))
 
         def finish(timeout_s: float) -> PackedRead:
             got = pending.result(timeout_s)
-            for j, i in enumerate(rest.tolist()):
-                out[i] = got[j]
-            return _as_packed(out)
+            buffers = [buf]
+            for j, i in enumerate(rest):
+                item = got[j]
+                if isinstance(item, ItemResult):
+                    spans[i] = item
+                else:
+                    spans[i] = (len(buffers), 0, len(item))
+                    buffers.append(np.asarray(item))
+            return PackedRead(buffers, spans)
         return Deferred(finish)
 
     # -- write ------------------------------------------------------------------------------
@@ -450,19 +460,6 @@ class _Arena:
             if sum(b.nbytes for b in self._bufs) + nbytes <= ARENA_BYTES:
                 self._bufs.append(buf)
             return buf
-
-
-def _as_packed(items: list[np.ndarray | ItemResult]) -> PackedRead:
-    """``items`` as the :class:`PackedRead` a shard's ``read_blocks`` answers with."""
-    buffers: list[np.ndarray] = []
-    spans: list[tuple[int, int, int] | ItemResult] = []
-    for it in items:
-        if isinstance(it, ItemResult):
-            spans.append(it)
-        else:
-            spans.append((len(buffers), 0, len(it)))
-            buffers.append(np.asarray(it))
-    return PackedRead(buffers, spans)
 
 
 def shared_links(links: dict[str, ShardLink]) -> dict[str, ShardLink]:
