@@ -75,6 +75,8 @@ ARENA_BYTES = 256 << 20  # read buffers kept for reuse per shard (_Arena)
 RETRY_ATTACH_S = 1.0  # a shard whose segment could not be mapped is asked again after this
 SMALL_BATCH = 4  # reads of at most this many items check them one by one (Mapped._read_few)
 SYNC_S = 2.0  # a read waits this long at most for this process's finishes in flight
+FINISH_WAIT_S = 0.2  # ... and this long for a finish of the object it reads by anyone else
+FINISH_POLL_S = 50e-6  # (how often it looks meanwhile)
 _EMPTY = -1
 _UNREAD = ItemResult(Outcome.FAILED, "not read")  # an item's span until it is read
 
@@ -200,6 +202,20 @@ class Mapped:
             np.copyto(out, r.data[blk, :n])
             ok[i] = int(r.seq[blk]) == s0 and int(r.generation[blk]) == gen and \
                 int(r.object_id[blk]) == oid
+
+    def finishing(self, batch: HandleBatch) -> np.ndarray:
+        """One bool per item: its block is claimed for exactly that object (odd ``seq``,
+        the handle's generation and object): its bytes are being copied or its finish was
+        not taken yet."""
+        out = np.zeros(len(batch), dtype=bool)
+        if not self.alive():
+            return out
+        for i, (slot, oid, gen, blk, _) in enumerate(batch.rows.tolist()):
+            r = self.pools.get(batch.columns[slot][3])
+            if r is not None and 0 <= blk < r.num_blocks and oid != _EMPTY:
+                out[i] = bool(int(r.seq[blk]) & 1) and int(r.generation[blk]) == gen and \
+                    int(r.object_id[blk]) == oid
+        return out
 
     def write(self, batch: HandleBatch, arrays: Sequence[Any], which: Sequence[int]) -> None:
         """Copy ``arrays[i]`` into the block of item ``i`` (claimed for this process) for each
@@ -340,20 +356,38 @@ class SharedLink:
 
     def _read_mapped(self, m: Mapped, batch: HandleBatch,
                      dest: Callable[[int, int], np.ndarray | None]) -> np.ndarray:
-        """``m.read``; the items it could not serve are tried once more after this process's
-        finishes in flight on the shard's socket were answered: a block this process wrote
-        (and may have committed already) is readable once its finish was taken."""
+        """``m.read``, and for the items it could not serve, a wait for a finish that is
+        under way: this process's own finishes in flight on the shard's socket are answered
+        first (a block this process wrote, and may have committed, is readable once its
+        finish was taken); a block whose claim is the very object asked for (another
+        process's finish not taken yet) is waited for up to :data:`FINISH_WAIT_S`. What is
+        still not readable then is left to the shard (its verdict: STALE ...)."""
         ok = m.read(batch, dest)
+        if ok.all():
+            return ok
         control = self.control
-        if ok.all() or control is None or not control.in_flight:
-            return ok
-        try:
-            control.sync(SYNC_S)
-        except ShardUnavailable:
-            self._lost_control(control)
-            return ok
+        synced = False
+        if control is not None and control.in_flight:
+            try:
+                control.sync(SYNC_S)
+                synced = True
+            except ShardUnavailable:
+                self._lost_control(control)
         rest = np.flatnonzero(~ok)
-        ok[rest] = m.read(batch.take(rest.tolist()), lambda j, n: dest(int(rest[j]), n))
+        deadline = time.monotonic() + FINISH_WAIT_S
+        while len(rest):
+            sub = batch.take(rest.tolist())
+            if not synced:
+                waiting = m.finishing(sub)
+                if not waiting.any() or time.monotonic() > deadline:
+                    break
+                time.sleep(FINISH_POLL_S)
+            synced = False
+            def into(j: int, n: int, at: np.ndarray = rest) -> np.ndarray | None:
+                return dest(int(at[j]), n)
+            got = m.read(sub, into)
+            ok[rest[got]] = True
+            rest = rest[~got]
         return ok
 
     def _read(self, m: Mapped, batch: HandleBatch) -> Pending:

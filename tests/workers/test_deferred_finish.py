@@ -176,16 +176,11 @@ def test_a_writer_killed_right_after_posting_its_finish_leaves_whole_bytes(
     m.close()
 
 
-def test_this_process_reads_its_write_at_once_while_its_finish_is_in_flight(
-        one_shard: InProcessSystem, w: Any) -> None:
-    """The shard is held busy right after the copy (its finish waits in the socket): a read
-    of the block by the same process waits for that finish and reads through the segment,
-    never asking the shard (which could only answer STALE for a block still being written).
-    (Mutation-checked: without the wait, the read went to the shard.)"""
-    shard = one_shard.links["shard-0"].shard
-    link = SharedLink(one_shard.links["shard-0"])
-    assert link._attached() is not None and link.control is not None
-    batch, nbytes = _fresh(one_shard, w, seed=13)
+def _write_with_the_finish_held(system: InProcessSystem, link: SharedLink, batch: HandleBatch,
+                                data: np.ndarray) -> threading.Event:
+    """``link`` writes ``data``; the shard is held busy from right after the copy, so the
+    posted finish waits in the socket until the returned event is set."""
+    shard = system.links["shard-0"].shard
     held, release = threading.Event(), threading.Event()
 
     def hold_the_shard() -> None:
@@ -193,26 +188,49 @@ def test_this_process_reads_its_write_at_once_while_its_finish_is_in_flight(
             held.set()
             release.wait(10)
 
-    copy = link.mapped.write  # type: ignore[union-attr]
+    assert link.mapped is not None
+    copy = link.mapped.write
 
     def copy_then_hold(*args: Any) -> None:
         copy(*args)
         threading.Thread(target=hold_the_shard, daemon=True).start()
         assert held.wait(10)
 
-    link.mapped.write = copy_then_hold  # type: ignore[union-attr,method-assign]
-    data = np.arange(nbytes, dtype=np.uint64).astype(np.uint8)
+    link.mapped.write = copy_then_hold  # type: ignore[method-assign]
     assert all(r.ok for r in link.submit("write_blocks", batch, arrays=[data],
                                          report=False).result(10))
-    assert link.control.in_flight == 1  # the finish: sent, not taken yet
-    threading.Timer(0.2, release.set).start()
+    assert link.control is not None and link.control.in_flight == 1  # sent, not taken yet
+    return release
+
+
+@pytest.mark.parametrize("reader", ["the writer", "another process"])
+def test_a_read_of_a_block_whose_finish_is_in_flight_waits_for_it(
+        one_shard: InProcessSystem, w: Any, reader: str) -> None:
+    """The shard is held busy right after the copy (the finish waits in the socket): a read
+    of the block, by the writing process or by another one (its own connection, nothing in
+    flight on it), waits for that finish and reads through the segment, never asking the
+    shard (which could only answer STALE for a block still being written). (Mutation-checked:
+    without the wait for a finish under way the other process's read went to the shard;
+    without it and the writer's sync of its own finishes, the writer's too.)"""
+    shard = one_shard.links["shard-0"].shard
+    writer = SharedLink(one_shard.links["shard-0"])
+    assert writer._attached() is not None and writer.control is not None
+    other = SharedLink(one_shard.links["shard-0"])  # as another process: its own connection
+    assert other._attached() is not None
+    batch, nbytes = _fresh(one_shard, w, seed=13)
+    data = np.arange(nbytes, dtype=np.uint64).astype(np.uint8)
+    release = _write_with_the_finish_held(one_shard, writer, batch, data)
+    threading.Timer(0.05, release.set).start()
     reads_before = shard.stats()["counts"].get("reads", 0)
+    link = writer if reader == "the writer" else other
     got = link.submit("read_blocks", batch).result(10)[0]
     assert not isinstance(got, ItemResult), got
     assert np.array_equal(got, data)
     assert shard.stats()["counts"].get("reads", 0) == reads_before  # the shard was not asked
-    assert link.control.in_flight == 0 and link.control.refused == 0
-    link.close_mapping()
+    writer.control.sync(10)
+    assert writer.control.in_flight == 0 and writer.control.refused == 0
+    writer.close_mapping()
+    other.close_mapping()
 
 
 def test_calls_from_many_threads_and_posts_share_one_connection_in_order(
