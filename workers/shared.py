@@ -452,13 +452,13 @@ class SharedLink:
                                        self.writer).result(timeout_s)
                 raise
             # (every byte is copied: only now may the finish leave)
+            granted = batch if len(mine) == len(batch) else batch.take(mine)
             control = self.control
             if control is not None and (not report or (tags is None and commits is None)):
                 # the shard's answer is OK for every claim it granted (nothing to report):
                 # posted, not waited for (see the module docstring)
                 try:
-                    control.post("finish_blocks", batch.take(mine), self.writer,
-                                 report=False)
+                    control.post("finish_blocks", granted, self.writer, report=False)
                 except ShardUnavailable:
                     self._lost_control(control)
                     raise
@@ -466,7 +466,7 @@ class SharedLink:
 
             def sub(xs: Sequence[Any] | None) -> list[Any] | None:
                 return None if xs is None else [xs[i] for i in mine]
-            done = self._control_call("finish_blocks", batch.take(mine), self.writer,
+            done = self._control_call("finish_blocks", granted, self.writer,
                                       tags=sub(tags), commits=sub(commits),
                                       report=report).result(timeout_s)
             for j, i in enumerate(mine):
