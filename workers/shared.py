@@ -29,9 +29,11 @@ The finish is posted (:meth:`~workers.control.ControlClient.post`): sent once ev
 copied, its answer not waited for when the write's result does not depend on it (no commits
 for the shard to report: the data plane's ``report=False``, a plain write). The shard takes a
 connection's calls in order, so the data plane's ``settle_blocks`` (sent on the same socket)
-and this process's next claim find the blocks finished; this process's own reads wait for
-the finishes in flight before they give up on a block that is still being written
-(:meth:`SharedLink._read_mapped`). A writer killed before its finish was sent leaves the
+and this process's next claim find the blocks finished; a read that finds a block still
+claimed for the very object it reads waits for its finish (this process's own: until their
+answers are read; another's: up to :data:`FINISH_WAIT_S`) before it leaves the block to the
+shard (:meth:`SharedLink._read_mapped`): a block committed right after its write is read
+from the segment, not refused as STALE. A writer killed before its finish was sent leaves the
 block claimed by a dead process: never readable (odd ``seq``), taken back by the next write
 of the block (``BlockPool.claim``). One killed after sending it leaves whole bytes: the
 finish is sent only after the last byte was copied. A finish the shard refuses (the claim
