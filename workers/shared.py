@@ -18,12 +18,27 @@ A write bumps ``seq`` before it changes a byte and after (``BlockPool.write``/``
 copy and of the second ``seq`` are ordered on x86-64 (TSO) without a fence; Python has no fence
 to offer elsewhere, so other machines keep the Ray path (:data:`ORDERED`).
 
-Write (the bytes never go through Ray)::
+Write (the bytes never go through Ray; one round trip to the shard)::
 
     claim_blocks(handles, sizes, writer)   the shard's write checks; the blocks are this
                                            process's to fill (no one else's while it lives)
     copy each array into its block
     finish_blocks(...)                     readable; then as write_blocks (commits, tags)
+
+The finish is posted (:meth:`~workers.control.ControlClient.post`): sent once every byte is
+copied, its answer not waited for when the write's result does not depend on it (no commits
+for the shard to report: the data plane's ``report=False``, a plain write). The shard takes a
+connection's calls in order, so the data plane's ``settle_blocks`` (sent on the same socket)
+and this process's next claim find the blocks finished; a read that finds a block still
+claimed for the very object it reads waits for its finish (this process's own: until their
+answers are read; another's: up to :data:`FINISH_WAIT_S`) before it leaves the block to the
+shard (:meth:`SharedLink._read_mapped`): a block committed right after its write is read
+from the segment, not refused as STALE. A writer killed before its finish was sent leaves the
+block claimed by a dead process: never readable (odd ``seq``), taken back by the next write
+of the block (``BlockPool.claim``). One killed after sending it leaves whole bytes: the
+finish is sent only after the last byte was copied. A finish the shard refuses (the claim
+was taken from a live writer: never, short of the shard's own reset) leaves the block
+unreadable, counted in ``ControlClient.refused``: reads of it are STALE, never its bytes.
 
 A shard that died (its pid's ``pidfd`` is readable) or shut down (the segment's alive word is
 0) is let go before the next copy: a worker never reads a replaced shard's segment. The mapping
@@ -42,6 +57,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from itertools import accumulate
 from typing import Any
 
 import numpy as np
@@ -59,7 +75,12 @@ log = logging.getLogger(__name__)
 ORDERED = platform.machine() in ("x86_64", "AMD64")  # loads not reordered with loads (TSO)
 ARENA_BYTES = 256 << 20  # read buffers kept for reuse per shard (_Arena)
 RETRY_ATTACH_S = 1.0  # a shard whose segment could not be mapped is asked again after this
+SMALL_BATCH = 4  # reads of at most this many items check them one by one (Mapped._read_few)
+SYNC_S = 2.0  # a read waits this long at most for this process's finishes in flight
+FINISH_WAIT_S = 0.2  # ... and this long for a finish of the object it reads by anyone else
+FINISH_POLL_S = 50e-6  # (how often it looks meanwhile)
 _EMPTY = -1
+_UNREAD = ItemResult(Outcome.FAILED, "not read")  # an item's span until it is read
 
 
 class NotShared(Exception):
@@ -139,6 +160,9 @@ class Mapped:
         ok = np.zeros(len(batch), dtype=bool)
         if not self.alive():
             return ok
+        if len(batch) <= SMALL_BATCH:
+            self._read_few(batch, dest, ok)
+            return ok
         slots, blocks = batch.slot_of(), batch.field("block")
         gens, oids = batch.field("generation"), batch.field("object_id")
         for s, col in enumerate(batch.columns):
@@ -160,6 +184,40 @@ class Mapped:
             ok[idx] &= (r.seq[b] == s0) & (r.generation[b] == gens[idx]) & (
                 r.object_id[b] == oids[idx])
         return ok
+
+    def _read_few(self, batch: HandleBatch, dest: Callable[[int, int], np.ndarray | None],
+                  ok: np.ndarray) -> None:
+        """:meth:`read`, item by item (a handful of items: numpy's per-call cost would weigh
+        more than the scalar reads). The same loads in the same order: ``seq``, then the
+        identity and length, the bytes, then ``seq`` and the identity again."""
+        for i, (slot, oid, gen, blk, _) in enumerate(batch.rows.tolist()):
+            r = self.pools.get(batch.columns[slot][3])
+            if r is None or not 0 <= blk < r.num_blocks or oid == _EMPTY:
+                continue
+            s0 = int(r.seq[blk])
+            if s0 & 1 or int(r.generation[blk]) != gen or int(r.object_id[blk]) != oid:
+                continue
+            n = int(r.length[blk])
+            out = dest(i, n)
+            if out is None:
+                continue
+            np.copyto(out, r.data[blk, :n])
+            ok[i] = int(r.seq[blk]) == s0 and int(r.generation[blk]) == gen and \
+                int(r.object_id[blk]) == oid
+
+    def finishing(self, batch: HandleBatch) -> np.ndarray:
+        """One bool per item: its block is claimed for exactly that object (odd ``seq``,
+        the handle's generation and object): its bytes are being copied or its finish was
+        not taken yet."""
+        out = np.zeros(len(batch), dtype=bool)
+        if not self.alive():
+            return out
+        for i, (slot, oid, gen, blk, _) in enumerate(batch.rows.tolist()):
+            r = self.pools.get(batch.columns[slot][3])
+            if r is not None and 0 <= blk < r.num_blocks and oid != _EMPTY:
+                out[i] = bool(int(r.seq[blk]) & 1) and int(r.generation[blk]) == gen and \
+                    int(r.object_id[blk]) == oid
+        return out
 
     def write(self, batch: HandleBatch, arrays: Sequence[Any], which: Sequence[int]) -> None:
         """Copy ``arrays[i]`` into the block of item ``i`` (claimed for this process) for each
@@ -185,6 +243,7 @@ class SharedLink:
         self._next_try = 0.0
         self._attach_lock = threading.Lock()  # one mapping per link, whatever the threads
         self.writer = this_writer()
+        self._pid = os.getpid()
         self._arena = _Arena()
 
     def __getattr__(self, name: str) -> Any:  # kill, revive, alive ... of the wrapped link
@@ -200,6 +259,10 @@ class SharedLink:
             m = self._attached()
             if m is not None:
                 return self._write(m, HandleBatch.of(args[0]), **kwargs)
+        if method == "settle_blocks" and self.control is not None and \
+                self._attached() is not None:
+            # on the socket the finishes went: the shard takes it after them (in order)
+            return self._control_call(method, *args, **kwargs)
         return self.link.submit(method, *args, **kwargs)
 
     def close_mapping(self) -> None:
@@ -210,9 +273,11 @@ class SharedLink:
             self.control.close()
             self.control = None
 
-    def _claim_call(self, method: str, *args: Any, **kwargs: Any) -> Pending:
-        """``method`` (claim, finish, release) over the shard's control socket when connected
-        (tens of microseconds), else through the link (a Ray call)."""
+    def _control_call(self, method: str, *args: Any, **kwargs: Any) -> Pending:
+        """``method`` (claim, finish, release, settle) over the shard's control socket when
+        connected (tens of microseconds), else through the link (a Ray call). Sent when its
+        result is asked for, as before: a claim nobody waits for is never made (it would
+        keep its blocks from reuse for as long as this process lives)."""
         control = self.control
         if control is None:
             return self.link.submit(method, *args, **kwargs)
@@ -221,9 +286,15 @@ class SharedLink:
             try:
                 return control.call(method, *args, timeout_s=timeout_s, **kwargs)
             except ShardUnavailable:
-                self.control = None  # gone or out of step: Ray from now on (or re-attach)
+                self._lost_control(control)
                 raise
         return Deferred(call)
+
+    def _lost_control(self, control: ControlClient) -> None:
+        """The shard's socket failed: gone or out of step; Ray from now on (or re-attach)."""
+        control.close()
+        if self.control is control:
+            self.control = None
 
     def _attached(self) -> Mapped | None:
         """The shard's segment, mapped (again) if need be; None: use the link."""
@@ -231,6 +302,10 @@ class SharedLink:
             return self._attach()
 
     def _attach(self) -> Mapped | None:
+        if self._pid != os.getpid():  # a forked child: its own identity, its own connection
+            self._pid, self.writer = os.getpid(), this_writer()
+            self.close_mapping()
+            self._next_try = 0.0
         if self.mapped is not None and not self.mapped.alive():
             self.close_mapping()  # dead or replaced: never read it again
             self._next_try = 0.0
@@ -264,7 +339,8 @@ class SharedLink:
         done = np.zeros(len(batch), dtype=bool)
         m = self._attached()
         if m is not None:
-            done = m.read(batch, lambda i, n: dests[i] if dests[i].nbytes == n else None)
+            done = self._read_mapped(
+                m, batch, lambda i, n: dests[i] if dests[i].nbytes == n else None)
         out: list[ItemResult | None] = [None] * len(batch)
         rest = np.flatnonzero(~done).tolist()
         if rest:
@@ -280,28 +356,72 @@ class SharedLink:
                     np.copyto(dests[i], item)
         return out
 
+    def _read_mapped(self, m: Mapped, batch: HandleBatch,
+                     dest: Callable[[int, int], np.ndarray | None]) -> np.ndarray:
+        """``m.read``, and for the items it could not serve, a wait for a finish that is
+        under way: this process's own finishes in flight on the shard's socket are answered
+        first (a block this process wrote, and may have committed, is readable once its
+        finish was taken); a block whose claim is the very object asked for (another
+        process's finish not taken yet) is waited for up to :data:`FINISH_WAIT_S`. What is
+        still not readable then is left to the shard (its verdict: STALE ...)."""
+        ok = m.read(batch, dest)
+        if ok.all():
+            return ok
+        control = self.control
+        synced = False
+        if control is not None and control.in_flight:
+            try:
+                control.sync(SYNC_S)
+                synced = True
+            except ShardUnavailable:
+                self._lost_control(control)
+        rest = np.flatnonzero(~ok)
+        deadline = time.monotonic() + FINISH_WAIT_S
+        while len(rest):
+            sub = batch.take(rest.tolist())
+            if not synced:
+                waiting = m.finishing(sub)
+                if not waiting.any() or time.monotonic() > deadline:
+                    break
+                time.sleep(FINISH_POLL_S)
+            synced = False
+            def into(j: int, n: int, at: np.ndarray = rest) -> np.ndarray | None:
+                return dest(int(at[j]), n)
+            got = m.read(sub, into)
+            ok[rest[got]] = True
+            rest = rest[~got]
+        return ok
+
     def _read(self, m: Mapped, batch: HandleBatch) -> Pending:
-        out: list[np.ndarray | ItemResult] = [ItemResult(Outcome.FAILED, "not read")] * len(batch)
-        sizes = [batch.columns[s][4] for s in batch.slot_of().tolist()]  # (each at most)
-        at = np.cumsum([0, *sizes]).tolist()
-        buf = self._arena.take(at[-1])
+        """``read_blocks``: each item's bytes in one arena buffer (a span each), what the
+        segment could not serve asked of the shard."""
+        cols = batch.columns
+        at = list(accumulate((cols[s][4] for s in batch.slot_of().tolist()), initial=0))
+        buf = self._arena.take(at[-1])  # (each item's size at most)
+        spans: list[tuple[int, int, int] | ItemResult] = [_UNREAD] * len(batch)
 
         def dest(i: int, n: int) -> np.ndarray:
-            arr = buf[at[i] : at[i] + n]
-            out[i] = arr
-            return arr
+            spans[i] = (0, at[i], n)
+            return buf[at[i] : at[i] + n]
 
-        ok = m.read(batch, dest)
-        rest = np.flatnonzero(~ok)
-        if not len(rest):
-            return Deferred(lambda _t: _as_packed(out))
-        pending = self.link.submit("read_blocks", batch.take(rest.tolist()))
+        ok = self._read_mapped(m, batch, dest)
+        if ok.all():
+            read = PackedRead([buf], spans)
+            return Deferred(lambda _t: read)
+        rest = np.flatnonzero(~ok).tolist()
+        pending = self.link.submit("read_blocks", batch.take(rest))
 
         def finish(timeout_s: float) -> PackedRead:
             got = pending.result(timeout_s)
-            for j, i in enumerate(rest.tolist()):
-                out[i] = got[j]
-            return _as_packed(out)
+            buffers = [buf]
+            for j, i in enumerate(rest):
+                item = got[j]
+                if isinstance(item, ItemResult):
+                    spans[i] = item
+                else:
+                    spans[i] = (len(buffers), 0, len(item))
+                    buffers.append(np.asarray(item))
+            return PackedRead(buffers, spans)
         return Deferred(finish)
 
     # -- write ------------------------------------------------------------------------------
@@ -310,8 +430,8 @@ class SharedLink:
                tags: Sequence[Any] | None = None, commits: Sequence[Any] | None = None,
                report: bool = True) -> Pending:
         sizes = [_as_bytes(a).size for a in arrays]
-        claimed = self._claim_call("claim_blocks", batch, sizes, self.writer, tags=tags,
-                                   commits=commits)
+        claimed = self._control_call("claim_blocks", batch, sizes, self.writer, tags=tags,
+                                     commits=commits)
 
         def finish(timeout_s: float) -> list[ItemResult]:
             claims: list[ItemResult] | None = claimed.result(timeout_s)
@@ -330,14 +450,27 @@ class SharedLink:
                                        "a write") from None
             except BaseException:
                 with contextlib.suppress(Exception):
-                    self._claim_call("release_blocks", batch.take(mine),
-                                     self.writer).result(timeout_s)
+                    self._control_call("release_blocks", batch.take(mine),
+                                       self.writer).result(timeout_s)
                 raise
+            # (every byte is copied: only now may the finish leave)
+            granted = batch if len(mine) == len(batch) else batch.take(mine)
+            control = self.control
+            if control is not None and (not report or (tags is None and commits is None)):
+                # the shard's answer is OK for every claim it granted (nothing to report):
+                # posted, not waited for (see the module docstring)
+                try:
+                    control.post("finish_blocks", granted, self.writer, report=False)
+                except ShardUnavailable:
+                    self._lost_control(control)
+                    raise
+                return claims
+
             def sub(xs: Sequence[Any] | None) -> list[Any] | None:
                 return None if xs is None else [xs[i] for i in mine]
-            done = self._claim_call("finish_blocks", batch.take(mine), self.writer,
-                                    tags=sub(tags), commits=sub(commits),
-                                    report=report).result(timeout_s)
+            done = self._control_call("finish_blocks", granted, self.writer,
+                                      tags=sub(tags), commits=sub(commits),
+                                      report=report).result(timeout_s)
             for j, i in enumerate(mine):
                 claims[i] = done[j]
             return claims
@@ -363,19 +496,6 @@ class _Arena:
             if sum(b.nbytes for b in self._bufs) + nbytes <= ARENA_BYTES:
                 self._bufs.append(buf)
             return buf
-
-
-def _as_packed(items: list[np.ndarray | ItemResult]) -> PackedRead:
-    """``items`` as the :class:`PackedRead` a shard's ``read_blocks`` answers with."""
-    buffers: list[np.ndarray] = []
-    spans: list[tuple[int, int, int] | ItemResult] = []
-    for it in items:
-        if isinstance(it, ItemResult):
-            spans.append(it)
-        else:
-            spans.append((len(buffers), 0, len(it)))
-            buffers.append(np.asarray(it))
-    return PackedRead(buffers, spans)
 
 
 def shared_links(links: dict[str, ShardLink]) -> dict[str, ShardLink]:

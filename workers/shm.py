@@ -26,6 +26,8 @@ from __future__ import annotations
 import mmap
 import os
 import select
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -161,16 +163,46 @@ def this_writer() -> Writer:
 def writer_alive(writer: Writer) -> bool:
     """Whether the process ``writer`` names may still run code: not while any of its threads
     does (a pidfd turns readable only once the whole thread group exited; ``/proc``'s state
-    shows a zombie as soon as the main thread is one)."""
-    pid, start = writer
-    try:
-        fd = os.pidfd_open(pid)
-    except OSError:
-        return False  # reaped
-    try:
-        # the start time read after the open names the process the pidfd refers to
-        if process_start(pid) != start:
-            return False
-        return not select.select([fd], [], [], 0)[0]
-    finally:
-        os.close(fd)
+    shows a zombie as soon as the main thread is one). A shard asks it on every claim: the
+    pidfd of a writer found live is kept (:class:`_Watched`), so asking again costs one
+    ``select`` (~1 us) instead of an open and a read of ``/proc`` (~20 us)."""
+    return _WATCHED.alive(writer)
+
+
+class _Watched:
+    """Pidfds of writers found live, at most :data:`WATCHED_MAX` (the least recently asked
+    about closed first). A pidfd names one process for good (its pid may be reused, the
+    pidfd never follows it), so once its start time matched, its readability alone says
+    whether that process ended."""
+
+    def __init__(self) -> None:
+        self._fds: OrderedDict[Writer, int] = OrderedDict()
+        self._lock = threading.Lock()  # (an fd closed by one thread never polled by another)
+
+    def alive(self, writer: Writer) -> bool:
+        with self._lock:
+            fd = self._fds.get(writer)
+            if fd is not None:
+                if not select.select([fd], [], [], 0)[0]:
+                    self._fds.move_to_end(writer)
+                    return True
+                del self._fds[writer]  # it ended: never asked about again
+                os.close(fd)
+                return False
+            pid, start = writer
+            try:
+                fd = os.pidfd_open(pid)
+            except OSError:
+                return False  # reaped
+            # the start time read after the open names the process the pidfd refers to
+            if process_start(pid) != start or select.select([fd], [], [], 0)[0]:
+                os.close(fd)
+                return False
+            self._fds[writer] = fd
+            if len(self._fds) > WATCHED_MAX:
+                os.close(self._fds.popitem(last=False)[1])
+            return True
+
+
+WATCHED_MAX = 64  # writer processes whose pidfd a shard keeps (a node's workers)
+_WATCHED = _Watched()

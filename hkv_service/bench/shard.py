@@ -6,14 +6,15 @@ metadata in a :class:`workers.raylink.MetadataActor` (no gRPC: the data plane ne
 service on a read or a plain write). This process is the worker. The bench spec has one SWA
 group per block size (64 KiB, 1 MiB, 4 MiB).
 
-Two paths, both through the same shard, timed interleaved (each round runs every path once;
-each figure is its best round, so drift on a busy host hits all alike):
+Two paths, both through the same shard, timed interleaved (each round runs every path once,
+starting one path later than the round before; each figure is its best round, so drift on a
+busy host hits all alike):
 
 * ``shared``: :class:`workers.shared.SharedLink`, what the data plane uses on the shard's
-  node: a write is ``claim_blocks`` (one actor call), the copy into the shard's shared
-  segment, ``finish_blocks`` (one actor call); a read calls no actor (seqlock over the
-  segment), ``read`` into fresh arrays, ``read_into`` into buffers the caller holds (a
-  staging buffer, a KV cache page: what a connector does).
+  node: a write is ``claim_blocks`` (one round trip on the shard's control socket), the copy
+  into the shard's shared segment, ``finish_blocks`` (posted: not waited for); a read calls
+  no actor (seqlock over the segment), ``read`` into arrays it hands out, ``read_into`` into
+  buffers the caller holds (a staging buffer, a KV cache page: what a connector does).
 * ``ray``: the shard's ``write_blocks`` / ``read_blocks`` through Ray (what a worker on
   another node gets; what every worker got before the shared segment).
 
@@ -22,6 +23,9 @@ untimed, as a writer that gave up), so every write copies. Per block size, two s
 
 * ``<size>``: a batch of ``batch_bytes`` per call (64 MiB, 16 MiB with ``--quick``);
 * ``one_<size>``: one block per call (the per-call cost shows).
+
+``control_call_us``: an empty round trip on the control socket (what a single-block write
+waits for beyond its copy), back to back and right after a Ray call.
 
 ``ratios``: each path's GB/s over the memory copy's GB/s of the same bytes;
 ``min_from_1MiB_vs_memcpy`` is the lowest of the shared path's write, read and read_into
@@ -130,9 +134,12 @@ def _measure(b: _Bench, label: str, size: int, n: int, reps: int) -> dict[str, f
         "memcpy": lambda: _timed(copy),
     }
     best = dict.fromkeys(calls, float("inf"))
-    for _ in range(reps + 1):  # the first round warms up and counts like the others
-        for path, call in calls.items():
-            best[path] = min(best[path], call())
+    order = list(calls)
+    for k in range(reps + 1):  # the first round warms up and counts like the others
+        # each round starts one path later: every path (the copy too) follows every other
+        # one in some round (what ran before decides what is still in the caches)
+        for path in order[k % len(order):] + order[: k % len(order)]:
+            best[path] = min(best[path], calls[path]())
     _check(b, held, arrays, dests)
     gb = size * n / 1e9
     return {path: gb / t for path, t in best.items()}
@@ -171,6 +178,7 @@ def run(quick: bool = False) -> dict[str, Any]:
                         for label, size in SIZES.items()}
                 overhead_us = 1e6 * best_of(lambda: b.ray.submit("read_blocks", []).result(60),
                                             50)
+                control_us = _control_call_us(b)
                 info = ray.get(b.shard.ping.remote())
                 shared = b.shared.mapped is not None
             finally:
@@ -178,18 +186,41 @@ def run(quick: bool = False) -> dict[str, Any]:
     finally:
         if started:
             ray.shutdown()
-    return _report(quick, per, overhead_us, batch_bytes, info["device"], shared)
+    return _report(quick, per, overhead_us, batch_bytes, info["device"], shared, control_us)
 
 
 def r3(x: float) -> float:
     return round(x, 3)
 
 
+def _control_call_us(b: _Bench) -> dict[str, float]:
+    """The round trip a shared write waits for (its claim), without its work: an empty call
+    on the shard's control socket, back to back and after this process waited on a Ray call
+    (as a write after its allocation does), best of 50 each; {} without a control socket."""
+    from workers.pool import HandleBatch
+
+    control = b.shared.control
+    if control is None:
+        return {}
+    empty = HandleBatch.of([])
+
+    def call() -> None:
+        control.call("release_blocks", empty, b.shared.writer)
+
+    def after_ray() -> float:
+        ray.get(b.shard.ping.remote())
+        return _timed(call)
+    return {"back_to_back": r3(1e6 * best_of(call, 50)),
+            "after_a_ray_call": r3(1e6 * min(after_ray() for _ in range(50)))}
+
+
 def _report(quick: bool, per: dict[str, dict[str, float]], overhead_us: float,
-            batch_bytes: int, device: str, shared: bool) -> dict[str, Any]:
+            batch_bytes: int, device: str, shared: bool,
+            control_us: dict[str, float]) -> dict[str, Any]:
     figures: dict[str, Any] = {"batch_bytes": batch_bytes, "device": device,
                                "shared_segment_mapped": shared,
-                               "ray_call_overhead_us": r3(overhead_us)}
+                               "ray_call_overhead_us": r3(overhead_us),
+                               "control_call_us": control_us}
     baseline: dict[str, Any] = {}
     ratios: dict[str, float] = {}
     for label, m in per.items():
