@@ -78,6 +78,7 @@ class SaveJob:
     hashes: tuple[BlockHash, ...]
     items: tuple[SaveItem, ...]
     held: bool = False
+    token_ids: bytes = b""  # the tokens of ``hashes``' blocks, int32 LE: the KV events' own
 
 
 def load_copies(geo: Geometry, layout: Layout, match: Match, local: int, target: int,

@@ -38,6 +38,8 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from hkv_service.core.api import Downgrade, LookupRequest, Match
 from hkv_service.core.hashing import ExtraKeys, hash_blocks
 from hkv_service.core.ids import BlockHash
@@ -297,9 +299,12 @@ class SchedulerSide:
                                   * self.geo.hash_block_size)
         if not items:
             return False
-        hashes = tuple(hash_blocks(tokens[:end], self.geo.hash_block_size,
-                                   self.extra_keys(request)))
-        self._saves.append(SaveJob(req_id, hashes, items, held))
+        hb = self.geo.hash_block_size
+        arr = np.asarray(tokens[:end // hb * hb], dtype="<i4")
+        hashes = tuple(hash_blocks(arr, hb, self.extra_keys(request)))
+        # the blocks' tokens travel with them: BlockStored events carry them (routers key
+        # blocks by tokens)
+        self._saves.append(SaveJob(req_id, hashes, items, held, arr.tobytes()))
         return True
 
     def failed(self, req_ids: set[str]) -> None:

@@ -92,13 +92,30 @@ def transfer_config(system: str, **extra: Any) -> KVTransferConfig:
         kv_connector_extra_config={"system": system, **extra})
 
 
-def engine_config(model: Path, system: str, block_size: int = 16) -> VllmConfig:
+def engine_config(model: Path, system: str, block_size: int = 16,
+                  transfer: KVTransferConfig | None = None) -> VllmConfig:
     cfg = EngineArgs(model=str(model), skip_tokenizer_init=True, enforce_eager=True,
                      block_size=block_size, max_model_len=2048,
-                     kv_transfer_config=transfer_config(system),
+                     kv_transfer_config=transfer or transfer_config(system),
                      enable_prefix_caching=True).create_engine_config()
     cfg.cache_config.kv_cache_layout = "LBHNC"  # what the engine core would resolve
     return cfg
+
+
+def served_transfer(endpoint: str, ray_address: str) -> KVTransferConfig:
+    """The connector config of an engine served by a running ``hkv up``."""
+    return KVTransferConfig(
+        kv_connector="HkvConnector", kv_connector_module_path="hkv_service.connectors.vllm",
+        kv_role="kv_both", kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"endpoint": endpoint, "ray_address": ray_address})
+
+
+def spec_for(model: Path, specs: dict[str, KVCacheSpec], block_size: int = 16) -> Any:
+    """The hkv cache spec the connector derives for :class:`Harness` (what ``hkv up --spec``
+    must run for it)."""
+    cfg = engine_config(model, "-", block_size)
+    kvc = get_kv_cache_configs(cfg, [specs], [48 << 20])[0]
+    return engine_geometry(cfg, kvc).spec
 
 
 def hybrid_specs() -> dict[str, KVCacheSpec]:
@@ -205,19 +222,24 @@ def block_content(view: torch.Tensor, tokens: list[int], group: int, layer: int
 class Harness:
     def __init__(self, model: Path, data_dir: Path, specs: dict[str, KVCacheSpec],
                  name: str, block_size: int = 16, pool_blocks: int = 1024,
-                 partitions: int = 1, split: bool = False, cfg: VllmConfig | None = None
-                 ) -> None:
+                 partitions: int = 1, split: bool = False, cfg: VllmConfig | None = None,
+                 served: KVTransferConfig | None = None) -> None:
+        """``served``: the connectors reach a running ``hkv up`` (:func:`served_transfer`)
+        instead of an in-process hkv (``self.system`` is then None)."""
         self.name = name
-        self.cfg = cfg or engine_config(model, name, block_size)
+        self.cfg = cfg or engine_config(model, name, block_size, served)
         self.kvc = get_kv_cache_configs(self.cfg, [specs], [48 << 20])[0]
         self.cfg.cache_config.num_gpu_blocks = self.kvc.num_blocks
         self.geo = engine_geometry(self.cfg, self.kvc)
-        base = InProcessConfig(shards=2, blocks_per_group=pool_blocks, partitions=partitions)
-        if split:  # every chain split across the partitions every 2 periods (--range-blocks)
-            base = replace(base, state=replace(
-                base.state, range_blocks=2 * Layout(self.geo.spec).period))
-        self.system = InProcessSystem(self.geo.spec, data_dir, base)
-        systems.publish(name, self.system)
+        self.system: Any = None
+        if served is None:
+            base = InProcessConfig(shards=2, blocks_per_group=pool_blocks,
+                                   partitions=partitions)
+            if split:  # every chain split across the partitions every 2 periods
+                base = replace(base, state=replace(
+                    base.state, range_blocks=2 * Layout(self.geo.spec).period))
+            self.system = InProcessSystem(self.geo.spec, data_dir, base)
+            systems.publish(name, self.system)
         sb, hb = resolve_kv_cache_block_sizes(self.kvc, self.cfg)
         self.sched = Scheduler(self.cfg, generate_scheduler_kv_cache_config([self.kvc]),
                                StructuredOutputManager(self.cfg), block_size=sb,
@@ -239,8 +261,9 @@ class Harness:
         return c
 
     def close(self) -> None:
-        systems.withdraw(self.name)
-        self.system.close()
+        if self.system is not None:
+            systems.withdraw(self.name)
+            self.system.close()
 
     def add(self, req_id: str, tokens: list[int], max_tokens: int = 1) -> Request:
         req = Request(req_id, tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
