@@ -119,7 +119,7 @@ class HkvConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unuse
             meta = metadata(cfg, self.geometry.spec)
             self._check_spec(meta.get_spec(), cfg)
             self.scheduler = SchedulerSide(self.geometry, meta, self.geometry.spec.model_id,
-                                           cfg.lease_ttl_s)
+                                           cfg.lease_ttl_s, cfg.probe_wait_s)
         else:
             plane = dataplane(cfg, self.geometry.spec)
             self._check_spec(plane.layout.spec, cfg)
@@ -234,6 +234,8 @@ class HkvConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unuse
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.close()
+        if self.scheduler is not None:
+            self.scheduler.close()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()

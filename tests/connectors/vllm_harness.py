@@ -253,6 +253,9 @@ class Harness:
         self.outputs: list[SchedulerOutput] = []
         self.recved: set[str] = set()  # requests whose load the worker reported done
         self.sent: set[str] = set()  # finished requests whose save the worker reported landed
+        # a step starts once the probes asked in earlier steps were answered (an engine whose
+        # steps outlast a probe); False: steps never wait on them (a tight empty-step loop)
+        self.wait_probes = True
 
     @property
     def connector(self) -> HkvConnector:
@@ -276,6 +279,9 @@ class Harness:
         assert self.sched.reset_prefix_cache()
 
     def step(self) -> SchedulerOutput:
+        side = self.connector.scheduler
+        if self.wait_probes and side is not None:
+            assert side._lane.drain(30.0), "hkv probes still pending after 30 s"
         out = self.sched.schedule()
         self.outputs.append(out)
         self._forward(out)
@@ -317,6 +323,7 @@ class Harness:
                 break
             else:
                 work.drain(0.05)
+                time.sleep(0.001)  # as vLLM's engine loop after a step that ran nothing
         assert not self.sched.has_requests(), "requests still running"
         assert work.drain(max(0.0, deadline - time.monotonic())), "hkv transfers in flight"
         return self.outputs[start:]
@@ -337,6 +344,18 @@ class Harness:
                     for li, layer in enumerate(g.layers):
                         view = self.caches[layer]
                         view[b].copy_(block_content(view, upto, g.vllm_group, li))
+
+    def admit(self, req_id: str, max_steps: int = 10) -> SchedulerOutput:
+        """Step until ``req_id`` is scheduled or its load handed over (its first step asks
+        hkv's probe and schedules nothing for it); that step's output."""
+        for _ in range(max_steps):
+            out = self.step()
+            meta = out.kv_connector_metadata
+            if req_id in out.num_scheduled_tokens or (
+                    isinstance(meta, HkvConnectorMetadata)
+                    and any(j.req_id == req_id for j in meta.loads)):
+                return out
+        raise AssertionError(f"{req_id} not scheduled in {max_steps} steps")
 
     def scheduled(self, req_id: str) -> int:
         """Tokens vLLM computed for ``req_id`` in its first step that computed any."""
