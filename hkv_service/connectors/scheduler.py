@@ -391,8 +391,7 @@ class SchedulerSide:
         req_id = request.request_id
         if request.mm_features or request.prompt_embeds is not None:
             return False
-        tokens = list(request.all_token_ids)
-        end = min(end, len(tokens))
+        end = min(end, len(request.all_token_ids))  # no copy of the tokens unless saved
         known = self._known.get(req_id, 0)
         items = save_items(self.geo, block_ids, end, known, self.null_block) + states
         self._known[req_id] = max(known, end // self.geo.hash_block_size
@@ -400,11 +399,10 @@ class SchedulerSide:
         if not items:
             return False
         hb = self.geo.hash_block_size
-        arr = np.asarray(tokens[:end // hb * hb], dtype="<i4")
-        hashes = tuple(hash_blocks(arr, hb, self.extra_keys(request)))
-        # the blocks' tokens travel with them: BlockStored events carry them (routers key
-        # blocks by tokens)
-        self._saves.append(SaveJob(req_id, hashes, items, held, arr.tobytes()))
+        # the prefix's tokens, not its hashes: the save lane hashes them off the step, and
+        # BlockStored events carry them (routers key blocks by tokens)
+        arr = np.asarray(request.all_token_ids[:end // hb * hb], dtype="<i4")
+        self._saves.append(SaveJob(req_id, items, arr.tobytes(), self.extra_keys(request), held))
         return True
 
     def failed(self, req_ids: set[str]) -> None:
