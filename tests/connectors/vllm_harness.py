@@ -102,12 +102,15 @@ def engine_config(model: Path, system: str, block_size: int = 16,
     return cfg
 
 
-def served_transfer(endpoint: str, ray_address: str) -> KVTransferConfig:
+def served_transfer(endpoint: str, ray_address: str, spec_out: str | None = None
+                    ) -> KVTransferConfig:
     """The connector config of an engine served by a running ``hkv up``."""
+    extra = {"endpoint": endpoint, "ray_address": ray_address}
+    if spec_out:
+        extra["spec_out"] = spec_out
     return KVTransferConfig(
         kv_connector="HkvConnector", kv_connector_module_path="hkv_service.connectors.vllm",
-        kv_role="kv_both", kv_load_failure_policy="recompute",
-        kv_connector_extra_config={"endpoint": endpoint, "ray_address": ray_address})
+        kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
 
 
 def spec_for(model: Path, specs: dict[str, KVCacheSpec], block_size: int = 16) -> Any:
@@ -118,15 +121,15 @@ def spec_for(model: Path, specs: dict[str, KVCacheSpec], block_size: int = 16) -
     return engine_geometry(cfg, kvc).spec
 
 
-def hybrid_specs() -> dict[str, KVCacheSpec]:
+def hybrid_specs(block_size: int = 16) -> dict[str, KVCacheSpec]:
     """The tiny Llama's layers: sliding window 128 and full attention, alternating."""
     out: dict[str, KVCacheSpec] = {}
     for i in range(4):
         if i % 2 == 0:
-            out[LAYER.format(i)] = SlidingWindowSpec(block_size=16, num_kv_heads=2,
+            out[LAYER.format(i)] = SlidingWindowSpec(block_size=block_size, num_kv_heads=2,
                                                      head_size=32, dtype=F32, sliding_window=128)
         else:
-            out[LAYER.format(i)] = FullAttentionSpec(block_size=16, num_kv_heads=2,
+            out[LAYER.format(i)] = FullAttentionSpec(block_size=block_size, num_kv_heads=2,
                                                      head_size=32, dtype=F32)
     return out
 
