@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from hkv_service.core.api import Allocation, AllocRequest, Handle, Match, Params
-from hkv_service.core.errors import HkvError, UnknownGroup, WrongSize
+from hkv_service.core.errors import HkvError, InvalidInput, UnknownGroup, WrongSize
 from hkv_service.core.hashing import content_version
 from hkv_service.core.ids import BlockHash, ShardId
 from hkv_service.core.layout import Layout
@@ -270,8 +270,12 @@ class DataPlane:
         tails: Mapping[Slot, tuple[Any, int]] | None = None,
         swa_ranges: Mapping[Slot, tuple[int, int]] | None = None,
         owner: ShardId | None = None,
+        token_ids: Sequence[int] | None = None,
     ) -> WriteReport:
-        """Allocate, write and commit every block of a prefix. ``blocks[(depth, column)]`` is
+        """Allocate, write and commit every block of a prefix. ``token_ids``: the tokens of
+        ``block_hashes``' blocks (``hash_block`` per hash), carried by the allocate for the KV
+        event stream (a router keys blocks by them); of another length, InvalidInput is
+        raised before anything is allocated. ``blocks[(depth, column)]`` is
         the bytes of a COMPRESSED/SWA/INDEXER block; ``tails[(depth, "<group>.tail")]`` is
         ``(bytes, raw tokens held)``; ``swa_ranges`` optionally narrows an SWA block's
         ``[lo, hi)``. Each block is exactly its object's bytes (``Layout.object_bytes``: a
@@ -286,11 +290,14 @@ class DataPlane:
         for slot, (arr, n) in (tails or {}).items():
             data[slot] = (arr, Commit((Event.TAIL_DONE,), (Params(tail_len=n),)))
         self._check_sizes(data)
+        if token_ids is not None and len(token_ids) != len(block_hashes) * self.layout.hash_block:
+            raise InvalidInput(f"{len(token_ids)} token ids for {len(block_hashes)} hash blocks "
+                               f"of {self.layout.hash_block} tokens")
         report = WriteReport()
         slots = sorted(data)
         try:
             allocs = self.meta.allocate(
-                block_hashes, [AllocRequest(d, c) for d, c in slots], owner
+                block_hashes, [AllocRequest(d, c) for d, c in slots], owner, token_ids=token_ids
             )
         except HkvError as exc:
             for slot in slots:

@@ -62,7 +62,9 @@ class LocalMetadata:
         return ids
 
     def allocate(self, block_hashes: Sequence[BlockHash], requests: Sequence[api.AllocRequest],
-                 owner: ShardId | None = None, first_block: int = 0) -> list[api.Allocation]:
+                 owner: ShardId | None = None, first_block: int = 0,
+                 token_ids: Sequence[int] | None = None) -> list[api.Allocation]:
+        # token_ids are for the KV event stream, which only a served state publishes
         return self.state.allocate(block_hashes, requests, owner, first_block)
 
     def transition(self, object_id: ObjectId, event: Event, params: api.Params | None = None,

@@ -281,15 +281,21 @@ class PartitionedMetadata:
         return partition_of_route(r.route, self.count)
 
     def allocate(self, block_hashes: Sequence[BlockHash], requests: Sequence[api.AllocRequest],
-                 owner: ShardId | None = None, first_block: int = 0) -> list[api.Allocation]:
+                 owner: ShardId | None = None, first_block: int = 0,
+                 token_ids: Sequence[int] | None = None) -> list[api.Allocation]:
         cut = self.range_blocks
         if not cut or first_block or all(r.depth < cut for r in requests):
             return self._root(block_hashes).allocate(block_hashes, requests, owner,
-                                                     first_block=first_block)
+                                                     first_block=first_block,
+                                                     token_ids=token_ids)
         groups = split.split_slots(block_hashes, requests, cut)
+        hb = len(token_ids) // len(block_hashes) if token_ids is not None and block_hashes else 0
         futures = [(idx, self._fan.submit(
             self.parts[self._of_anchor(hashes[0])].allocate, hashes,
-            [requests[i] for i in idx], owner, first_block=lo)) for lo, hashes, idx in groups]
+            [requests[i] for i in idx], owner, first_block=lo,
+            # each range's partition is told its blocks' tokens (it publishes their events)
+            token_ids=(token_ids[lo * hb:(lo + len(hashes)) * hb] if token_ids is not None
+                       else None))) for lo, hashes, idx in groups]
         out: list[api.Allocation | None] = [None] * len(requests)
         failed: BaseException | None = None
         for idx, f in futures:

@@ -215,7 +215,9 @@ class ActorMetadata:
         return self._call("confirm_objects", owner, list(reports), incarnation)  # type: ignore[no-any-return]
 
     def allocate(self, block_hashes: Sequence[BlockHash], requests: Sequence[api.AllocRequest],
-                 owner: ShardId | None = None, first_block: int = 0) -> list[api.Allocation]:
+                 owner: ShardId | None = None, first_block: int = 0,
+                 token_ids: Sequence[int] | None = None) -> list[api.Allocation]:
+        # an actor's state publishes no KV events: its token_ids are not sent
         return self._call("allocate", list(block_hashes), list(requests), owner,  # type: ignore[no-any-return]
                           first_block)
 

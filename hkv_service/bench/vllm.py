@@ -19,7 +19,9 @@ Time to first token (``max_tokens=1``, one request at a time, the median of ``ru
   plus hkv's probe and the staging of every whole block (the copy out of vLLM's cache is
   all a save costs inside the step; its write and commit run off the step).
 
-hkv's own time per request, summed over the request's steps: the scheduler-side hooks
+hkv's own time per request, summed over the request's steps that ran the model (a step that
+ran nothing, vLLM spinning while a probe or a load is pending, is counted apart:
+``idle_steps_hooks_ms_per_*``): the scheduler-side hooks
 (``get_num_new_matched_tokens``, ``update_state_after_alloc``, ``build_connector_meta``) and
 the worker-side ones (``start_load_kv``, ``wait_for_layer_load``, ``save_kv_layer``,
 ``wait_for_save``), each timed around vLLM's call into the connector. ``first_token_equal`` /
@@ -100,14 +102,41 @@ def _prompt(n: int, seed: int, vocab: int) -> list[int]:
 
 
 class _Hooks:
-    """Seconds spent in each connector hook vLLM calls (wrapped on the connector objects)."""
+    """Seconds spent in each connector hook vLLM calls (wrapped on the connector objects),
+    split by the engine step they ran in: one that ran the model (``seconds``) or one that
+    ran nothing (``idle``: vLLM spinning while a probe or a load is pending, time the engine
+    had no work for)."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
+        self.idle: dict[str, float] = defaultdict(float)
+        self._step: dict[str, float] = defaultdict(float)
 
     def wrap(self, obj: Any, names: tuple[str, ...]) -> None:
         for name in names:
             setattr(obj, name, self._timed(name, getattr(obj, name)))
+
+    def steps(self, core: Any) -> None:
+        """Attribute each step's hook seconds once the step says whether it ran the model."""
+        step = core.step_fn
+
+        def attributed() -> Any:
+            self._step.clear()
+            try:
+                out = step()
+            except BaseException:
+                self._close(True)
+                raise
+            self._close(bool(out[1]))
+            return out
+
+        core.step_fn = attributed
+
+    def _close(self, executed: bool) -> None:
+        into = self.seconds if executed else self.idle
+        for name, s in self._step.items():
+            into[name] += s
+        self._step.clear()
 
     def _timed(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -115,13 +144,16 @@ class _Hooks:
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.seconds[name] += time.perf_counter() - start
+                self._step[name] += time.perf_counter() - start
 
         return timed
 
     def take(self) -> dict[str, float]:
+        """Seconds per hook in steps that ran the model; ``idle.<hook>`` in the others."""
         out = dict(self.seconds)
+        out.update({f"idle.{k}": v for k, v in self.idle.items()})
         self.seconds.clear()
+        self.idle.clear()
         return out
 
 
@@ -307,6 +339,7 @@ def _run(quick: bool, work: Path, model_name: str) -> dict[str, Any]:
         hooks.wrap(sched, SCHEDULER_HOOKS)
         hooks.wrap(worker, WORKER_HOOKS)
         hooks.wrap(llm.llm_engine.engine_core.engine_core.model_executor, ("execute_model",))
+        hooks.steps(llm.llm_engine.engine_core.engine_core)
         side = worker.worker
         _first_token(llm, warm)  # warm-up miss: saved to hkv
         reset_prefix_cache(llm, side)
@@ -320,10 +353,12 @@ def _run(quick: bool, work: Path, model_name: str) -> dict[str, Any]:
             tokens = hit_prompt if k == runs else _prompt(prompt_tokens, 100 + k, vocab)
             reset_prefix_cache(llm, side)
             before = dict(side.stats.total)
+            probe_before = sched.scheduler.stats.total["probe_s"]
             took, _tok, _lps = _first_token(llm, tokens)
             miss_s.append(took)
             row = hooks.take()
             row["stage"] = side.stats.total["stage_s"] - before.get("stage_s", 0.0)
+            row["probe_lane"] = sched.scheduler.stats.total["probe_s"] - probe_before
             miss_rows.append(row)
             staged.append(side.stats.total["staged_bytes"] - before.get("staged_bytes", 0))
 
@@ -336,9 +371,12 @@ def _run(quick: bool, work: Path, model_name: str) -> dict[str, Any]:
             reset_prefix_cache(llm, side)
             total = worker.worker.stats.total
             before, before_states = total["loaded_tokens"], total["loaded_states"]
+            probe_before = sched.scheduler.stats.total["probe_s"]
             took, hit_token, hit_lps = _first_token(llm, hit_prompt)
             hit_s.append(took)
-            hit_rows.append(hooks.take())
+            row = hooks.take()
+            row["probe_lane"] = sched.scheduler.stats.total["probe_s"] - probe_before
+            hit_rows.append(row)
             loaded.append(total["loaded_tokens"] - before)
             states.append(total["loaded_states"] - before_states)
         counters = {k: v for side in (sched.scheduler, worker.worker)
@@ -395,6 +433,25 @@ def _run(quick: bool, work: Path, model_name: str) -> dict[str, Any]:
         "memcpy_ms_of_staged_bytes": round(1e3 * memcpy_s, 3),
         "hkv_in_step_beyond_staging_ms_per_miss": round(1e3 * (overhead_miss_s - stage_miss_s),
                                                         3),
+        # the scheduler side's share of hkv's time in the step, and of that the probe's
+        # (get_num_new_matched_tokens); the probe's hashing and lookup run on the probe lane,
+        # off the step (its seconds per request here)
+        # hkv's hooks in steps that ran nothing (vLLM spinning on a pending probe or load:
+        # not counted above, the engine had no work then)
+        "idle_steps_hooks_ms_per_hit": round(_per_request_us(
+            hit_rows, tuple(f"idle.{n}" for n in SCHEDULER_HOOKS + WORKER_HOOKS))["total"] / 1e3,
+            3),
+        "idle_steps_hooks_ms_per_miss": round(_per_request_us(
+            miss_rows, tuple(f"idle.{n}" for n in SCHEDULER_HOOKS + WORKER_HOOKS))["total"] / 1e3,
+            3),
+        "scheduler_in_step_ms_per_hit": round(sched_hit["total"] / 1e3, 3),
+        "scheduler_in_step_ms_per_miss": round(sched_miss["total"] / 1e3, 3),
+        "probe_in_step_ms_per_hit": round(sched_hit["get_num_new_matched_tokens"] / 1e3, 3),
+        "probe_in_step_ms_per_miss": round(sched_miss["get_num_new_matched_tokens"] / 1e3, 3),
+        "probe_off_step_ms_per_hit": round(
+            _per_request_us(hit_rows, ("probe_lane",))["total"] / 1e3, 3),
+        "probe_off_step_ms_per_miss": round(
+            _per_request_us(miss_rows, ("probe_lane",))["total"] / 1e3, 3),
         "connector_counters": counters,  # the connector's own stats, whole run (see stats.py)
     }
     baseline = {
@@ -412,6 +469,12 @@ def _run(quick: bool, work: Path, model_name: str) -> dict[str, Any]:
                                      if step_miss_s else None),
         "hkv_in_step_miss_vs_memcpy": round(overhead_miss_s / memcpy_s, 2) if memcpy_s else None,
         "staging_vs_memcpy": round(stage_miss_s / memcpy_s, 2) if memcpy_s else None,
+        "probe_share_of_hkv_in_step_hit": (round(
+            sched_hit["get_num_new_matched_tokens"] / 1e6 / overhead_hit_s, 4)
+            if overhead_hit_s else None),
+        "probe_share_of_hkv_in_step_miss": (round(
+            sched_miss["get_num_new_matched_tokens"] / 1e6 / overhead_miss_s, 4)
+            if overhead_miss_s else None),
     }
     if qwen:  # what a hit restored of the recurrent groups: one state per group
         figures["states_loaded_per_hit"] = min(states) if states else 0

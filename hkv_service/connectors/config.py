@@ -35,6 +35,8 @@ class ConnectorConfig:
     shards: tuple[str, ...] = ()
     system: str | None = None
     lease_ttl_s: float = 30.0  # a lease pins the loaded objects from alloc to the read
+    # a request's first probe runs off the step; pending longer than this, it computes
+    probe_wait_s: float = 1.0
     timeout_s: float = 10.0  # per call to the service or a shard
     spec_out: str | None = None  # write the spec this engine needs here (YAML)
     staging_mib: float = 1024.0  # saves staged off vLLM's cache, not yet landed; past: dropped
@@ -58,8 +60,9 @@ class ConnectorConfig:
         if (self.endpoint is None) == (self.system is None):
             raise BadConnectorConfig("endpoint", "give exactly one of 'endpoint' (a running "
                                      "hkv service) and 'system' (an in-process hkv)")
-        if self.lease_ttl_s <= 0 or self.timeout_s <= 0:
-            raise BadConnectorConfig("lease_ttl_s", "lease_ttl_s and timeout_s must be > 0")
+        if self.lease_ttl_s <= 0 or self.timeout_s <= 0 or self.probe_wait_s <= 0:
+            raise BadConnectorConfig("lease_ttl_s", "lease_ttl_s, timeout_s and probe_wait_s "
+                                     "must be > 0")
         if self.staging_mib <= 0 or self.drain_s < 0:
             raise BadConnectorConfig("staging_mib", "staging_mib must be > 0, drain_s >= 0")
         if (self.tls_cert is None) != (self.tls_key is None):

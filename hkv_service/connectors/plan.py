@@ -23,7 +23,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from hkv_service.core.api import Match
+from hkv_service.core.hashing import ExtraKeys, hash_blocks
 from hkv_service.core.ids import BlockHash
 from hkv_service.core.layout import Layout
 
@@ -72,12 +75,18 @@ class LoadJob:
 @dataclass(frozen=True, slots=True)
 class SaveJob:
     """Blocks of one request to write to hkv. ``held``: vLLM keeps them for this save (the
-    request finished) until the worker reports it done; otherwise the request is running."""
+    request finished) until the worker reports it done; otherwise the request is running.
+    ``token_ids``: the tokens of the prefix's whole hash blocks (int32 LE); the save lane
+    hashes them (off the step) and sends them with the allocate (the KV events carry them)."""
 
     req_id: str
-    hashes: tuple[BlockHash, ...]
     items: tuple[SaveItem, ...]
+    token_ids: bytes
+    extra: ExtraKeys
     held: bool = False
+
+    def hashes(self, hash_block: int) -> list[BlockHash]:
+        return hash_blocks(np.frombuffer(self.token_ids, "<i4"), hash_block, self.extra)
 
 
 def load_copies(geo: Geometry, layout: Layout, match: Match, local: int, target: int,

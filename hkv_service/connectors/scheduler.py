@@ -2,10 +2,17 @@
 
 A request's life, as vLLM drives it::
 
-    get_num_new_matched_tokens   probe: a match-only lookup (no lease, no side effect), at
-                                 most once per request per step (asked again in the same
-                                 step, the same answer); answers usable - local (tokens hkv's
-                                 funnel certifies beyond vLLM's own hit), loaded asynchronously
+    get_num_new_matched_tokens   probe: a match-only lookup (no lease, no side effect), off
+                                 the step: the first call queues it and answers None ("ask
+                                 again"); the step's probes go to the probe lane as one batch
+                                 (hashing and one lookup call) at build_connector_meta; a
+                                 later call answers usable - local (tokens hkv's funnel
+                                 certifies beyond vLLM's own hit), loaded asynchronously. An
+                                 answer given once is given again at once (and refreshed on
+                                 the lane for the next ask): vLLM waits on hkv once per
+                                 request. hkv slower than ``probe_wait_s``: 0 (computed). At
+                                 most one answer per request per step (asked again in the same
+                                 step, the same answer)
     update_state_after_alloc     the leased lookup at exactly local + what vLLM took; shorter
                                  than that (something changed since the probe) is a load error
     build_connector_meta         the step's LoadJobs, and a SaveJob per scheduled request for
@@ -36,7 +43,10 @@ import logging
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from hkv_service.core.api import Downgrade, LookupRequest, Match
 from hkv_service.core.hashing import ExtraKeys, hash_blocks
@@ -46,6 +56,7 @@ from hkv_service.core.port import MetadataPort
 from hkv_service.core.states import Reason
 
 from .geometry import Geometry
+from .lane import Lane, Task
 from .plan import LoadJob, SaveItem, SaveJob, load_copies, save_items, state_items
 from .stats import Counters
 
@@ -55,6 +66,22 @@ if TYPE_CHECKING:
 __all__ = ["Certified", "Probe", "SchedulerSide"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, eq=False)
+class _Ask:
+    """One probe on the probe lane: the lane sets ``hashes`` and ``match`` (None: the lookup
+    failed), then ``done``; the step reads them only once ``done``."""
+
+    req_id: str
+    limit: int
+    tokens: list[int]  # the prompt's first ``limit`` tokens, copied in the step
+    extra: ExtraKeys
+    started: float  # time.monotonic() when asked
+    hashes: tuple[BlockHash, ...] = ()
+    match: Match | None = None
+    done: bool = False
+    served: bool = False  # its answer was given to vLLM (a later ask refreshes it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +113,7 @@ def _why(downgrades: Sequence[Downgrade]) -> str:
 
 class SchedulerSide:
     def __init__(self, geo: Geometry, meta: MetadataPort, model_id: str,
-                 lease_ttl_s: float) -> None:
+                 lease_ttl_s: float, probe_wait_s: float = 1.0) -> None:
         self.geo = geo
         self.layout = Layout(geo.spec)
         self.meta = meta
@@ -105,8 +132,13 @@ class SchedulerSide:
         self._reports: dict[str, Certified] = {}
         self._loading: set[str] = set()  # a LoadJob handed out, not yet reported received
         self._step = 0  # build_connector_meta calls so far
-        self._asked: dict[str, tuple[int, int, int, tuple[int, bool]]] = {}  # this step's
+        self._asked: dict[str, tuple[int, int, int, tuple[int | None, bool]]] = {}  # this step's
         self.block_errors = geo.block_errors
+        self.probe_wait_s = probe_wait_s  # a probe pending longer: the request computes
+        self._answered: dict[str, _Ask] = {}  # request -> its latest probe answered
+        self._pending: dict[str, _Ask] = {}  # request -> its probe on the lane, if any
+        self._new: list[_Ask] = []  # asked in this step: one batch at build_connector_meta
+        self._lane = Lane("probe")
 
     # -- probe ----------------------------------------------------------------------------
 
@@ -118,45 +150,113 @@ class SchedulerSide:
         return ExtraKeys(self.model_id, lora.lora_name if lora is not None else "",
                          request.cache_salt or "")
 
-    def matched(self, request: Request, local: int) -> tuple[int, bool]:
-        """``get_num_new_matched_tokens``: (tokens to load beyond ``local``, async)."""
+    def matched(self, request: Request, local: int) -> tuple[int | None, bool]:
+        """``get_num_new_matched_tokens``: (tokens to load beyond ``local``, async), or
+        (None, False) while the request's probe is on the lane."""
         req_id = request.request_id
         if request.mm_features or request.prompt_embeds is not None:
             self._probes.pop(req_id, None)
             return 0, False
-        tokens = list(request.all_token_ids)
+        n = len(request.all_token_ids)
         lcm = self.geo.lcm
-        limit = min((len(tokens) - 1) // lcm * lcm, self._caps.get(req_id, len(tokens)))
+        limit = min((n - 1) // lcm * lcm, self._caps.get(req_id, n))
         asked = self._asked.get(req_id)
         if asked is not None and asked[:3] == (self._step, local, limit):
             return asked[3]  # hkv was asked this step already: its answer, not a second ask
         self._probes.pop(req_id, None)
         if limit <= local or local % lcm:
             return 0, False
-        answer = self._probe(request, tokens, local, limit)
+        pending = self._pending.get(req_id)
+        if pending is not None and pending.done:
+            self._answered[req_id] = pending
+            del self._pending[req_id]
+            pending = None
+        ask = self._answered.get(req_id)
+        if ask is None or ask.limit != limit:  # nothing answered for this prompt length yet
+            if pending is None or pending.limit != limit:
+                self._ask(request, limit)
+                return None, False
+            if time.monotonic() - pending.started < self.probe_wait_s:
+                return None, False
+            # hkv is slower than the bound: compute (a late answer serves a later ask)
+            self.stats.add("probe_late")
+            self._reports[req_id] = Certified(limit, local, 0, why="hkv probe late")
+            answer: tuple[int | None, bool] = (0, False)
+        else:
+            if ask.served and pending is None:  # asked again (not scheduled, or preempted):
+                self._ask(request, limit)  # this answer now, a fresh one for the next ask
+            answer = self._answer(req_id, ask, local, limit)
         self._asked[req_id] = (self._step, local, limit, answer)
         return answer
 
-    def _probe(self, request: Request, tokens: list[int], local: int, limit: int
-               ) -> tuple[int, bool]:
-        req_id = request.request_id
-        hashes = tuple(hash_blocks(tokens[:limit], self.geo.hash_block_size,
-                                   self.extra_keys(request)))
-        match = self._lookup(LookupRequest(hashes, limit, self.abi, handles=False))
+    def _ask(self, request: Request, limit: int) -> None:
+        ask = _Ask(request.request_id, limit, list(request.all_token_ids[:limit]),
+                   self.extra_keys(request), time.monotonic())
+        self._pending[ask.req_id] = ask
+        self._new.append(ask)
+
+    def _submit(self) -> None:
+        """This step's probes, still wanted (a request may have finished since it asked), to
+        the probe lane as one task."""
+        asks = [a for a in self._new if self._pending.get(a.req_id) is a]
+        self._new.clear()
+        if asks:
+            self.stats.add("probe_batches")
+            self._lane.submit(Task(partial(self._run_probes, asks),
+                                   partial(self._abandon_probes, asks)))
+
+    def _run_probes(self, asks: list[_Ask]) -> None:
+        """On the probe lane: hash each prompt, then one lookup call for all of them where the
+        port takes many (the gRPC client), else one each."""
+        start = time.perf_counter()
+        hb = self.geo.hash_block_size
+        for a in asks:
+            a.hashes = tuple(hash_blocks(a.tokens, hb, a.extra))
+        reqs = [LookupRequest(a.hashes, a.limit, self.abi, handles=False) for a in asks]
+        many = getattr(self.meta, "lookup_many", None)
+        matches: list[Match | None]
+        if many is not None and len(reqs) > 1:
+            try:
+                matches = list(many(reqs))
+            except Exception as exc:  # hkv unreachable or refusing: vLLM computes
+                log.warning("hkv lookup failed (%s): computing instead", exc)
+                self.stats.add("lookup_failed")
+                matches = [None] * len(reqs)
+        else:
+            matches = [self._lookup(r) for r in reqs]
+        for a, m in zip(asks, matches, strict=True):
+            a.match = m
+            a.done = True  # after match: the step reads match only once done
+        self.stats.add("probe_s", time.perf_counter() - start)
+
+    def _abandon_probes(self, asks: list[_Ask], why: str) -> None:
+        log.warning("hkv probes abandoned (%s): computing instead", why)
+        self.stats.add("probe_abandoned", len(asks))
+        for a in asks:
+            a.match = None
+            a.done = True
+
+    def _answer(self, req_id: str, ask: _Ask, local: int, limit: int) -> tuple[int, bool]:
+        match = ask.match
         if match is None:
             self._reports[req_id] = Certified(limit, local, 0, why="hkv lookup failed")
             return 0, False
-        self.stats.add("probes")
-        for d in match.downgrades:
-            self.stats.add(f"downgrade.{d.reason.value}")
+        if not ask.served:
+            ask.served = True
+            self.stats.add("probes")
+            for d in match.downgrades:
+                self.stats.add(f"downgrade.{d.reason.value}")
         usable = match.usable_tokens
         self._reports[req_id] = Certified(limit, local, usable,
                                           why=_why(match.downgrades) if usable < limit else "")
         if usable <= local:
             return 0, False
-        self._probes[req_id] = Probe(hashes, local, usable, match.downgrades)
+        self._probes[req_id] = Probe(ask.hashes, local, usable, match.downgrades)
         self.stats.add("probe_tokens", usable - local)
         return usable - local, True
+
+    def close(self) -> None:
+        self._lane.close(0.0)
 
     def _lookup(self, req: LookupRequest) -> Match | None:
         start = time.perf_counter()
@@ -258,8 +358,10 @@ class SchedulerSide:
         hand-offs are dropped (a state saved from a reused block would be a wrong state
         under a valid key)."""
         handoffs = handoffs or {}
+        self._submit()
         self._step += 1
         self._asked.clear()
+        self._lane.check()
         for req_id, n in scheduled.items():
             request = self._requests.get(req_id)
             if request is None or n <= 0:
@@ -289,17 +391,18 @@ class SchedulerSide:
         req_id = request.request_id
         if request.mm_features or request.prompt_embeds is not None:
             return False
-        tokens = list(request.all_token_ids)
-        end = min(end, len(tokens))
+        end = min(end, len(request.all_token_ids))  # no copy of the tokens unless saved
         known = self._known.get(req_id, 0)
         items = save_items(self.geo, block_ids, end, known, self.null_block) + states
         self._known[req_id] = max(known, end // self.geo.hash_block_size
                                   * self.geo.hash_block_size)
         if not items:
             return False
-        hashes = tuple(hash_blocks(tokens[:end], self.geo.hash_block_size,
-                                   self.extra_keys(request)))
-        self._saves.append(SaveJob(req_id, hashes, items, held))
+        hb = self.geo.hash_block_size
+        # the prefix's tokens, not its hashes: the save lane hashes them off the step, and
+        # BlockStored events carry them (routers key blocks by tokens)
+        arr = np.asarray(request.all_token_ids[:end // hb * hb], dtype="<i4")
+        self._saves.append(SaveJob(req_id, items, arr.tobytes(), self.extra_keys(request), held))
         return True
 
     def failed(self, req_ids: set[str]) -> None:
@@ -328,6 +431,8 @@ class SchedulerSide:
         self._sources.pop(req_id, None)
         self._requests.pop(req_id, None)
         self._asked.pop(req_id, None)
+        self._answered.pop(req_id, None)  # a probe still on the lane answers no one
+        self._pending.pop(req_id, None)
         if req_id in self._loading:  # vLLM holds its blocks for the load; nothing to save
             self._loading.discard(req_id)
             self.stats.add("finished_while_loading")

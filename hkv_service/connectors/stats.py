@@ -6,6 +6,9 @@ vLLM's own hit), ``downgrade.<REASON>`` (hkv's reasons for answering less than t
 matched), ``source.host`` / ``source.disk`` (tokens served from shard memory or loaded from a
 disk tier first), ``load_ok``, ``load_failed``, ``load_failed.<why>``, ``loaded_tokens``,
 ``saved_blocks``, ``existing_blocks``, ``save_failed``, ``lookup_s``, ``read_s``, ``write_s``.
+Probes (scheduler, off the step): ``probe_batches`` (lane tasks: the probes asked in one step),
+``probe_s`` (their hashing and lookups), ``probe_late`` (a request computed because its probe
+was pending past ``probe_wait_s``), ``probe_abandoned`` (probes whose lane task never ran).
 Off the step (worker): ``stage_s`` / ``staged_bytes`` (the in-step copies out of vLLM's cache),
 ``save_dropped`` (blocks not staged: the staging budget was full), ``save_abandoned`` (blocks
 of a save never run: its lane's thread died under it, or shutdown's drain ran out),

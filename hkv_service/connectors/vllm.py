@@ -16,7 +16,11 @@ them at one position.
 A recurrent (Mamba / GatedDeltaNet) group's states are saved only from vLLM's per-step
 ``boundary_state_offloads`` and each request's output names the boundary hkv certified
 (``kv_transfer_params["hkv"]``, see :class:`.scheduler.Certified`).
-Nothing waits on hkv's I/O inside vLLM's step (:mod:`.worker`): ``wait_for_save`` only copies
+Inside vLLM's step hkv is asked once per hit only (the leased lookup at allocation, which
+certifies the load). The scheduler's probe (hashing and a match-only
+lookup) runs on a lane of its own: ``get_num_new_matched_tokens`` answers None until it is
+answered, and vLLM schedules the other requests meanwhile (:mod:`.scheduler`). On the worker
+(:mod:`.worker`), ``wait_for_save`` only copies
 the pages to save into a staging buffer, their write and commit run on a background lane, and a
 finished request's blocks stay held (``request_finished`` returns a delay) until its save
 landed. Loads are asynchronous to the scheduler, so a stale handle (or any failed read) becomes a
@@ -119,7 +123,7 @@ class HkvConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unuse
             meta = metadata(cfg, self.geometry.spec)
             self._check_spec(meta.get_spec(), cfg)
             self.scheduler = SchedulerSide(self.geometry, meta, self.geometry.spec.model_id,
-                                           cfg.lease_ttl_s)
+                                           cfg.lease_ttl_s, cfg.probe_wait_s)
         else:
             plane = dataplane(cfg, self.geometry.spec)
             self._check_spec(plane.layout.spec, cfg)
@@ -234,6 +238,8 @@ class HkvConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unuse
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.close()
+        if self.scheduler is not None:
+            self.scheduler.close()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()

@@ -241,7 +241,9 @@ class WorkerSide:
                 st.ready.synchronize()
             blocks = {k: v.numpy() if isinstance(v, torch.Tensor) else v
                       for k, v in st.blocks.items()}
-            report = self.plane.write_prefix(job.hashes, blocks)
+            hashes = job.hashes(self.geo.hash_block_size)
+            tokens = np.frombuffer(job.token_ids, "<i4").tolist()
+            report = self.plane.write_prefix(hashes, blocks, token_ids=tokens)
             self.stats.add("saved_blocks", report.written)
             self.stats.add("state_saves", sum(self._group(it.column).recurrent
                                               for it in job.items))

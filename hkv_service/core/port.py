@@ -115,12 +115,15 @@ class MetadataPort(Protocol):
         ...
 
     def allocate(self, block_hashes: Sequence[BlockHash], requests: Sequence[AllocRequest],
-                 owner: ShardId | None = None, first_block: int = 0) -> list[Allocation]:
+                 owner: ShardId | None = None, first_block: int = 0,
+                 token_ids: Sequence[int] | None = None) -> list[Allocation]:
         """Reserve a block for each slot of ``requests`` on the prefix ``block_hashes`` (the
         hashes of blocks ``first_block`` on: a range of a chain split across partitions; on
         ``owner``'s pools, or the live owner with the most free blocks); per slot, in order,
         an ALLOCATED object and its handle, or the live object already there
-        (``existing=True``: an idempotent retry; do not rewrite it).
+        (``existing=True``: an idempotent retry; do not rewrite it). ``token_ids``: the
+        tokens of ``block_hashes``' blocks (hash_block per hash), for the KV event stream's
+        BlockStored; a port that publishes no events ignores them.
 
         Mutates: the path's entries are made where missing and aged (as recent as a
         lookup's); a slot's ``replace`` object is retired first (copy-on-write); a pool with

@@ -164,7 +164,7 @@ def test_a_request_preempted_with_its_save_in_flight_leaves_hkv_its_bytes(
 
     work(h)._saves.submit(Task(busy, lambda why: None))
     h.add("A", a_tokens, max_tokens=8)
-    h.step()  # A's prefill: its blocks staged and handed to the (busy) lane
+    h.admit("A")  # A's prefill: its blocks staged and handed to the (busy) lane
     assert h.sched.reset_prefix_cache(reset_running_requests=True)  # A preempted
     assert h.sched.requests["A"].num_computed_tokens == 0
     scribble(h)  # A's freed blocks are anyone's now
@@ -240,7 +240,7 @@ def test_shutdown_with_saves_in_flight_is_bounded_and_counted(
     w.drain_s = 0.2
     gate = Gate(w.plane, "write_prefix")
     h.add("A", tokens)
-    h.step()  # A's prefill: its first saves staged and handed over
+    h.admit("A")  # A's prefill: its first saves staged and handed over
     h.add("C", prompt(N, seed=5))
     steps_while_gated(h, gate)
     start = time.monotonic()
@@ -275,7 +275,7 @@ def test_a_request_aborted_while_its_load_is_in_flight_is_freed_after_it(
     assert certified_bytes(h, tokens) == 384
     gate = Gate(work(h).plane, "read")
     h.add("B", tokens)
-    h.step()  # B allocated, its load handed over
+    h.admit("B")  # B allocated, its load handed over
     assert gate.entered.wait(10.0)
     h.sched.finish_requests("B", RequestStatus.FINISHED_ABORTED)
     for _ in range(5):  # steps go on while the load is held; vLLM keeps B's blocks

@@ -15,9 +15,13 @@ copies the shard re-confirms are stored again.
 
 from __future__ import annotations
 
+import difflib
+import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -194,3 +198,103 @@ def test_vllm_decodes_every_kind_and_tier_through_hkv_up(tmp_path: Path) -> None
         ctx.destroy(0)
         up.stop()
 
+
+
+def test_the_connectors_blocks_carry_their_token_ids(tmp_path: Path) -> None:
+    """vLLM's real Scheduler and the connector's both roles (``vllm_harness``) served by a real
+    ``hkv up``: every BlockStored of a block the connector saved carries exactly that block's
+    tokens (``block_size`` of them, ending at its hash block) and its parent's hash."""
+    from vllm_harness import Harness, hybrid_specs, prompt, served_transfer, spec_for
+    from vllm_harness import write_tiny_config as tiny
+
+    from hkv_service.core.hashing import ExtraKeys, hash_blocks
+
+    clear_stale_ray()
+    model = tiny(tmp_path / "tiny")
+    spec = spec_for(model, hybrid_specs())
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec.to_dict(), sort_keys=False))
+    port = _port_pair()
+    up = Up(tmp_path, tmp_path / "data", "--spec", str(tmp_path / "spec.yaml"),
+            "--blocks-per-group", "256", "--kv-events-port", str(port))
+    ctx: zmq.Context[Any] = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    h = None
+    try:
+        endpoint, ray_address = up.ready()
+        h = Harness(model, tmp_path, hybrid_specs(), "events",
+                    served=served_transfer(endpoint, ray_address))
+        tokens = prompt(200, seed=3)
+        h.add("A", tokens, max_tokens=3)
+        h.run()
+        stored = [e for _, b in _drain(sub) for e in b.events if isinstance(e, BlockStored)]
+        hb = spec.hash_block_size
+        hashes = hash_blocks(tokens, hb, ExtraKeys(spec.model_id))
+        whole = len(tokens) // hb  # the finished request's whole blocks, all saved
+        assert {e.block_hashes[0] for e in stored} == set(hashes[:whole])
+        assert {e.group_idx for e in stored} == set(range(len(spec.groups)))
+        for e in stored:
+            (bh,) = e.block_hashes
+            d = hashes.index(bh)
+            end = (d + 1) * hb
+            assert e.block_size % hb == 0 and e.block_size <= end
+            assert e.token_ids == tokens[end - e.block_size:end], (d, e.group_idx)
+            assert e.parent_block_hash == (hashes[d - 1] if d else None)
+    finally:
+        if h is not None:
+            h.close()
+        ray.shutdown()
+        ctx.destroy(0)
+        up.stop()
+
+
+def test_a_real_engines_blocks_carry_their_token_ids(tmp_path: Path) -> None:
+    """The same through a real ``vllm.LLM`` (model weights, forward, vLLM's engine core) in a
+    subprocess, served by a real ``hkv up``."""
+    from vllm_e2e import write_model
+    from vllm_harness import hybrid_specs, spec_for
+
+    from hkv_service.core.hashing import ExtraKeys, hash_blocks
+
+    clear_stale_ray()
+    model = write_model(tmp_path / "tiny")
+    # what the engine derives (it refuses another): vLLM's CPU backend runs 32-token blocks
+    spec = spec_for(model, hybrid_specs(32), block_size=32)
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec.to_dict(), sort_keys=False))
+    port = _port_pair()
+    up = Up(tmp_path, tmp_path / "data", "--spec", str(tmp_path / "spec.yaml"),
+            "--blocks-per-group", "256", "--kv-events-port", str(port))
+    ctx: zmq.Context[Any] = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        endpoint, ray_address = up.ready()
+        here = Path(__file__).parent
+        env = dict(os.environ, PYTHONPATH=f"{here.parents[1]}:{here}", RAY_ADDRESS=ray_address,
+                   HKV_SPEC_OUT=str(tmp_path / "engine-spec.yaml"))
+        run = subprocess.run([sys.executable, str(here / "vllm_events.py"), str(model),
+                              endpoint, ray_address], capture_output=True, text=True,
+                             timeout=600, env=env, cwd=tmp_path)
+        if run.returncode and (tmp_path / "engine-spec.yaml").exists():
+            print("".join(difflib.unified_diff(
+                (tmp_path / "spec.yaml").read_text().splitlines(True),
+                (tmp_path / "engine-spec.yaml").read_text().splitlines(True))))
+        assert run.returncode == 0, run.stderr[-3000:]
+        got = json.loads(run.stdout.strip().splitlines()[-1])
+        assert got["drained"] and got["saved_blocks"] > 0
+        tokens = got["tokens"]
+        stored = [e for _, b in _drain(sub) for e in b.events if isinstance(e, BlockStored)]
+        hb = spec.hash_block_size
+        hashes = hash_blocks(tokens, hb, ExtraKeys(spec.model_id))
+        assert {e.block_hashes[0] for e in stored} == set(hashes[:len(tokens) // hb])
+        for e in stored:
+            (bh,) = e.block_hashes
+            d = hashes.index(bh)
+            end = (d + 1) * hb
+            assert e.token_ids == tokens[end - e.block_size:end], (d, e.group_idx)
+            assert e.parent_block_hash == (hashes[d - 1] if d else None)
+    finally:
+        ctx.destroy(0)
+        up.stop()

@@ -237,7 +237,9 @@ def test_stale_handle_at_load_time_becomes_a_recompute(make: Callable[..., Harne
     tokens = prompt(N, seed=4)
     run_a(h, tokens)
     h.add("B", tokens)
-    out = h.sched.schedule()  # B: probe + leased lookup; the load waits for the worker
+    h.step()  # B's probe asked (it runs off the step)
+    assert h.connector.scheduler._lane.drain(30.0)  # type: ignore[union-attr]
+    out = h.sched.schedule()  # B: the probe's answer + leased lookup; the load waits
     (_restart if fault == "service_restart" else _crash)(h)
     h.outputs.append(out)
     _worker_step(h, out)

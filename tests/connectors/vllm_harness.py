@@ -92,24 +92,44 @@ def transfer_config(system: str, **extra: Any) -> KVTransferConfig:
         kv_connector_extra_config={"system": system, **extra})
 
 
-def engine_config(model: Path, system: str, block_size: int = 16) -> VllmConfig:
+def engine_config(model: Path, system: str, block_size: int = 16,
+                  transfer: KVTransferConfig | None = None) -> VllmConfig:
     cfg = EngineArgs(model=str(model), skip_tokenizer_init=True, enforce_eager=True,
                      block_size=block_size, max_model_len=2048,
-                     kv_transfer_config=transfer_config(system),
+                     kv_transfer_config=transfer or transfer_config(system),
                      enable_prefix_caching=True).create_engine_config()
     cfg.cache_config.kv_cache_layout = "LBHNC"  # what the engine core would resolve
     return cfg
 
 
-def hybrid_specs() -> dict[str, KVCacheSpec]:
+def served_transfer(endpoint: str, ray_address: str, spec_out: str | None = None
+                    ) -> KVTransferConfig:
+    """The connector config of an engine served by a running ``hkv up``."""
+    extra = {"endpoint": endpoint, "ray_address": ray_address}
+    if spec_out:
+        extra["spec_out"] = spec_out
+    return KVTransferConfig(
+        kv_connector="HkvConnector", kv_connector_module_path="hkv_service.connectors.vllm",
+        kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
+
+
+def spec_for(model: Path, specs: dict[str, KVCacheSpec], block_size: int = 16) -> Any:
+    """The hkv cache spec the connector derives for :class:`Harness` (what ``hkv up --spec``
+    must run for it)."""
+    cfg = engine_config(model, "-", block_size)
+    kvc = get_kv_cache_configs(cfg, [specs], [48 << 20])[0]
+    return engine_geometry(cfg, kvc).spec
+
+
+def hybrid_specs(block_size: int = 16) -> dict[str, KVCacheSpec]:
     """The tiny Llama's layers: sliding window 128 and full attention, alternating."""
     out: dict[str, KVCacheSpec] = {}
     for i in range(4):
         if i % 2 == 0:
-            out[LAYER.format(i)] = SlidingWindowSpec(block_size=16, num_kv_heads=2,
+            out[LAYER.format(i)] = SlidingWindowSpec(block_size=block_size, num_kv_heads=2,
                                                      head_size=32, dtype=F32, sliding_window=128)
         else:
-            out[LAYER.format(i)] = FullAttentionSpec(block_size=16, num_kv_heads=2,
+            out[LAYER.format(i)] = FullAttentionSpec(block_size=block_size, num_kv_heads=2,
                                                      head_size=32, dtype=F32)
     return out
 
@@ -205,19 +225,24 @@ def block_content(view: torch.Tensor, tokens: list[int], group: int, layer: int
 class Harness:
     def __init__(self, model: Path, data_dir: Path, specs: dict[str, KVCacheSpec],
                  name: str, block_size: int = 16, pool_blocks: int = 1024,
-                 partitions: int = 1, split: bool = False, cfg: VllmConfig | None = None
-                 ) -> None:
+                 partitions: int = 1, split: bool = False, cfg: VllmConfig | None = None,
+                 served: KVTransferConfig | None = None) -> None:
+        """``served``: the connectors reach a running ``hkv up`` (:func:`served_transfer`)
+        instead of an in-process hkv (``self.system`` is then None)."""
         self.name = name
-        self.cfg = cfg or engine_config(model, name, block_size)
+        self.cfg = cfg or engine_config(model, name, block_size, served)
         self.kvc = get_kv_cache_configs(self.cfg, [specs], [48 << 20])[0]
         self.cfg.cache_config.num_gpu_blocks = self.kvc.num_blocks
         self.geo = engine_geometry(self.cfg, self.kvc)
-        base = InProcessConfig(shards=2, blocks_per_group=pool_blocks, partitions=partitions)
-        if split:  # every chain split across the partitions every 2 periods (--range-blocks)
-            base = replace(base, state=replace(
-                base.state, range_blocks=2 * Layout(self.geo.spec).period))
-        self.system = InProcessSystem(self.geo.spec, data_dir, base)
-        systems.publish(name, self.system)
+        self.system: Any = None
+        if served is None:
+            base = InProcessConfig(shards=2, blocks_per_group=pool_blocks,
+                                   partitions=partitions)
+            if split:  # every chain split across the partitions every 2 periods
+                base = replace(base, state=replace(
+                    base.state, range_blocks=2 * Layout(self.geo.spec).period))
+            self.system = InProcessSystem(self.geo.spec, data_dir, base)
+            systems.publish(name, self.system)
         sb, hb = resolve_kv_cache_block_sizes(self.kvc, self.cfg)
         self.sched = Scheduler(self.cfg, generate_scheduler_kv_cache_config([self.kvc]),
                                StructuredOutputManager(self.cfg), block_size=sb,
@@ -231,6 +256,9 @@ class Harness:
         self.outputs: list[SchedulerOutput] = []
         self.recved: set[str] = set()  # requests whose load the worker reported done
         self.sent: set[str] = set()  # finished requests whose save the worker reported landed
+        # a step starts once the probes asked in earlier steps were answered (an engine whose
+        # steps outlast a probe); False: steps never wait on them (a tight empty-step loop)
+        self.wait_probes = True
 
     @property
     def connector(self) -> HkvConnector:
@@ -239,8 +267,9 @@ class Harness:
         return c
 
     def close(self) -> None:
-        systems.withdraw(self.name)
-        self.system.close()
+        if self.system is not None:
+            systems.withdraw(self.name)
+            self.system.close()
 
     def add(self, req_id: str, tokens: list[int], max_tokens: int = 1) -> Request:
         req = Request(req_id, tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
@@ -253,6 +282,9 @@ class Harness:
         assert self.sched.reset_prefix_cache()
 
     def step(self) -> SchedulerOutput:
+        side = self.connector.scheduler
+        if self.wait_probes and side is not None:
+            assert side._lane.drain(30.0), "hkv probes still pending after 30 s"
         out = self.sched.schedule()
         self.outputs.append(out)
         self._forward(out)
@@ -294,6 +326,7 @@ class Harness:
                 break
             else:
                 work.drain(0.05)
+                time.sleep(0.001)  # as vLLM's engine loop after a step that ran nothing
         assert not self.sched.has_requests(), "requests still running"
         assert work.drain(max(0.0, deadline - time.monotonic())), "hkv transfers in flight"
         return self.outputs[start:]
@@ -314,6 +347,18 @@ class Harness:
                     for li, layer in enumerate(g.layers):
                         view = self.caches[layer]
                         view[b].copy_(block_content(view, upto, g.vllm_group, li))
+
+    def admit(self, req_id: str, max_steps: int = 10) -> SchedulerOutput:
+        """Step until ``req_id`` is scheduled or its load handed over (its first step asks
+        hkv's probe and schedules nothing for it); that step's output."""
+        for _ in range(max_steps):
+            out = self.step()
+            meta = out.kv_connector_metadata
+            if req_id in out.num_scheduled_tokens or (
+                    isinstance(meta, HkvConnectorMetadata)
+                    and any(j.req_id == req_id for j in meta.loads)):
+                return out
+        raise AssertionError(f"{req_id} not scheduled in {max_steps} steps")
 
     def scheduled(self, req_id: str) -> int:
         """Tokens vLLM computed for ``req_id`` in its first step that computed any."""

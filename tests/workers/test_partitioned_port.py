@@ -238,3 +238,35 @@ def test_every_partition_is_told_whatever_one_answers(w: Any) -> None:
     meta.mark_owner_lost(OWNER, mine, instance=7)  # current: every partition that can hear
     told = [p for p in parts if OWNER in p.state.owners and p is not parts[2]]
     assert told and not any(p.state.owners[OWNER].alive for p in told)
+
+
+def test_a_split_allocate_gives_each_range_its_own_tokens(w: Any) -> None:
+    """The KV events' token ids (issue 39): each range's partition is told the tokens of the
+    blocks it is given, hash_block per hash, aligned with them."""
+    period = LAYOUT.period
+    parts = [LocalMetadata(CacheState(SPEC, StateConfig(partition=Partition(i, 2),
+                                                        range_blocks=period)))
+             for i in range(2)]
+    hs = next(h for h in (w.prompt(2 * period, seed=s) for s in range(500))
+              if partition_of_root(h[0], 2) != partition_of_root(h[period], 2))
+    told: list[tuple[int, list[bytes], Any]] = []
+    for p in parts:
+        real = p.allocate
+
+        def recording(hashes: Any, requests: Any, owner: Any = None, first_block: int = 0,
+                      token_ids: Any = None, real: Any = real) -> Any:
+            told.append((first_block, list(hashes), token_ids))
+            return real(hashes, requests, owner, first_block, token_ids)
+
+        p.allocate = recording  # type: ignore[method-assign]
+    meta = PartitionedMetadata(parts, inline=True)
+    meta.register_owner(OWNER, pools_for(LAYOUT, 30))
+    hb = LAYOUT.hash_block
+    tokens = list(range(len(hs) * hb))
+    slots = [AllocRequest(d, LAYOUT.columns[c].name) for d in range(2 * period)
+             for c in LAYOUT.attached[d % period]]
+    meta.allocate(hs, slots, token_ids=tokens)
+    assert sorted(lo for lo, _, _ in told) == [0, period]
+    for lo, hashes, toks in told:
+        assert hashes == hs[lo:lo + len(hashes)]
+        assert toks == tokens[lo * hb:(lo + len(hashes)) * hb]

@@ -1,0 +1,200 @@
+"""The scheduler side's probe runs off vLLM's step (issue 38 item 1), through vLLM's real
+Scheduler over a real in-process hkv (real shards, real LMDB tiers), no model weights.
+
+``get_num_new_matched_tokens`` answers None ("ask again") until the request's probe (hashing
+and a match-only lookup on the probe lane) is answered; vLLM skips the request meanwhile and
+schedules the others. Faults land while a probe is held at a gate in front of the real port's
+``lookup``: the steps go on; a probe slower than ``probe_wait_s`` and an unreachable hkv
+resolve to 0 (the request computes); a request aborted with its probe in flight leaves
+nothing behind; a preempted request is probed again and loads what its own saves left; a
+probe's answer that went stale before vLLM allocated is never loaded past what the leased
+lookup certifies. Steps here never wait on probes (``Harness.wait_probes`` off) unless a
+test says so.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_async_transfers import Gate
+from test_scheduler import _FaultBeforeLease, handles
+from vllm.v1.request import RequestStatus
+from vllm_harness import Harness, hybrid_specs, prompt, write_tiny_config
+
+from hkv_service.connectors.scheduler import SchedulerSide
+
+N = 400  # prompt tokens; 384 of them in whole LCM blocks
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_config(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture
+def make(model: Path, tmp_path: Path) -> Iterator[Callable[..., Harness]]:
+    made: list[Harness] = []
+
+    def build(**kw: Any) -> Harness:
+        h = Harness(model, tmp_path / f"hkv{len(made)}", hybrid_specs(),
+                    f"probe-{tmp_path.name}-{len(made)}", **kw)
+        h.wait_probes = False
+        made.append(h)
+        return h
+
+    yield build
+    for h in made:
+        h.close()
+
+
+def side(h: Harness) -> SchedulerSide:
+    s = h.connector.scheduler
+    assert s is not None
+    return s
+
+
+def saved(h: Harness, tokens: list[int]) -> None:
+    """A's blocks in hkv (its saves landed), vLLM's own prefix cache dropped."""
+    h.wait_probes = True
+    h.add("A", tokens)
+    h.run()
+    h.forget_local()
+    h.wait_probes = False
+
+
+def steps_until(h: Harness, done: Callable[[], bool], max_s: float = 30.0) -> int:
+    """Step (as vLLM's engine loop: 1 ms after a step that ran nothing) until ``done``."""
+    deadline, n = time.monotonic() + max_s, 0
+    while not done():
+        assert time.monotonic() < deadline, "not done in time"
+        out = h.step()
+        n += 1
+        if not out.total_num_scheduled_tokens:
+            time.sleep(0.001)
+    return n
+
+
+def test_the_step_goes_on_while_a_probe_is_held_and_takes_its_answer_after(
+        make: Callable[..., Harness]) -> None:
+    h = make()
+    tokens = prompt(N, seed=1)
+    saved(h, tokens)
+    batches = side(h).stats.total["probe_batches"]
+    gate = Gate(side(h).meta, "lookup")
+    h.add("B", tokens)
+    h.add("C", prompt(N, seed=2))  # asked in the same step: one batch on the lane
+    for _ in range(5):  # the steps return while the probes wait at the gate
+        out = h.step()
+        assert not out.num_scheduled_tokens and not h.loads("B")
+    assert gate.entered.wait(10.0) and not gate.open_.is_set()
+    assert side(h).stats.total["probe_batches"] == batches + 1
+    gate.open()
+    steps_until(h, lambda: bool(h.loads("B")))
+    (job,) = h.loads("B")
+    assert job.tokens == 384  # hkv's answer, then the leased lookup's, both certified all
+    h.run()
+    assert h.scheduled("B") == N - 384 and h.scheduled("C") == N
+    s = side(h)
+    assert not s._pending and not s._answered and not s._new  # nothing left behind
+
+
+def test_a_probe_slower_than_its_bound_and_an_unreachable_hkv_resolve_to_compute(
+        make: Callable[..., Harness]) -> None:
+    h = make()
+    tokens = prompt(N, seed=3)
+    saved(h, tokens)
+    s = side(h)
+    s.probe_wait_s = 0.3
+    gate = Gate(s.meta, "lookup")  # held past the bound
+    h.add("B", tokens)
+    start = time.monotonic()
+    steps_until(h, lambda: "B" in {r for o in h.outputs[-1:] for r in o.num_scheduled_tokens})
+    assert time.monotonic() - start < 10.0  # the bound, not the gate's 30 s
+    assert s.stats.total["probe_late"] == 1 and not h.loads("B")
+    gate.open()
+    h.run()
+    assert h.scheduled("B") == N  # computed, hkv's late answer never used
+
+    def down(*args: Any, **kwargs: Any) -> Any:
+        raise ConnectionError("hkv unreachable")
+
+    s.meta.lookup = down  # type: ignore[method-assign]
+    h.forget_local()
+    h.add("D", tokens)
+    h.run()
+    assert h.scheduled("D") == N and not h.loads("D")
+    assert s.stats.total["lookup_failed"] >= 1
+    assert h.connector.scheduler.report("D") is None  # reported and gone with D
+
+
+def test_a_request_aborted_with_its_probe_in_flight_leaves_nothing(
+        make: Callable[..., Harness]) -> None:
+    h = make()
+    tokens = prompt(N, seed=4)
+    saved(h, tokens)
+    gate = Gate(side(h).meta, "lookup")
+    h.add("B", tokens)
+    h.step()  # B's probe asked, handed to the lane, held at the gate
+    assert gate.entered.wait(10.0)
+    h.sched.finish_requests("B", RequestStatus.FINISHED_ABORTED)
+    assert "B" not in h.sched.requests  # never allocated: freed at once
+    gate.open()
+    assert side(h)._lane.drain(10.0)  # the probe's answer arrives for no one
+    for _ in range(3):
+        h.step()
+    s = side(h)
+    assert not s._pending and not s._answered and not s._probes and not s._requests
+    h.add("B2", tokens)  # the engine goes on; the next request's probe is its own
+    h.run()
+    assert h.scheduled("B2") == N - 384
+
+
+def test_a_preempted_request_is_probed_again_and_loads_its_own_saves(
+        make: Callable[..., Harness]) -> None:
+    h = make()
+    tokens = prompt(N, seed=5)
+    h.add("A", tokens, max_tokens=4)
+    h.wait_probes = True
+    h.admit("A")  # A's prefill; its blocks staged and saved off the step
+    assert h.worker.worker is not None and h.worker.worker.drain(30.0)
+    h.wait_probes = False
+    assert h.sched.reset_prefix_cache(reset_running_requests=True)  # A preempted
+    assert h.sched.requests["A"].num_computed_tokens == 0
+    out = h.step()  # A's longer prompt (one token sampled) is asked again: not yet answered
+    assert "A" not in out.num_scheduled_tokens
+    steps_until(h, lambda: bool(h.loads("A")))
+    (job,) = h.loads("A")
+    assert job.tokens == N  # what A's prefill saved: its 25 whole blocks
+    h.run()
+    assert "A" not in h.sched.requests
+
+
+def test_a_stale_probe_answer_is_never_loaded_past_the_leased_lookup(
+        make: Callable[..., Harness]) -> None:
+    """The probe certified the prompt; steps later (its answer waited on the lane, then for
+    vLLM) the first block is evicted just before vLLM allocates: the leased lookup certifies
+    nothing, so nothing is loaded and B computes all of it."""
+    h = make()
+    tokens = prompt(N, seed=6)
+    saved(h, tokens)
+    s = side(h)
+
+    def evict_first_block() -> None:
+        _, m = handles(h, tokens)
+        if m.lease_id is not None:
+            h.system.meta.release_lease(m.lease_id)
+        for name in m.handles:
+            h.system.meta.evict(m.handles[name][0].object_id)
+
+    s.meta = _FaultBeforeLease(s.meta, evict_first_block)  # type: ignore[assignment]
+    h.add("B", tokens)
+    steps_until(h, lambda: bool(h.loads("B")))
+    (job,) = h.loads("B")
+    assert job.match is None and job.tokens == 0  # the lease certified less: nothing read
+    assert s.stats.total["alloc_shortfall"] == 1
+    h.run()
+    assert h.scheduled("B") == N  # recomputed
