@@ -165,9 +165,12 @@ class MetadataServicer(pb_grpc.MetadataServiceServicer):
         hashes = [BlockHash(h) for h in request.block_hashes]
         validation.check_hashes(hashes, "Allocate")
         slots = [AllocRequest(s.depth, s.column, s.replace) for s in request.slots]
+        book = self.tokens if request.token_ids else None
+        if book is not None:
+            book.check(hashes, request.token_ids)
         allocations = self.state.allocate(hashes, slots, owner, request.first_block)
-        if request.token_ids and self.tokens is not None:
-            self.tokens.note(hashes, request.token_ids)
+        if book is not None:
+            book.note(hashes, request.token_ids)
         out = pb.AllocateResponse()
         for a in allocations:
             codec.encode_handle(a.handle, out.handles.add())

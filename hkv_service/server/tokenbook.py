@@ -30,13 +30,18 @@ class TokenBook:
         self._book: OrderedDict[bytes, bytes] = OrderedDict()
         self._lock = threading.Lock()
 
-    def note(self, hashes: Sequence[bytes], packed: bytes) -> None:
-        """``packed``: int32 LE tokens, ``hash_block`` per hash of ``hashes``, in order."""
-        step = 4 * self.hash_block
-        if len(packed) != step * len(hashes):
+    def check(self, hashes: Sequence[bytes], packed: bytes) -> None:
+        """InvalidInput unless ``packed`` is ``hash_block`` int32 tokens per hash (asked
+        before the call allocates: a refused call reserves nothing)."""
+        if len(packed) != 4 * self.hash_block * len(hashes):
             raise InvalidInput(f"token_ids hold {len(packed) // 4} tokens; {len(hashes)} "
                                f"hashes of {self.hash_block} tokens need "
                                f"{len(hashes) * self.hash_block}")
+
+    def note(self, hashes: Sequence[bytes], packed: bytes) -> None:
+        """``packed``: int32 LE tokens, ``hash_block`` per hash of ``hashes``, in order."""
+        self.check(hashes, packed)
+        step = 4 * self.hash_block
         with self._lock:
             book = self._book
             for i, h in enumerate(hashes):

@@ -275,3 +275,21 @@ def _replay_topic(port: int, want: bytes) -> list[tuple[int, Any]]:
         out.append((int.from_bytes(seq, "big"), msgspec.msgpack.decode(payload)))
     ctx.destroy(0)
     return out
+
+
+def test_allocate_with_a_wrong_token_count_is_refused_before_anything_is_allocated(
+        port: int) -> None:
+    run = _start(port)
+    try:
+        client, layout = _client(run)
+        tokens = np.arange(5, 5 + 2 * layout.hash_block, dtype=np.int32)
+        hashes = hash_blocks(tokens, layout.hash_block, ExtraKeys(default_spec().model_id))
+        col = next(c.name for c in layout.columns if c.kind.value == "COMPRESSED")
+        with pytest.raises(InvalidInput, match="token_ids hold"):
+            client.allocate(hashes, [AllocRequest(0, col)], token_ids=tokens[:-1].tolist())
+        # nothing was reserved: the same allocation goes through fresh
+        (a,) = client.allocate(hashes, [AllocRequest(0, col)], token_ids=tokens.tolist())
+        assert not a.existing
+        client.close()
+    finally:
+        run.close(0).wait(5)
