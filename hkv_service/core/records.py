@@ -2,7 +2,7 @@
 
 State (metadata, here) and data (bytes in a shard's block pool) are joined by one handle,
 ``(object id, generation, location)``. A record is mutable but only
-:func:`hkv_service.core.transitions.apply` assigns its ``state``.
+:func:`hkv_service.core.transitions.apply` moves its ``state`` (:func:`set_state`).
 
 Column layout of a prefix entry (one entry per hash block)::
 
@@ -43,6 +43,8 @@ __all__ = [
     "record_type",
     "register",
     "set_mem",
+    "set_shard",
+    "set_state",
 ]
 
 
@@ -195,8 +197,10 @@ class ObjRecord:
     """One cache object; build it with :func:`new_record`.
 
     Memory is the budget here (one record per block per column, millions per service), so a
-    record carries only what moves: ``kind`` and ``column`` are class attributes of a small
-    class per (kind, column) (see :func:`record_type`), each kind's class adds only the
+    record carries only what is its own: ``kind``, ``column``, ``shard`` and ``state`` are
+    class attributes of a small class per (kind, column, shard, state) (see
+    :func:`record_type`; a record whose state or shard moves changes class:
+    :func:`set_state`, :func:`set_shard`), each kind's class adds only the
     fields that kind uses (``version``, ``lo``/``hi``), the other fields read the class
     defaults below, and leases/captures are counted beside the records (``checks.Holds``).
     The handle's byte alignment is derived from the owner's pool when needed.
@@ -204,13 +208,17 @@ class ObjRecord:
 
     object_id: ObjectId
     entry: PrefixEntry
-    state: State
-    shard: ShardId  # owner of the bytes ("" while a DISK object has no memory copy)
     block: int  # -1 when no memory block backs it
     generation: int
     seq: int = 0  # transitions applied; compare-and-set token
     kind: ClassVar[Kind]
     column: ClassVar[int]
+    # owner of the bytes ("" while a DISK object has no memory copy); one class per owner,
+    # so a record stores no 8-byte pointer to a name millions of records share
+    shard: ClassVar[ShardId]
+    state: ClassVar[State]  # (its class's: set_state moves it)
+    # the classes of this (kind, column, shard) in other states, as set_state meets them
+    _moved: ClassVar[dict[State, type[ObjRecord]]]
     # Kind-specific fields: the class defaults answer for kinds that do not store them;
     # assigning one on such a record raises AttributeError (no silent write).
     version: ClassVar[int] = 0  # COMPRESSED: KV version; INDEXER: version synced to
@@ -264,16 +272,45 @@ _KIND_BASE: dict[Kind, type[ObjRecord]] = {
 
 
 @functools.cache
-def record_type(kind: Kind, column: int) -> type[ObjRecord]:
-    """The record class of one (kind, column): no slots of its own, two class attributes."""
+def record_type(kind: Kind, column: int, shard: ShardId, state: State) -> type[ObjRecord]:
+    """The record class of one (kind, column, shard, state): no slots of its own, four class
+    attributes. Every class of a kind has the same slots, so a record moves between them
+    (:func:`set_state`, :func:`set_shard`): a few dozen classes per owner, where each of
+    millions of records stored two pointers."""
     base = _KIND_BASE[kind]
     name = f"{base.__name__}_{kind.name.lower()}_{column}"
-    return type(name, (base,), {"__slots__": (), "kind": kind, "column": column})
+    return type(name, (base,), {"__slots__": (), "kind": kind, "column": column,
+                                "shard": shard, "state": state, "_moved": {}})
 
 
-# (kind, column) -> record class, filled by new_record: a plain dict read is ~2x cheaper than
-# record_type's cache, and a re-confirm makes a record per report
-_TYPES: dict[tuple[Kind, int], tuple[Callable[..., ObjRecord], type[ObjRecord]]] = {}
+# (kind, column, shard, state) -> record class, filled by new_record: a plain dict read is
+# ~2x cheaper than record_type's cache, and a re-confirm makes a record per report
+_TYPES: dict[tuple[Kind, int, ShardId, State],
+             tuple[Callable[..., ObjRecord], type[ObjRecord]]] = {}
+
+
+def _record_class(kind: Kind, column: int, shard: ShardId, state: State
+                  ) -> tuple[Callable[..., ObjRecord], type[ObjRecord]]:
+    key = (kind, column, shard, state)
+    got = _TYPES.get(key)
+    if got is None:
+        got = _TYPES[key] = (record_type(kind, column, shard, state), _KIND_BASE[kind])
+    return got
+
+
+def set_state(rec: ObjRecord, state: State) -> None:
+    """``rec`` is in ``state`` from now on (only ``transitions.apply`` moves a state, and a
+    rehearsal puts one back)."""
+    cls = type(rec)
+    to = cls._moved.get(state)
+    if to is None:
+        to = cls._moved[state] = record_type(cls.kind, cls.column, cls.shard, state)
+    rec.__class__ = to
+
+
+def set_shard(rec: ObjRecord, shard: ShardId) -> None:
+    """``rec``'s bytes are on ``shard`` from now on (its class says whose they are)."""
+    rec.__class__ = record_type(rec.kind, rec.column, shard, rec.state)
 
 
 def new_record(
@@ -281,24 +318,20 @@ def new_record(
     shard: ShardId, block: int, generation: int, *, version: int = 0, lo: int = 0,
     hi: int = 0, inner: Kind | None = None, disk_owner: ShardId | None = None,
 ) -> ObjRecord:
-    """A record of ``kind`` in ``column``; the fields the kind does not store (``lo`` of a
-    COMPRESSED object, say) are dropped: they mean nothing for it. (Positional arguments, in
-    each class's field order: ~4x cheaper than keywords filtered by name.)"""
-    got = _TYPES.get((kind, column))
-    if got is None:
-        cls = record_type(kind, column)
-        got = _TYPES[(kind, column)] = (cls, _KIND_BASE[kind])
-    make, base = got
+    """A record of ``kind`` in ``column`` on ``shard``; the fields the kind does not store
+    (``lo`` of a COMPRESSED object, say) are dropped: they mean nothing for it. (Positional
+    arguments, in each class's field order: ~4x cheaper than keywords filtered by name.)"""
+    make, base = _record_class(kind, column, shard, state)
     if base is VersionedRecord:
-        return make(object_id, entry, state, shard, block, generation, 0, version)
+        return make(object_id, entry, block, generation, 0, version)
     if base is SwaRecord:
-        return make(object_id, entry, state, shard, block, generation, 0, lo, hi)
+        return make(object_id, entry, block, generation, 0, lo, hi)
     if base is TailRecord:
-        return make(object_id, entry, state, shard, block, generation, 0, hi)
+        return make(object_id, entry, block, generation, 0, hi)
     if base is StateRecord:
-        return make(object_id, entry, state, shard, block, generation, 0)
+        return make(object_id, entry, block, generation, 0)
     assert base is DiskRecord
-    return make(object_id, entry, state, shard, block, generation, 0, version, lo, hi, inner,
+    return make(object_id, entry, block, generation, 0, version, lo, hi, inner,
                 disk_owner)
 
 
