@@ -32,6 +32,7 @@ __all__ = [
     "HandleColumn",
     "NoChild",
     "ObjRecord",
+    "PackedRun",
     "PrefixEntry",
     "Segment",
     "StateRecord",
@@ -376,8 +377,13 @@ class PrefixEntry:
     # live at this depth) built by the first lookup through this entry; summarise drops it
     # whenever anything here changes, so a row never outlives the records it was built from.
     row: bytes | None = None
-    # Lookup memos and walk segments computed through this entry (core/memo.py,
-    # core/segments.py); summarise drops them too.
+    # At the last entry of a full run of the packer's run size (runs from depth 0): the
+    # run's monotone-column handles, packed from its entries' rows the second time a lookup
+    # took them (packing.Packer: a lookup then joins a few run pieces, not a row per block);
+    # registered on every entry of the run (a Dependent), so any change to one drops it.
+    run: PackedRun | None = field(default=None, repr=False)
+    # Lookup memos, walk segments and packed runs computed through this entry (core/memo.py,
+    # core/segments.py, core/packing.py); summarise drops them too.
     memos: tuple[Dependent, ...] | list[Dependent] | None = field(default=None, repr=False)
     # The walk segment of the run of blocks this entry ends, if it ends one (segments.py).
     segment: Segment | None = field(default=None, repr=False)
@@ -424,6 +430,22 @@ class Segment:
         """Dead from now on (an entry changed); the payload goes at once."""
         self.live = False
         self.entries, self.cols = (), None
+
+
+class PackedRun:
+    """A run's packed monotone-column handles (:attr:`PrefixEntry.run`): one bytes per
+    monotone column, as ``Packer`` slices them from the run's rows. A :class:`Dependent` of
+    every entry of the run: dead, and its bytes gone, once any of them changes."""
+
+    __slots__ = ("cols", "live")
+
+    def __init__(self, cols: tuple[bytes, ...]) -> None:
+        self.cols: tuple[bytes, ...] | None = cols
+        self.live = True
+
+    def drop(self) -> None:
+        self.live = False
+        self.cols = None
 
 
 def register(item: Dependent, entries: Iterable[PrefixEntry]) -> None:
