@@ -13,9 +13,10 @@ Column layout of a prefix entry (one entry per hash block)::
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
-from typing import ClassVar, Protocol, cast
+from dataclasses import InitVar, dataclass, field, replace
+from typing import Any, ClassVar, Protocol, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -40,6 +41,7 @@ __all__ = [
     "TailRecord",
     "VersionedRecord",
     "drop_memos",
+    "entry_type",
     "new_record",
     "record_type",
     "register",
@@ -357,14 +359,17 @@ class PrefixEntry:
     dict lookup plus one integer test per block; they are recomputed by the state view after
     every transition that touches this entry (see ``contracts.summarise``), or, after a
     confirm, by the first walk that reaches it (``contracts.defer``: pending until then).
+
+    Its memory objects, one per column, are slots of its own (``c0``, ``c1``, ...: a class
+    per column count, :func:`entry_type`, which ``PrefixEntry(...)`` builds by the length of
+    ``records``): read together as :attr:`mem`, set by :func:`set_mem`. (A tuple per entry
+    cost 48 B more: its own header and a pointer to it, for millions of entries.)
     """
 
     block_hash: BlockHash
     parent: PrefixEntry | None
     depth: int  # index of this hash block in its prefix: tokens [depth*H, (depth+1)*H)
-    # per column, its memory object: a tuple (16 B less than a list), replaced on a change
-    # (set_mem: an entry's memory objects change a few times in its life, are read often)
-    mem: Sequence[ObjRecord | None]
+    records: InitVar[Sequence[ObjRecord | None]]  # per column, its memory object
     disk: list[ObjRecord | None] | None = None  # disk copies, allocated on first offload
     flags: int = 0
     gate: int = 0  # align if every monotone column is usable, else 0: the walk's one test
@@ -398,11 +403,51 @@ class PrefixEntry:
     child: PrefixEntry = field(default=NO_CHILD, repr=False)
 
 
+    # the class's: the names of its column slots, and a getter of all of them as a tuple
+    _slots: ClassVar[tuple[str, ...]] = ()
+    _mem_of: ClassVar[Callable[[PrefixEntry], tuple[ObjRecord | None, ...]]]
+
+    def __new__(cls, block_hash: BlockHash, parent: PrefixEntry | None, depth: int,
+                records: Sequence[ObjRecord | None], *args: Any, **kwargs: Any
+                ) -> PrefixEntry:
+        if cls is PrefixEntry:  # the class with a slot per column
+            cls = entry_type(len(records))
+        return object.__new__(cls)
+
+    def __post_init__(self, records: Sequence[ObjRecord | None]) -> None:
+        for name, rec in zip(self._slots, records, strict=True):
+            setattr(self, name, rec)
+
+    @property
+    def mem(self) -> tuple[ObjRecord | None, ...]:
+        """Per column, its memory object (None: none), as a tuple built on read."""
+        return self._mem_of(self)  # type: ignore[call-arg]  # (a staticmethod)
+
+
+_COLUMN_SLOT = [f"c{i}" for i in range(256)]  # column -> the slot of its memory object
+
+
+def _no_columns(_entry: PrefixEntry) -> tuple[ObjRecord | None, ...]:
+    return ()
+
+
+def _one_column(entry: PrefixEntry) -> tuple[ObjRecord | None, ...]:
+    return (entry.c0,)  # type: ignore[attr-defined]
+
+
+@functools.cache
+def entry_type(columns: int) -> type[PrefixEntry]:
+    """The prefix entry class with a slot per column for its memory objects."""
+    names = tuple(_COLUMN_SLOT[:columns])
+    get = (operator.attrgetter(*names) if columns > 1 else
+           _one_column if columns == 1 else _no_columns)
+    return type(f"PrefixEntry{columns}", (PrefixEntry,),
+                {"__slots__": names, "_slots": names, "_mem_of": staticmethod(get)})
+
+
 def set_mem(entry: PrefixEntry, column: int, rec: ObjRecord | None) -> None:
     """``entry``'s memory object of ``column`` is ``rec`` from now on."""
-    mem = list(entry.mem)
-    mem[column] = rec
-    entry.mem = tuple(mem)
+    setattr(entry, _COLUMN_SLOT[column], rec)
 
 
 class Dependent(Protocol):
