@@ -415,8 +415,7 @@ class PrefixEntry:
         return object.__new__(cls)
 
     def __post_init__(self, records: Sequence[ObjRecord | None]) -> None:
-        for name, rec in zip(self._slots, records, strict=True):
-            setattr(self, name, rec)
+        pass  # (entry_type's classes set their slots)
 
     @property
     def mem(self) -> tuple[ObjRecord | None, ...]:
@@ -441,8 +440,16 @@ def entry_type(columns: int) -> type[PrefixEntry]:
     names = tuple(_COLUMN_SLOT[:columns])
     get = (operator.attrgetter(*names) if columns > 1 else
            _one_column if columns == 1 else _no_columns)
+    # one unpacking assignment (a generated line, as dataclasses generate __init__): a loop
+    # of setattr tripled the cost of making an entry, and a re-confirm makes many
+    targets = "".join(f"self.{n}, " for n in names)
+    code = (f"def __post_init__(self, records):\n    {targets}= records\n" if names else
+            "def __post_init__(self, records):\n    if records: raise ValueError(records)\n")
+    space: dict[str, Any] = {}
+    exec(code, space)  # (names are ours: c0, c1, ...)
     return type(f"PrefixEntry{columns}", (PrefixEntry,),
-                {"__slots__": names, "_slots": names, "_mem_of": staticmethod(get)})
+                {"__slots__": names, "_slots": names, "_mem_of": staticmethod(get),
+                 "__post_init__": space["__post_init__"]})
 
 
 def set_mem(entry: PrefixEntry, column: int, rec: ObjRecord | None) -> None:
