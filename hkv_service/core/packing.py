@@ -35,7 +35,7 @@ import numpy as np
 from . import contracts
 from .api import LookupRequest
 from .funnel import FunnelResult
-from .records import HANDLE_DTYPE, HandleColumn, ObjRecord, PackedRun, PrefixEntry, register
+from .records import HANDLE_DTYPE, HandleColumn, ObjRecord, PackedRun, PrefixEntry, mem_at, register
 from .segments import Segment, segment_blocks_for
 from .states import Kind
 from .tables import Tables, handle_shard
@@ -296,7 +296,7 @@ class Packer:
             return self._placeholder_row
         values: list[int] = []
         for c in self.layout.mono_columns:
-            rec = e.mem[c]
+            rec = mem_at(e, c)
             if not self.layout.lives_at(c, e.depth):
                 values += (0, 0, 0, 0)  # never sliced: needed depths are where c lives
             else:

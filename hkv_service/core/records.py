@@ -42,6 +42,7 @@ __all__ = [
     "VersionedRecord",
     "drop_memos",
     "entry_type",
+    "mem_at",
     "new_record",
     "record_type",
     "register",
@@ -324,7 +325,8 @@ def new_record(
     """A record of ``kind`` in ``column`` on ``shard``; the fields the kind does not store
     (``lo`` of a COMPRESSED object, say) are dropped: they mean nothing for it. (Positional
     arguments, in each class's field order: ~4x cheaper than keywords filtered by name.)"""
-    make, base = _record_class(kind, column, shard, state)
+    got = _TYPES.get((kind, column, shard, state))  # (inlined _record_class: per report)
+    make, base = got if got is not None else _record_class(kind, column, shard, state)
     if base is VersionedRecord:
         return make(object_id, entry, block, generation, 0, version)
     if base is SwaRecord:
@@ -424,6 +426,12 @@ class PrefixEntry:
 
 
 _COLUMN_SLOT = [f"c{i}" for i in range(256)]  # column -> the slot of its memory object
+
+
+def mem_at(entry: PrefixEntry, column: int) -> ObjRecord | None:
+    """``entry.mem[column]`` without building the tuple (the hot paths' read)."""
+    rec: ObjRecord | None = getattr(entry, _COLUMN_SLOT[column])
+    return rec
 
 
 def _no_columns(_entry: PrefixEntry) -> tuple[ObjRecord | None, ...]:
