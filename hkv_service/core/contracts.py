@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .layout import Layout
-from .records import ObjRecord, PrefixEntry, drop_memos
+from .records import ObjRecord, PrefixEntry, drop_memos, mem_at
 from .states import Kind, Reason, State
 
 __all__ = [
@@ -168,7 +168,7 @@ def served(entry: PrefixEntry, column: int, layout: Layout, pairs: Pairs | None 
 def _candidates(entry: PrefixEntry, column: int) -> list[tuple[ObjRecord, Verdict]]:
     """Usable copies at ``entry``/``column``, best first: memory, loaded disk, disk at rest."""
     out: list[tuple[ObjRecord, Verdict]] = []
-    mem = entry.mem[column]
+    mem = mem_at(entry, column)
     if mem is not None and mem.state in READY_STATES[mem.kind]:
         out.append((mem, READY))
     disk = entry.disk[column] if entry.disk else None
@@ -182,7 +182,7 @@ def _candidates(entry: PrefixEntry, column: int) -> list[tuple[ObjRecord, Verdic
 def _unusable(entry: PrefixEntry, column: int) -> Reason:
     """Why no copy at ``entry``/``column`` can serve: the memory object's reason first (what
     a writer can fix), else the disk copy's."""
-    mem = entry.mem[column]
+    mem = mem_at(entry, column)
     if mem is not None:
         if mem.state is State.TAIL_PARTIAL:
             return Reason.TAIL_INCOMPLETE
@@ -246,12 +246,12 @@ def _both_in_memory(entry: PrefixEntry, kv: int, layout: Layout
     of its indexers are READY at its version (the usual case, found without building the
     candidate lists): no loads, the first KV candidate, its indexers' first candidates, so
     nothing can rank before it. None otherwise (the general rule decides)."""
-    rec = entry.mem[kv]
+    rec = mem_at(entry, kv)
     if rec is None or not rec.version or rec.state not in READY_STATES[rec.kind]:
         return None
     chosen: dict[int, Served] = {}
     for ix in layout.indexers_of[kv]:
-        m = entry.mem[ix]
+        m = mem_at(entry, ix)
         if m is None or m.version != rec.version or m.state not in READY_STATES[m.kind]:
             return None
         chosen[ix] = (m, READY)

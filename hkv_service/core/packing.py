@@ -5,10 +5,13 @@ records at the depths that column lives at (``Layout.needed_depths``), in token 
 are packed two ways, giving the same bytes (a test holds them to it):
 
 * the fast path (:meth:`Packer.packed_columns`): COMPRESSED and INDEXER handles from rows
-  cached on the entries (``PrefixEntry.row``, one per entry, built on first use) and from a
-  certified walk segment's pieces: one ``bytes.join`` and one strided numpy slice per
-  column, no Python work per handle. An entry holding a disk copy is a placeholder row,
-  patched with the copy its verdict serves (``contracts.served``, ``swa_cover``)::
+  cached on the entries (``PrefixEntry.row``, one per entry, built on first use), from a
+  full run's packed pieces (``PrefixEntry.run`` at the run's last entry, packed from its
+  rows the second time a lookup takes the run: a run of 64 blocks is then three bytes, not
+  64 rows to list, join and slice) and from a certified walk segment's pieces: one
+  ``bytes.join`` and one strided numpy slice per column, no Python work per handle. An
+  entry holding a disk copy is a placeholder row, patched with the copy its verdict serves
+  (``contracts.served``, ``swa_cover``)::
 
       rows:   [ e0: c4 | idx ][ e1: c4 | idx ] ...   22-byte records per monotone column
       grid:   rows.reshape(n, mono columns)[needed depths, slot]  -> one column's records
@@ -32,7 +35,7 @@ import numpy as np
 from . import contracts
 from .api import LookupRequest
 from .funnel import FunnelResult
-from .records import HANDLE_DTYPE, HandleColumn, ObjRecord, PrefixEntry
+from .records import HANDLE_DTYPE, HandleColumn, ObjRecord, PackedRun, PrefixEntry, mem_at, register
 from .segments import Segment, segment_blocks_for
 from .states import Kind
 from .tables import Tables, handle_shard
@@ -59,6 +62,10 @@ class Packer:
         self.t = tables
         self.layout = layout = tables.layout
         self.segment_blocks = segment_blocks_for(layout, tables.config.segment_blocks)
+        # the packed runs' size (PrefixEntry.run), whether walk segments are on or not:
+        # the segments' default, a multiple of the layout's period (runs start where it
+        # repeats, so a run's pieces are the same for every lookup that takes it whole)
+        self.run_blocks = segment_blocks_for(layout, None)
         self._mono_slot = {c: j for j, c in enumerate(layout.mono_columns)}
         self._row_struct = struct.Struct("<" + "QQiH" * len(layout.mono_columns))
         self._placeholder_row = bytes(self._row_struct.size)
@@ -220,8 +227,43 @@ class Packer:
                 pieces.append(seg.cols or self._segment_cols(seg))
                 done = (j + 1) * size
         if done < n:
-            pieces.append(self._grid_piece(entries, usable, done, n, first))
+            self._run_pieces(entries, usable, done, n, first, pieces)
         return pieces
+
+    def _run_pieces(self, entries: Sequence[PrefixEntry], usable: int, lo: int, hi: int,
+                    first: int, out: list[tuple[bytes, ...]]) -> None:
+        """Append the monotone columns' records at depths ``[lo, hi)`` to ``out``: each full
+        run inside as its packed pieces (packed now from its rows if a lookup took it
+        before: its last entry has a row), the rest from rows in as few pieces as runs
+        allow. ``entries[0]`` is at depth ``first``."""
+        size = self.run_blocks
+        start = lo  # the first depth not yet appended
+        for r in range(-(-lo // size) * size, hi - size + 1, size):
+            end = entries[r + size - 1 - first]
+            cols = end.run.cols if end.run is not None else None  # (None: dropped)
+            if cols is None:
+                if end.row is None:  # not taken since it changed: rows first
+                    continue
+                cols = self._pack_run(entries[r - first : r + size - first], r)
+            if start < r:
+                out.append(self._grid_piece(entries, usable, start, r, first))
+            out.append(cols)
+            start = r + size
+        if start < hi:
+            out.append(self._grid_piece(entries, usable, start, hi, first))
+
+    def _pack_run(self, run: Sequence[PrefixEntry], lo: int) -> tuple[bytes, ...]:
+        """Pack the full run ``run`` (depths ``[lo, lo + size)``) from its rows, keep it at its
+        last entry, and let its entries' rows go (the run holds their bytes now; a change
+        drops the run, and the next lookups build rows, then the run, again)."""
+        size = len(run)
+        cols = self._grid_piece(run, (lo + size) * self.layout.hash_block, lo, lo + size, lo)
+        packed = PackedRun(cols)
+        register(packed, run)
+        run[-1].run = packed
+        for e in run:
+            e.row = None
+        return cols
 
     def _grid_piece(self, entries: Sequence[PrefixEntry], usable: int, lo: int, hi: int,
                     first: int = 0) -> tuple[bytes, ...]:
@@ -254,7 +296,7 @@ class Packer:
             return self._placeholder_row
         values: list[int] = []
         for c in self.layout.mono_columns:
-            rec = e.mem[c]
+            rec = mem_at(e, c)
             if not self.layout.lives_at(c, e.depth):
                 values += (0, 0, 0, 0)  # never sliced: needed depths are where c lives
             else:

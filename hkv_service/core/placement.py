@@ -25,7 +25,7 @@ from .api import Allocation, AllocRequest
 from .errors import IllegalTransition, PoolExhausted
 from .ids import BlockHash, ObjectId, ShardId
 from .inputs import check_hashes, check_range, check_root, check_slot, column_of
-from .records import ObjRecord, PrefixEntry, new_record, set_mem
+from .records import ObjRecord, PrefixEntry, mem_at, new_record, set_mem
 from .states import TERMINAL_STATES, Event, Kind, State
 from .tables import Tables
 from .transitions import Params
@@ -103,7 +103,7 @@ class Placement:
         (a caller replaces it with new bytes); left where it is while anything holds it."""
         t = self.t
         entry = t.index.get(block_hash)
-        rec = entry.mem[col] if entry is not None else None
+        rec = mem_at(entry, col) if entry is not None else None
         if rec is None or rec.object_id != object_id:
             return
         try:
@@ -118,7 +118,7 @@ class Placement:
         """One slot's allocation; a new record is appended to ``made``, its entry summarised
         by :meth:`_settle_allocated` before the lock is let go."""
         t = self.t
-        existing = entry.mem[col]
+        existing = mem_at(entry, col)
         if existing is not None:
             return Allocation(t.handle(existing), True, existing.state, existing.version)
         shard, pool, block = self.take_block(col, owner)
@@ -222,7 +222,7 @@ class Placement:
             if col.indexes == rec.column or (
                 rec.kind is Kind.INDEXER and col.index == self.layout.columns[rec.column].indexes
             ):
-                other = rec.entry.mem[col.index]
+                other = mem_at(rec.entry, col.index)
                 if other is not None and other is not rec:
                     out.append(other)
         return out

@@ -28,7 +28,7 @@ from .errors import InvalidInput
 from .ids import BLOCK_HASH_BYTES, BlockHash, ObjectId, ShardId, shared_int
 from .inputs import check_hashes, check_report, column_of
 from .owners import Owner
-from .records import ObjRecord, PrefixEntry, new_record, set_mem
+from .records import ObjRecord, PrefixEntry, mem_at, new_record, set_mem
 from .states import State
 from .tables import Tables
 from .tree import other_parent, unchained_report
@@ -179,7 +179,7 @@ class Rebuild:
                 return None
             return t.add_disk_record(entry, col, _ON_DISK, owner, r)
         pool, block = o.pools.get(col), shared_int(r.block)
-        if pool is None or entry.mem[col] is not None:
+        if pool is None or mem_at(entry, col) is not None:
             return None
         generation = pool.claim_at(block, r.generation)  # (generations issued stay issued)
         if generation is None:

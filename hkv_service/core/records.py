@@ -2,7 +2,7 @@
 
 State (metadata, here) and data (bytes in a shard's block pool) are joined by one handle,
 ``(object id, generation, location)``. A record is mutable but only
-:func:`hkv_service.core.transitions.apply` assigns its ``state``.
+:func:`hkv_service.core.transitions.apply` moves its ``state`` (:func:`set_state`).
 
 Column layout of a prefix entry (one entry per hash block)::
 
@@ -13,9 +13,10 @@ Column layout of a prefix entry (one entry per hash block)::
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
-from typing import ClassVar, Protocol, cast
+from dataclasses import InitVar, dataclass, field, replace
+from typing import Any, ClassVar, Protocol, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -32,6 +33,7 @@ __all__ = [
     "HandleColumn",
     "NoChild",
     "ObjRecord",
+    "PackedRun",
     "PrefixEntry",
     "Segment",
     "StateRecord",
@@ -39,10 +41,14 @@ __all__ = [
     "TailRecord",
     "VersionedRecord",
     "drop_memos",
+    "entry_type",
+    "mem_at",
     "new_record",
     "record_type",
     "register",
     "set_mem",
+    "set_shard",
+    "set_state",
 ]
 
 
@@ -195,8 +201,10 @@ class ObjRecord:
     """One cache object; build it with :func:`new_record`.
 
     Memory is the budget here (one record per block per column, millions per service), so a
-    record carries only what moves: ``kind`` and ``column`` are class attributes of a small
-    class per (kind, column) (see :func:`record_type`), each kind's class adds only the
+    record carries only what is its own: ``kind``, ``column``, ``shard`` and ``state`` are
+    class attributes of a small class per (kind, column, shard, state) (see
+    :func:`record_type`; a record whose state or shard moves changes class:
+    :func:`set_state`, :func:`set_shard`), each kind's class adds only the
     fields that kind uses (``version``, ``lo``/``hi``), the other fields read the class
     defaults below, and leases/captures are counted beside the records (``checks.Holds``).
     The handle's byte alignment is derived from the owner's pool when needed.
@@ -204,13 +212,17 @@ class ObjRecord:
 
     object_id: ObjectId
     entry: PrefixEntry
-    state: State
-    shard: ShardId  # owner of the bytes ("" while a DISK object has no memory copy)
     block: int  # -1 when no memory block backs it
     generation: int
     seq: int = 0  # transitions applied; compare-and-set token
     kind: ClassVar[Kind]
     column: ClassVar[int]
+    # owner of the bytes ("" while a DISK object has no memory copy); one class per owner,
+    # so a record stores no 8-byte pointer to a name millions of records share
+    shard: ClassVar[ShardId]
+    state: ClassVar[State]  # (its class's: set_state moves it)
+    # the classes of this (kind, column, shard) in other states, as set_state meets them
+    _moved: ClassVar[dict[State, type[ObjRecord]]]
     # Kind-specific fields: the class defaults answer for kinds that do not store them;
     # assigning one on such a record raises AttributeError (no silent write).
     version: ClassVar[int] = 0  # COMPRESSED: KV version; INDEXER: version synced to
@@ -264,16 +276,45 @@ _KIND_BASE: dict[Kind, type[ObjRecord]] = {
 
 
 @functools.cache
-def record_type(kind: Kind, column: int) -> type[ObjRecord]:
-    """The record class of one (kind, column): no slots of its own, two class attributes."""
+def record_type(kind: Kind, column: int, shard: ShardId, state: State) -> type[ObjRecord]:
+    """The record class of one (kind, column, shard, state): no slots of its own, four class
+    attributes. Every class of a kind has the same slots, so a record moves between them
+    (:func:`set_state`, :func:`set_shard`): a few dozen classes per owner, where each of
+    millions of records stored two pointers."""
     base = _KIND_BASE[kind]
     name = f"{base.__name__}_{kind.name.lower()}_{column}"
-    return type(name, (base,), {"__slots__": (), "kind": kind, "column": column})
+    return type(name, (base,), {"__slots__": (), "kind": kind, "column": column,
+                                "shard": shard, "state": state, "_moved": {}})
 
 
-# (kind, column) -> record class, filled by new_record: a plain dict read is ~2x cheaper than
-# record_type's cache, and a re-confirm makes a record per report
-_TYPES: dict[tuple[Kind, int], tuple[Callable[..., ObjRecord], type[ObjRecord]]] = {}
+# (kind, column, shard, state) -> record class, filled by new_record: a plain dict read is
+# ~2x cheaper than record_type's cache, and a re-confirm makes a record per report
+_TYPES: dict[tuple[Kind, int, ShardId, State],
+             tuple[Callable[..., ObjRecord], type[ObjRecord]]] = {}
+
+
+def _record_class(kind: Kind, column: int, shard: ShardId, state: State
+                  ) -> tuple[Callable[..., ObjRecord], type[ObjRecord]]:
+    key = (kind, column, shard, state)
+    got = _TYPES.get(key)
+    if got is None:
+        got = _TYPES[key] = (record_type(kind, column, shard, state), _KIND_BASE[kind])
+    return got
+
+
+def set_state(rec: ObjRecord, state: State) -> None:
+    """``rec`` is in ``state`` from now on (only ``transitions.apply`` moves a state, and a
+    rehearsal puts one back)."""
+    cls = type(rec)
+    to = cls._moved.get(state)
+    if to is None:
+        to = cls._moved[state] = record_type(cls.kind, cls.column, cls.shard, state)
+    rec.__class__ = to
+
+
+def set_shard(rec: ObjRecord, shard: ShardId) -> None:
+    """``rec``'s bytes are on ``shard`` from now on (its class says whose they are)."""
+    rec.__class__ = record_type(rec.kind, rec.column, shard, rec.state)
 
 
 def new_record(
@@ -281,24 +322,21 @@ def new_record(
     shard: ShardId, block: int, generation: int, *, version: int = 0, lo: int = 0,
     hi: int = 0, inner: Kind | None = None, disk_owner: ShardId | None = None,
 ) -> ObjRecord:
-    """A record of ``kind`` in ``column``; the fields the kind does not store (``lo`` of a
-    COMPRESSED object, say) are dropped: they mean nothing for it. (Positional arguments, in
-    each class's field order: ~4x cheaper than keywords filtered by name.)"""
-    got = _TYPES.get((kind, column))
-    if got is None:
-        cls = record_type(kind, column)
-        got = _TYPES[(kind, column)] = (cls, _KIND_BASE[kind])
-    make, base = got
+    """A record of ``kind`` in ``column`` on ``shard``; the fields the kind does not store
+    (``lo`` of a COMPRESSED object, say) are dropped: they mean nothing for it. (Positional
+    arguments, in each class's field order: ~4x cheaper than keywords filtered by name.)"""
+    got = _TYPES.get((kind, column, shard, state))  # (inlined _record_class: per report)
+    make, base = got if got is not None else _record_class(kind, column, shard, state)
     if base is VersionedRecord:
-        return make(object_id, entry, state, shard, block, generation, 0, version)
+        return make(object_id, entry, block, generation, 0, version)
     if base is SwaRecord:
-        return make(object_id, entry, state, shard, block, generation, 0, lo, hi)
+        return make(object_id, entry, block, generation, 0, lo, hi)
     if base is TailRecord:
-        return make(object_id, entry, state, shard, block, generation, 0, hi)
+        return make(object_id, entry, block, generation, 0, hi)
     if base is StateRecord:
-        return make(object_id, entry, state, shard, block, generation, 0)
+        return make(object_id, entry, block, generation, 0)
     assert base is DiskRecord
-    return make(object_id, entry, state, shard, block, generation, 0, version, lo, hi, inner,
+    return make(object_id, entry, block, generation, 0, version, lo, hi, inner,
                 disk_owner)
 
 
@@ -323,14 +361,17 @@ class PrefixEntry:
     dict lookup plus one integer test per block; they are recomputed by the state view after
     every transition that touches this entry (see ``contracts.summarise``), or, after a
     confirm, by the first walk that reaches it (``contracts.defer``: pending until then).
+
+    Its memory objects, one per column, are slots of its own (``c0``, ``c1``, ...: a class
+    per column count, :func:`entry_type`, which ``PrefixEntry(...)`` builds by the length of
+    ``records``): read together as :attr:`mem`, set by :func:`set_mem`. (A tuple per entry
+    cost 48 B more: its own header and a pointer to it, for millions of entries.)
     """
 
     block_hash: BlockHash
     parent: PrefixEntry | None
     depth: int  # index of this hash block in its prefix: tokens [depth*H, (depth+1)*H)
-    # per column, its memory object: a tuple (16 B less than a list), replaced on a change
-    # (set_mem: an entry's memory objects change a few times in its life, are read often)
-    mem: Sequence[ObjRecord | None]
+    records: InitVar[Sequence[ObjRecord | None]]  # per column, its memory object
     disk: list[ObjRecord | None] | None = None  # disk copies, allocated on first offload
     flags: int = 0
     gate: int = 0  # align if every monotone column is usable, else 0: the walk's one test
@@ -343,8 +384,13 @@ class PrefixEntry:
     # live at this depth) built by the first lookup through this entry; summarise drops it
     # whenever anything here changes, so a row never outlives the records it was built from.
     row: bytes | None = None
-    # Lookup memos and walk segments computed through this entry (core/memo.py,
-    # core/segments.py); summarise drops them too.
+    # At the last entry of a full run of the packer's run size (runs from depth 0): the
+    # run's monotone-column handles, packed from its entries' rows the second time a lookup
+    # took them (packing.Packer: a lookup then joins a few run pieces, not a row per block);
+    # registered on every entry of the run (a Dependent), so any change to one drops it.
+    run: PackedRun | None = field(default=None, repr=False)
+    # Lookup memos, walk segments and packed runs computed through this entry (core/memo.py,
+    # core/segments.py, core/packing.py); summarise drops them too.
     memos: tuple[Dependent, ...] | list[Dependent] | None = field(default=None, repr=False)
     # The walk segment of the run of blocks this entry ends, if it ends one (segments.py).
     segment: Segment | None = field(default=None, repr=False)
@@ -359,11 +405,64 @@ class PrefixEntry:
     child: PrefixEntry = field(default=NO_CHILD, repr=False)
 
 
+    # the class's: the names of its column slots, and a getter of all of them as a tuple
+    _slots: ClassVar[tuple[str, ...]] = ()
+    _mem_of: ClassVar[Callable[[PrefixEntry], tuple[ObjRecord | None, ...]]]
+
+    def __new__(cls, block_hash: BlockHash, parent: PrefixEntry | None, depth: int,
+                records: Sequence[ObjRecord | None], *args: Any, **kwargs: Any
+                ) -> PrefixEntry:
+        if cls is PrefixEntry:  # the class with a slot per column
+            cls = entry_type(len(records))
+        return object.__new__(cls)
+
+    def __post_init__(self, records: Sequence[ObjRecord | None]) -> None:
+        pass  # (entry_type's classes set their slots)
+
+    @property
+    def mem(self) -> tuple[ObjRecord | None, ...]:
+        """Per column, its memory object (None: none), as a tuple built on read."""
+        return self._mem_of(self)  # type: ignore[call-arg]  # (a staticmethod)
+
+
+_COLUMN_SLOT = [f"c{i}" for i in range(256)]  # column -> the slot of its memory object
+
+
+def mem_at(entry: PrefixEntry, column: int) -> ObjRecord | None:
+    """``entry.mem[column]`` without building the tuple (the hot paths' read)."""
+    rec: ObjRecord | None = getattr(entry, _COLUMN_SLOT[column])
+    return rec
+
+
+def _no_columns(_entry: PrefixEntry) -> tuple[ObjRecord | None, ...]:
+    return ()
+
+
+def _one_column(entry: PrefixEntry) -> tuple[ObjRecord | None, ...]:
+    return (entry.c0,)  # type: ignore[attr-defined]
+
+
+@functools.cache
+def entry_type(columns: int) -> type[PrefixEntry]:
+    """The prefix entry class with a slot per column for its memory objects."""
+    names = tuple(_COLUMN_SLOT[:columns])
+    get = (operator.attrgetter(*names) if columns > 1 else
+           _one_column if columns == 1 else _no_columns)
+    # one unpacking assignment (a generated line, as dataclasses generate __init__): a loop
+    # of setattr tripled the cost of making an entry, and a re-confirm makes many
+    targets = "".join(f"self.{n}, " for n in names)
+    code = (f"def __post_init__(self, records):\n    {targets}= records\n" if names else
+            "def __post_init__(self, records):\n    if records: raise ValueError(records)\n")
+    space: dict[str, Any] = {}
+    exec(code, space)  # (names are ours: c0, c1, ...)
+    return type(f"PrefixEntry{columns}", (PrefixEntry,),
+                {"__slots__": names, "_slots": names, "_mem_of": staticmethod(get),
+                 "__post_init__": space["__post_init__"]})
+
+
 def set_mem(entry: PrefixEntry, column: int, rec: ObjRecord | None) -> None:
     """``entry``'s memory object of ``column`` is ``rec`` from now on."""
-    mem = list(entry.mem)
-    mem[column] = rec
-    entry.mem = tuple(mem)
+    setattr(entry, _COLUMN_SLOT[column], rec)
 
 
 class Dependent(Protocol):
@@ -391,6 +490,22 @@ class Segment:
         """Dead from now on (an entry changed); the payload goes at once."""
         self.live = False
         self.entries, self.cols = (), None
+
+
+class PackedRun:
+    """A run's packed monotone-column handles (:attr:`PrefixEntry.run`): one bytes per
+    monotone column, as ``Packer`` slices them from the run's rows. A :class:`Dependent` of
+    every entry of the run: dead, and its bytes gone, once any of them changes."""
+
+    __slots__ = ("cols", "live")
+
+    def __init__(self, cols: tuple[bytes, ...]) -> None:
+        self.cols: tuple[bytes, ...] | None = cols
+        self.live = True
+
+    def drop(self) -> None:
+        self.live = False
+        self.cols = None
 
 
 def register(item: Dependent, entries: Iterable[PrefixEntry]) -> None:

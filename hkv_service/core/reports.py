@@ -26,7 +26,7 @@ from .errors import HkvError, IllegalTransition, InvalidInput, UnknownObject
 from .ids import ObjectId
 from .inputs import check_generation, check_item, check_version, params_at
 from .placement import Placement
-from .records import ObjRecord
+from .records import ObjRecord, set_state
 from .states import TERMINAL_STATES, Event, Kind, State
 from .tables import Tables
 from .transitions import APPLIED_FIELDS, Params
@@ -125,7 +125,11 @@ class Reports:
                 self._rehearse_event(rec, item, k, event)
         finally:
             for f, value in zip(APPLIED_FIELDS, saved, strict=True):
-                if getattr(rec, f) != value:  # a field its kind lacks never moved
+                if getattr(rec, f) == value:  # (a field its kind lacks never moved)
+                    continue
+                if f == "state":  # its class's (records.set_state)
+                    set_state(rec, value)
+                else:
                     setattr(rec, f, value)
 
     def _rehearse_event(self, rec: ObjRecord, item: ObjectTransitions, k: int,

@@ -40,7 +40,7 @@ from .layout import Layout
 from .objects import ObjectTable
 from .owners import Owner, Reap, dead, disk_part_alive
 from .partitions import check_range_blocks
-from .records import DiskRecord, Handle, ObjRecord, PrefixEntry, new_record, set_mem
+from .records import DiskRecord, Handle, ObjRecord, PrefixEntry, mem_at, new_record, set_mem
 from .spec import CacheSpec
 from .states import TERMINAL_STATES, Event, Kind, State
 from .transitions import Params
@@ -196,7 +196,7 @@ class Tables:
         if kv_col is None:
             return None
         e = record.entry
-        kv = e.mem[kv_col]  # (a lost owner's KV, not buried yet, is no KV to sync to)
+        kv = mem_at(e, kv_col)  # (a lost owner's KV, not buried yet, is no KV to sync to)
         if kv is not None and kv.state is State.COMPRESSED_READY and not self.dead(kv):
             return kv.version
         disk = e.disk[kv_col] if e.disk else None

@@ -16,7 +16,7 @@ from __future__ import annotations
 from .errors import IllegalTransition, UnknownOwner
 from .ids import ObjectId, ShardId
 from .placement import Placement
-from .records import Handle
+from .records import Handle, set_shard
 from .states import Event, Kind, State
 from .tables import READABLE, Tables
 from .transitions import Params
@@ -70,7 +70,8 @@ class Transfers:
             t.admission.release(ticket)
             raise
         t.tickets[rec.object_id] = ticket
-        rec.shard, rec.block, rec.generation = shard, block, pool.generation_of(block)
+        set_shard(rec, shard)
+        rec.block, rec.generation = block, pool.generation_of(block)
         pool.hold(block, rec)
         t.apply(rec, Event.LOAD_BEGIN, Params())
         return t.handle(rec)

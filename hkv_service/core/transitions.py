@@ -14,7 +14,14 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from .errors import IllegalTransition, VersionConflict
-from .records import DiskRecord, ObjRecord, SwaRecord, TailRecord, VersionedRecord
+from .records import (
+    DiskRecord,
+    ObjRecord,
+    SwaRecord,
+    TailRecord,
+    VersionedRecord,
+    set_state,
+)
 from .states import Event, Kind, State
 
 __all__ = [
@@ -227,6 +234,6 @@ def apply(rec: ObjRecord, event: Event, params: Params, ctx: TransitionContext) 
         raise IllegalTransition(f"{rec.kind.value} object {rec.object_id}: {event.value}: {why}",
                                 state=rec.state, event=event, precondition=why)
     _write_fields(rec, event, params, ctx)
-    rec.state = target
+    set_state(rec, target)
     rec.seq += 1
     return target

@@ -27,7 +27,7 @@ from .errors import BadHash
 from .ids import BLOCK_HASH_BYTES, BlockHash, shared_int
 from .layout import Layout
 from .prefix_index import Orphans, PrefixIndex
-from .records import NO_CHILD, ObjRecord, PrefixEntry
+from .records import NO_CHILD, ObjRecord, PrefixEntry, mem_at
 from .states import Kind
 
 __all__ = [
@@ -197,10 +197,10 @@ class PrefixTree:
         COMPRESSED, INDEXER and SWA blocks, its tails): what completes a resume point, with a
         tail or without (a spec with no overlap has none). ``rec``, one of them, first."""
         ready = _READABLE
-        if rec.state not in ready[rec.kind] or entry.mem[rec.column] is not rec:
+        if rec.state not in ready[rec.kind] or mem_at(entry, rec.column) is not rec:
             return False
         for c in self.layout.attached[self.layout.period - 1]:
-            other = entry.mem[c]
+            other = mem_at(entry, c)
             if other is None or other.state not in ready[other.kind]:
                 return False
         return True

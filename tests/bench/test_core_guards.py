@@ -49,3 +49,12 @@ def test_held_guards_exit_zero(monkeypatch: pytest.MonkeyPatch) -> None:
     result["failed_guards"] = core.failed_guards(result)
     monkeypatch.setattr(core, "run", lambda quick: result)
     assert bench.run_bench(argparse.Namespace(name="core", quick=True, json=True)) == 0
+
+
+def test_the_metadata_budget_holds_on_the_fresh_process_figure() -> None:
+    """The figure CI's budget guard reads: bytes per tracked object, measured in a fresh
+    interpreter (tracemalloc slopes at 2,048 blocks: deterministic, not a timing), under the
+    budget. A record or entry field added per object fails here, not in production."""
+    per_object, per_token = core._fresh_slopes(every_tail=False)
+    assert 0 < per_object <= core.BYTES_PER_OBJECT_BUDGET, per_object
+    assert per_token > 0

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hkv_service.core import contracts
 from hkv_service.core.ids import BlockHash, ObjectId, ShardId
 from hkv_service.core.layout import Layout
-from hkv_service.core.records import ObjRecord, PrefixEntry, new_record
+from hkv_service.core.records import ObjRecord, PrefixEntry, new_record, set_mem
 from hkv_service.core.states import Kind, State
 from hkv_service.specs import default_spec
 
@@ -38,8 +38,8 @@ def entries(draw: st.DrawFn) -> PrefixEntry:
     for col in PAIRED:
         kind = LAYOUT.columns[col].kind
         if draw(st.booleans()):
-            entry.mem[col] = _rec(kind, col, entry, draw(st.sampled_from(MEM_STATES[kind])),
-                                  draw(st.integers(0, 2)), block=col)
+            set_mem(entry, col, _rec(kind, col, entry, draw(st.sampled_from(MEM_STATES[kind])),
+                                  draw(st.integers(0, 2)), block=col))
         if draw(st.booleans()):
             entry.disk[col] = _rec(Kind.DISK, col, entry, draw(st.sampled_from(DISK_STATES)),
                                    draw(st.integers(0, 2)), block=-1)
@@ -68,7 +68,7 @@ def test_the_shortcut_is_taken_in_the_usual_case() -> None:
     entry = PrefixEntry(BlockHash(bytes(16)), None, 0, [None] * n)
     for col in PAIRED:
         ready = State.COMPRESSED_READY if col == KV else State.INDEXER_SYNCED
-        entry.mem[col] = _rec(LAYOUT.columns[col].kind, col, entry, ready, 3, block=col)
+        set_mem(entry, col, _rec(LAYOUT.columns[col].kind, col, entry, ready, 3, block=col))
     both = contracts._both_in_memory(entry, KV, LAYOUT)
     assert both is not None and both == contracts._best_pair(entry, KV, LAYOUT)
     assert both[0] == (entry.mem[KV], contracts.READY)
@@ -81,7 +81,7 @@ def test_version_0_never_pairs_even_with_both_in_memory() -> None:
     entry = PrefixEntry(BlockHash(bytes(16)), None, 0, [None] * n)
     for col in PAIRED:
         ready = State.COMPRESSED_READY if col == KV else State.INDEXER_SYNCED
-        entry.mem[col] = _rec(LAYOUT.columns[col].kind, col, entry, ready, 0, block=col)
+        set_mem(entry, col, _rec(LAYOUT.columns[col].kind, col, entry, ready, 0, block=col))
     assert contracts._both_in_memory(entry, KV, LAYOUT) is None
     assert contracts._kv_and_indexers(entry, KV, LAYOUT) == ((entry.mem[KV], contracts.READY), {})
 
@@ -110,7 +110,7 @@ def whole_entries(draw: st.DrawFn) -> PrefixEntry:
             state = ready if draw(st.integers(0, 3)) else draw(
                 st.sampled_from(ALL_MEM_STATES[kind]))
             v = version if draw(st.integers(0, 3)) else draw(st.integers(0, 2))
-            entry.mem[col] = _rec(kind, col, entry, state, v, block=draw(st.integers(0, 64)))
+            set_mem(entry, col, _rec(kind, col, entry, state, v, block=draw(st.integers(0, 64))))
         if not draw(st.integers(0, 3)):
             state = draw(st.sampled_from(DISK_STATES))  # (a loaded copy has its block)
             block = draw(st.integers(0, 64)) if state is State.ON_DISK_READY else -1
@@ -147,7 +147,7 @@ def test_the_summary_shortcut_is_taken_without_disk_copies() -> None:
                 kind = LAYOUT.columns[col].kind
                 ready = next(s for s in ALL_MEM_STATES[kind]
                              if s in contracts.READY_STATES[kind])
-                entry.mem[col] = _rec(kind, col, entry, ready, 3, block=8 * (col + 1))
+                set_mem(entry, col, _rec(kind, col, entry, ready, 3, block=8 * (col + 1)))
             assert contracts._memory_only(entry, LAYOUT, _align)
             flags, gate = entry.flags, entry.gate
             contracts._summarise_by_rule(entry, LAYOUT, _align)

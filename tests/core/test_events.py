@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hkv_service.core.api import TransitionEvent
 from hkv_service.core.events import EventLog
 from hkv_service.core.ids import BlockHash, ObjectId, ShardId
-from hkv_service.core.records import ObjRecord, PrefixEntry, new_record
+from hkv_service.core.records import ObjRecord, PrefixEntry, new_record, set_state
 from hkv_service.core.states import Kind, State
 
 NAMES = ("c4", "swa")
@@ -55,7 +55,7 @@ def test_the_log_answers_as_a_bounded_deque_of_built_events(
         ref.extend(_built(r, log.last_seq - len(recs) + 1 + j, float(t))
                    for j, r in enumerate(recs))
         for r in recs:  # a record moves on after it was logged: its event does not
-            r.state = State.EVICTED
+            set_state(r, State.EVICTED)
         assert len(log) == len(ref) and list(log) == list(ref)
         # it keeps no record it no longer needs (a record named is kept alive): one a held
         # event, each held event's its own

@@ -17,6 +17,8 @@ from hkv_service.core.records import (
     new_record,
     record_type,
     register,
+    set_shard,
+    set_state,
 )
 from hkv_service.core.state_view import CacheState
 from hkv_service.core.states import Event, Kind, State
@@ -28,10 +30,20 @@ def _entry() -> PrefixEntry:
 
 
 @pytest.mark.parametrize("kind", list(Kind))
-def test_kind_and_column_are_class_attributes(kind: Kind) -> None:
+def test_kind_column_and_shard_are_class_attributes(kind: Kind) -> None:
     rec = new_record(kind, 3, ObjectId(1), _entry(), State.ALLOCATED, ShardId("s"), 0, 0)
-    assert (rec.kind, rec.column) == (kind, 3) and type(rec) is record_type(kind, 3)
+    assert (rec.kind, rec.column, rec.shard, rec.state) == (kind, 3, "s", State.ALLOCATED)
+    assert type(rec) is record_type(kind, 3, ShardId("s"), State.ALLOCATED)
     assert not hasattr(rec, "__dict__")  # slots only: nothing can be added per record
+    with pytest.raises(AttributeError):
+        rec.shard = ShardId("t")  # type: ignore[misc]  # only set_shard moves it
+    with pytest.raises(AttributeError):
+        rec.state = State.WRITING  # type: ignore[misc]  # only set_state moves it
+    set_shard(rec, ShardId("t"))  # (a disk copy loaded onto another owner's pool)
+    set_state(rec, State.WRITING)
+    assert type(rec) is record_type(kind, 3, ShardId("t"), State.WRITING)
+    assert (rec.kind, rec.column, rec.shard, rec.state, rec.object_id, rec.block) == (
+        kind, 3, "t", State.WRITING, 1, 0)
 
 
 def test_a_field_the_kind_lacks_is_dropped_and_cannot_be_written() -> None:

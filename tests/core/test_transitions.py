@@ -44,7 +44,9 @@ APPEND = Params(tail_len=3)
 
 
 def snapshot(rec: ObjRecord) -> dict[str, object]:
-    return {f.name: getattr(rec, f.name) for f in dataclasses.fields(rec) if f.name != "entry"}
+    # (state and shard are the record's class's: records.set_state)
+    return {f.name: getattr(rec, f.name) for f in dataclasses.fields(rec) if f.name != "entry"
+            } | {"state": rec.state, "shard": rec.shard}
 
 
 @pytest.mark.parametrize(
