@@ -196,6 +196,7 @@ def test_vllm_decodes_every_kind_and_tier_through_hkv_up(tmp_path: Path) -> None
         hkv.close()
     finally:
         ctx.destroy(0)
+        ray.shutdown()  # attach joined this hkv up's Ray: the next test's is another
         up.stop()
 
 
