@@ -169,7 +169,10 @@ class CacheState:
     # ---- allocation, eviction, transfers (core/placement.py, core/transfers.py) ----------
 
     def allocate(self, block_hashes: Sequence[BlockHash], requests: Sequence[AllocRequest],
-                 owner: ShardId | None = None, first_block: int = 0) -> list[Allocation]:
+                 owner: ShardId | None = None, first_block: int = 0,
+                 token_ids: Sequence[int] | None = None) -> list[Allocation]:
+        # (token_ids: for the event stream's BlockStored, kept by the server's edge; the view
+        # has no use for them)
         with self._lock:
             return self._placement.allocate(block_hashes, requests, owner,
                                             first_block)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import time
+import types
 from typing import Any
 
 import pytest
@@ -47,11 +48,26 @@ def test_hooks_time_each_wrapped_call_and_take_empties_them() -> None:
 
     conn, hooks = Conn(), bench._Hooks()
     hooks.wrap(conn, ("slow", "fails"))
-    assert conn.slow(1) == 2 and conn.slow(2) == 3
-    with pytest.raises(ValueError):
-        conn.fails()  # timed too, and still raised
+
+    def ran_the_model() -> tuple[None, bool]:
+        assert conn.slow(1) == 2 and conn.slow(2) == 3
+        with pytest.raises(ValueError):
+            conn.fails()  # timed too, and still raised
+        return None, True
+
+    def ran_nothing() -> tuple[None, bool]:
+        conn.slow(3)
+        return None, False
+
+    core = types.SimpleNamespace(step_fn=ran_the_model)
+    hooks.steps(core)  # each step's hook seconds go where the step says it ran
+    core.step_fn()
+    core.step_fn = ran_nothing
+    hooks.steps(core)
+    core.step_fn()
     got = hooks.take()
     assert got["slow"] >= 0.02 and "fails" in got
+    assert got["idle.slow"] >= 0.01 and "idle.fails" not in got
     assert hooks.take() == {}
 
 

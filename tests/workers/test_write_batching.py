@@ -213,7 +213,7 @@ def test_a_failed_shard_write_commits_neither_the_block_nor_its_indexers(
     kv = min(s for s in blocks if s[0] >= 4 and
              lay.columns[lay.by_name[s[1]]].kind is Kind.COMPRESSED)
     link = system.links["shard-0"]
-    real, real_finish = link.shard.write_blocks, link.shard.finish_blocks
+    real, real_claim = link.shard.write_blocks, link.shard.claim_blocks
 
     def failed(handles: Any, tags: Any, out: Any) -> Any:
         for i, t in enumerate(tags or []):  # the KV's copy failed on its shard
@@ -226,12 +226,15 @@ def test_a_failed_shard_write_commits_neither_the_block_nor_its_indexers(
                      report: bool = True) -> Any:
         return failed(handles, tags, real(handles, arrays, tags, commits, report))
 
-    def finish_blocks(handles: Any, writer: Any, tags: Any = None, commits: Any = None,
-                      report: bool = True) -> Any:  # the same write through shared memory
-        return failed(handles, tags, real_finish(handles, writer, tags, commits, report))
+    def claim_blocks(handles: Any, sizes: Any, writer: Any, tags: Any = None,
+                     commits: Any = None) -> Any:  # the same write through shared memory:
+        # the shard refuses the KV's claim (a granted claim's finish is never refused while
+        # its writer lives and the shard keeps its registration: it is posted, not waited for)
+        return failed(handles, tags, real_claim(handles, sizes, writer, tags=tags,
+                                                commits=commits))
 
     link.shard.write_blocks = write_blocks  # type: ignore[method-assign]
-    link.shard.finish_blocks = finish_blocks  # type: ignore[method-assign]
+    link.shard.claim_blocks = claim_blocks  # type: ignore[method-assign]
     report = plane.write_prefix(hashes, blocks, tails, owner=ShardId("shard-0"))
     assert report.failed[kv].detail == "the copy failed"
     for (d, col), why in report.failed.items():
