@@ -120,3 +120,18 @@ def kill_procs(procs: Procs) -> None:
     for pid in survivors(procs, 0):
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
+
+
+def assert_sigkill_ends_its_tree(proc: subprocess.Popen[bytes], service_pid: int, tree: Procs,
+                                 what: str, within_s: float) -> None:
+    """SIGKILL ``proc`` (whose process tree was ``tree``, its ``hkv serve`` ``service_pid``):
+    the service and every other process of the tree must end within ``within_s``."""
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+    service = {service_pid: tree[service_pid]}
+    assert survivors(service, within_s) == {}, \
+        f"hkv serve (pid {service_pid}) outlived its SIGKILLed {what} by {within_s} s"
+    left = survivors(tree, within_s)
+    names = {p: Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[0][:60] for p in left
+             if Path(f"/proc/{p}/cmdline").exists()}
+    assert not names, f"processes of a SIGKILLed {what} still run: {names}"

@@ -23,7 +23,7 @@ import pytest
 from test_async_transfers import Gate
 from test_scheduler import _FaultBeforeLease, handles
 from vllm.v1.request import RequestStatus
-from vllm_harness import Harness, hybrid_specs, prompt, write_tiny_config
+from vllm_harness import Harness, harnesses, prompt, write_tiny_config
 
 from hkv_service.connectors.scheduler import SchedulerSide
 
@@ -37,18 +37,13 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def make(model: Path, tmp_path: Path) -> Iterator[Callable[..., Harness]]:
-    made: list[Harness] = []
+    with harnesses(model, tmp_path, "probe") as build:
+        yield lambda **kw: _no_wait(build(**kw))
 
-    def build(**kw: Any) -> Harness:
-        h = Harness(model, tmp_path / f"hkv{len(made)}", hybrid_specs(),
-                    f"probe-{tmp_path.name}-{len(made)}", **kw)
-        h.wait_probes = False
-        made.append(h)
-        return h
 
-    yield build
-    for h in made:
-        h.close()
+def _no_wait(h: Harness) -> Harness:
+    h.wait_probes = False  # these tests decide when a probe's answer is there
+    return h
 
 
 def side(h: Harness) -> SchedulerSide:

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 from vllm.v1.request import RequestStatus
-from vllm_harness import Harness, hybrid_specs, prompt, write_tiny_config
+from vllm_harness import Harness, harnesses, prompt, write_tiny_config
 
 from hkv_service.connectors.lane import Task
 from hkv_service.connectors.worker import WorkerSide
@@ -42,17 +42,8 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def make(model: Path, tmp_path: Path) -> Iterator[Callable[..., Harness]]:
-    made: list[Harness] = []
-
-    def build(**kw: Any) -> Harness:
-        h = Harness(model, tmp_path / f"hkv{len(made)}", hybrid_specs(),
-                    f"async-{tmp_path.name}-{len(made)}", **kw)
-        made.append(h)
-        return h
-
-    yield build
-    for h in made:
-        h.close()
+    with harnesses(model, tmp_path, "async") as build:
+        yield build
 
 
 class Gate:

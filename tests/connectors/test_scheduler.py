@@ -24,7 +24,7 @@ import torch
 from vllm_harness import (
     Harness,
     full_specs,
-    hybrid_specs,
+    harnesses,
     prompt,
     reference_specs,
     write_tiny_config,
@@ -48,17 +48,8 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def make(model: Path, tmp_path: Path) -> Iterator[Callable[..., Harness]]:
-    made: list[Harness] = []
-
-    def build(specs: Any = None, **kw: Any) -> Harness:
-        h = Harness(model, tmp_path / f"hkv{len(made)}", specs or hybrid_specs(),
-                    f"sched-{tmp_path.name}-{len(made)}", **kw)
-        made.append(h)
-        return h
-
-    yield build
-    for h in made:
-        h.close()
+    with harnesses(model, tmp_path, "sched") as build:
+        yield build
 
 
 def _keys(h: Harness) -> Any:

@@ -11,11 +11,13 @@ connector's load / save / results, and ``update_from_output``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import re
 import shlex
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -220,6 +222,25 @@ def block_content(view: torch.Tensor, tokens: list[int], group: int, layer: int
     if not view.dtype.is_floating_point:  # a recurrent layer's raw int8 page
         return torch.randint(-128, 128, shape, generator=gen, dtype=torch.int64).to(view.dtype)
     return (torch.rand(shape, generator=gen, dtype=torch.float64) * 8 - 4).to(view.dtype)
+
+
+@contextlib.contextmanager
+def harnesses(model: Path, root: Path, tag: str) -> Iterator[Callable[..., Harness]]:
+    """A factory of Harnesses under ``root`` (each its own data dir and Ray namespace), all
+    closed on exit: the ``make`` fixture of the connector tests."""
+    made: list[Harness] = []
+
+    def build(specs: dict[str, KVCacheSpec] | None = None, **kw: Any) -> Harness:
+        h = Harness(model, root / f"hkv{len(made)}", specs or hybrid_specs(),
+                    f"{tag}-{root.name}-{len(made)}", **kw)
+        made.append(h)
+        return h
+
+    try:
+        yield build
+    finally:
+        for h in made:
+            h.close()
 
 
 class Harness:

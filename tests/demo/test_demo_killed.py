@@ -5,14 +5,19 @@ fate-sharing, and the watcher ``workers.launcher`` starts for its agents)."""
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
-from tests.helpers import Lines, Procs, descendants, kill_procs, survivors, up_env
+from tests.helpers import (
+    Lines,
+    Procs,
+    assert_sigkill_ends_its_tree,
+    descendants,
+    kill_procs,
+    up_env,
+)
 
 GONE_WITHIN_S = 20.0
 
@@ -33,15 +38,7 @@ def test_a_sigkilled_system_demo_leaves_no_process_behind(tmp_path: Path) -> Non
         tree = descendants(demo.pid)
         assert service_pid in tree, (service_pid, tree)
         assert demo.poll() is None, "the demo ended before it could be killed"
-        os.kill(demo.pid, signal.SIGKILL)
-        demo.wait(10)
-        service = {service_pid: tree[service_pid]}
-        assert survivors(service, GONE_WITHIN_S) == {}, \
-            f"hkv serve (pid {service_pid}) outlived its SIGKILLed demo by {GONE_WITHIN_S} s"
-        left = survivors(tree, GONE_WITHIN_S)
-        names = {p: Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[0][:60] for p in left
-                 if Path(f"/proc/{p}/cmdline").exists()}
-        assert not names, f"processes of a SIGKILLed demo still run: {names}"
+        assert_sigkill_ends_its_tree(demo, service_pid, tree, "demo", GONE_WITHIN_S)
     finally:
         if demo.poll() is None:
             demo.kill()

@@ -18,7 +18,15 @@ from pathlib import Path
 import pytest
 from up_proc import Up
 
-from tests.helpers import Lines, Procs, child_env, descendants, kill_procs, survivors
+from tests.helpers import (
+    Lines,
+    Procs,
+    assert_sigkill_ends_its_tree,
+    child_env,
+    descendants,
+    kill_procs,
+    survivors,
+)
 
 GONE_WITHIN_S = 20.0  # the service's grace (5 s) and drain, on a loaded 2-core host
 
@@ -68,15 +76,7 @@ def test_a_sigkilled_hkv_up_leaves_no_process_behind(tmp_path: Path) -> None:
         up.ready()
         tree = descendants(up.proc.pid)
         assert service_pid in tree, tree
-        os.kill(up.proc.pid, signal.SIGKILL)
-        up.proc.wait(10)
-        service = {service_pid: tree[service_pid]}
-        assert survivors(service, GONE_WITHIN_S) == {}, \
-            f"hkv serve (pid {service_pid}) outlived a SIGKILLed hkv up"
-        left = survivors(tree, GONE_WITHIN_S)
-        names = {p: Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[0][:60] for p in left
-                 if Path(f"/proc/{p}/cmdline").exists()}
-        assert not names, f"processes of a SIGKILLed hkv up still run: {names}"
+        assert_sigkill_ends_its_tree(up.proc, service_pid, tree, "hkv up", GONE_WITHIN_S)
     finally:
         kill_procs(tree)
         up.stop(10)
