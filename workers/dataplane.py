@@ -469,9 +469,29 @@ class DataPlane:
         for i in settle:
             if i not in outcome:  # written but not reported (its KV's write failed): forgotten
                 outcome[i] = report.failed[slots[i]]
-        self._by_shard([handles[i] for i in settle], "settle_blocks", {
+        settled = self._by_shard([handles[i] for i in settle], "settle_blocks", {
             "tags": [tags[i] for i in settle], "commits": [commits[i] for i in settle],
             "results": [outcome[i] for i in settle]})
+        self._unreadable(slots, [(i, r) for i, r in zip(settle, settled, strict=True)
+                                 if outcome[i].ok], report)
+
+    @staticmethod
+    def _unreadable(slots: list[Slot], settled: Sequence[tuple[int, Any]],
+                    report: WriteReport) -> None:
+        """Commits that landed on blocks their shard does not hold readable, failed (they are
+        given back). Through shared memory the finish is posted and the commits report before
+        its answer is read; a finish the shard refused leaves the block claimed, and its
+        settle (taken after the finish, on the same socket) says so. Left READY, every lookup
+        would hit the object and every read of it recompute."""
+        for i, res in settled:
+            if isinstance(res, ItemResult) and res.ok:
+                continue
+            slot = slots[i]
+            report.written -= 1
+            report.wrote.discard(slot)
+            report.versions.pop(slot, None)
+            report.failed[slot] = res if isinstance(res, ItemResult) else ItemResult(
+                Outcome.UNAVAILABLE, "its shard did not settle the write")
 
     def _readable(self, slots: list[Slot], results: Sequence[Any],
                   report: WriteReport) -> list[int]:

@@ -20,10 +20,11 @@ import pytest
 
 from hkv_service.core.api import LookupRequest
 from hkv_service.core.ids import ShardId
-from hkv_service.core.states import Kind
+from hkv_service.core.states import Kind, State
 from hkv_service.specs import default_spec
 from workers.dataplane import DataPlane, Recompute
 from workers.inprocess import InProcessConfig, InProcessSystem
+from workers.pool import HandleBatch
 from workers.ports import ItemResult, Outcome
 
 BLOCKS = 16  # 1,024 tokens of the reference spec
@@ -251,6 +252,58 @@ def test_a_failed_shard_write_commits_neither_the_block_nor_its_indexers(
     assert 0 < usable <= kv[0] * lay.hash_block
     _same_bytes(plane, hashes, blocks, usable)
 
+
+
+def test_a_refused_finish_leaves_no_ready_object_it_cannot_read(system: InProcessSystem,
+                                                               w: Any) -> None:
+    """Through shared memory a write's finish is posted and the commits report before its
+    answer is read. A finish the shard refuses (its claim taken from the writer: a shard
+    reset) leaves the block claimed, never readable; the settle after the commits finds it
+    so: the object must not stay READY (every lookup would hit it and every read recompute)."""
+    plane = system.dataplane()
+    assert all(getattr(link, "control", None) is not None or link._attached() is not None
+               for link in plane.shards.values())
+    lay = plane.layout
+    hashes = w.prompt(BLOCKS, seed=26)
+    blocks, tails = w.prefix_payload(lay, BLOCKS, seed=26)
+    kv = min(s for s in blocks if s[0] >= 4 and
+             lay.columns[lay.by_name[s[1]]].kind is Kind.COMPRESSED)
+    link = system.links["shard-0"]
+    real_finish = link.shard.finish_blocks
+    refused: list[int] = []
+
+    def finish_blocks(handles: Any, writer: Any, tags: Any = None, commits: Any = None,
+                      report: bool = True) -> Any:
+        batch = HandleBatch.of(handles)
+        keep = [i for i in range(len(batch))
+                if (batch[i].group, batch[i].object_id) != (kv[1], victim[0])]
+        out = real_finish(batch.take(keep), writer, tags=None, commits=None, report=report)
+        refused.extend(i for i in range(len(batch)) if i not in keep)
+        answers = iter(out)
+        return [next(answers) if i in keep else ItemResult(Outcome.STALE, "claim taken")
+                for i in range(len(batch))]
+
+    victim: list[int] = []
+    original = system.meta.allocate
+
+    def allocate(*args: Any, **kwargs: Any) -> Any:
+        allocs = original(*args, **kwargs)
+        slots = [(r.depth, r.column) for r in args[1]]
+        victim.append(int(allocs[slots.index(kv)].handle.object_id))
+        return allocs
+
+    link.shard.finish_blocks = finish_blocks  # type: ignore[method-assign]
+    system.meta.allocate = allocate  # type: ignore[method-assign]
+    report = plane.write_prefix(hashes, blocks, tails, owner=ShardId("shard-0"))
+    assert refused, "the shared-memory path was not taken: nothing refused"
+    assert kv in report.failed and kv not in report.wrote
+    rec = system.meta.state.objects.get(report.handles[kv].object_id)
+    assert rec is None or rec.state is not State.COMPRESSED_READY, rec.state
+    usable = system.meta.lookup(LookupRequest(hashes)).usable_tokens
+    assert 0 < usable <= kv[0] * lay.hash_block
+    match = system.meta.lookup(LookupRequest(hashes))
+    assert not isinstance(plane.read(match, hashes), Recompute)  # a hit reads, no recompute
+    _same_bytes(plane, hashes, blocks, usable)
 
 
 def test_a_write_past_one_commit_chunk_lands_whole(system: InProcessSystem, w: Any,
