@@ -54,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="serve only: the python of a venv with vLLM (default: "
                        "$HKV_VLLM_PYTHON, this python if it has vLLM, else .venv-vllm/bin/python "
                        "beside the repository)")
+    bench.add_argument("--save-min-sightings", type=int, default=None, metavar="N",
+                       help="serve only: the hkv engines' connector setting save_min_sightings "
+                       "(default 1: every block saved; 2: a block is saved when a second "
+                       "request brings it)")
 
     stats = sub.add_parser("stats", help="print a running service's counters")
     stats.add_argument("--endpoint", default=f"127.0.0.1:{DEFAULT_PORT}",

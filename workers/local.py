@@ -87,6 +87,10 @@ class LocalMetadata:
     def lookup(self, req: api.LookupRequest) -> api.Match:
         return self.state.lookup(req)  # its handle columns are a snapshot taken atomically
 
+    def admit_save(self, block_hashes: Sequence[BlockHash], needed: int,
+                   offered_from: int = 0) -> int:
+        return self.state.admit_save(block_hashes, needed, offered_from)
+
     def release_lease(self, lease_id: LeaseId) -> None:
         self.state.release_lease(lease_id)
 

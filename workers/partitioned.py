@@ -12,6 +12,7 @@ shards and the connector do not change::
     transition, evict, begin_offload, begin_load, check_read -> the partition of the object id
     transition_many         -> split by object id, one call per partition, answers in order
     release_lease           -> the partition of the lease id
+    admit_save              -> the partition of the chain's root (its offers counted there)
     register_owner          -> every partition, each given its own range of every pool
     heartbeat               -> every partition; those that forgot the owner are named in
                                PartitionsLost, so the owner re-registers with those only
@@ -401,6 +402,11 @@ class PartitionedMetadata:
     def _quiet_release(self, partition: int, lease_id: LeaseId) -> None:
         with contextlib.suppress(HkvError):  # expired already: nothing held
             self.parts[partition].release_lease(lease_id)
+
+    def admit_save(self, block_hashes: Sequence[BlockHash], needed: int,
+                   offered_from: int = 0) -> int:
+        # the whole chain's offers are counted where its root is (split chains too)
+        return self._root(block_hashes).admit_save(block_hashes, needed, offered_from)
 
     def release_lease(self, lease_id: LeaseId) -> None:
         with self._lock:

@@ -243,6 +243,10 @@ class ActorMetadata:
     def lookup(self, req: api.LookupRequest) -> api.Match:
         return self._call("lookup", req)  # type: ignore[no-any-return]
 
+    def admit_save(self, block_hashes: Sequence[BlockHash], needed: int,
+                   offered_from: int = 0) -> int:
+        return int(self._call("admit_save", list(block_hashes), needed, offered_from))
+
     def release_lease(self, lease_id: LeaseId) -> None:
         self._call("release_lease", lease_id)
 

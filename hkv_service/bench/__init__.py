@@ -41,6 +41,16 @@ def run_bench(args: argparse.Namespace) -> int:
             sys.stderr.write("hkv: error: --vllm-python applies to 'hkv bench serve' only.\n")
             return 2
         extra["vllm_python"] = args.vllm_python
+    sightings = getattr(args, "save_min_sightings", None)
+    if sightings is not None:
+        if args.name != "serve":
+            sys.stderr.write("hkv: error: --save-min-sightings applies to 'hkv bench serve' "
+                             "only.\n")
+            return 2
+        if not 1 <= sightings <= 255:
+            sys.stderr.write("hkv: error: --save-min-sightings must be 1..255.\n")
+            return 2
+        extra["save_min_sightings"] = sightings
     result: dict[str, Any] = module.run(quick=args.quick, **extra)
     if args.json:
         print(json.dumps(result, sort_keys=True))

@@ -316,8 +316,10 @@ def _serve_argv(python: str, model: Path, port: int, blocks: int, max_len: int,
     return argv
 
 
-def _transfer(endpoint: str, spec_out: Path | None = None) -> dict[str, Any]:
-    extra: dict[str, Any] = {"endpoint": endpoint, "ray_address": "auto"}
+def _transfer(endpoint: str, spec_out: Path | None = None, sightings: int = 1
+              ) -> dict[str, Any]:
+    extra: dict[str, Any] = {"endpoint": endpoint, "ray_address": "auto",
+                             "save_min_sightings": sightings}
     if spec_out is not None:
         extra["spec_out"] = str(spec_out)
     return {"kv_connector": "HkvConnector",
@@ -687,7 +689,7 @@ def _write_model(python: str, work: Path) -> Path:
     return model
 
 
-def _bench(python: str, quick: bool, work: Path) -> dict[str, Any]:
+def _bench(python: str, quick: bool, work: Path, sightings: int) -> dict[str, Any]:
     w = Workload.of(quick)
     procs = _Procs()
     t0 = time.monotonic()
@@ -708,7 +710,7 @@ def _bench(python: str, quick: bool, work: Path) -> dict[str, Any]:
             procs.stop(e.proc)
         env = _child_env(RAY_ADDRESS=up.ray_address)
         with_hkv = _start_engines(procs, python, model, work, w, "hkv",
-                                  _transfer(up.endpoint), env)
+                                  _transfer(up.endpoint, sightings=sightings), env)
         deadline = time.monotonic() + START_TIMEOUT_S
         for e in with_hkv:
             e.await_ready(deadline)
@@ -736,6 +738,7 @@ def _bench(python: str, quick: bool, work: Path) -> dict[str, Any]:
         "outputs_differing_unexplained": sum(d["cause"] == NOT_NEAR_TIE
                                              for d in differing.values()),
         "hkv_share_shared_prefix": sp["hkv_share"],
+        "save_min_sightings": sightings,  # the connector's (1: every block computed saved)
         "workload": {"clients": CLIENTS, "replicas": REPLICAS, "block_size": BLOCK,
                      "engine_blocks": w.engine_blocks(), "hkv_blocks_per_group": hkv_blocks,
                      "working_set_tokens": w.working_set_tokens,
@@ -760,7 +763,10 @@ def _bench(python: str, quick: bool, work: Path) -> dict[str, Any]:
             "baseline": {"vllm_alone": alone_figs}, "ratios": ratios}
 
 
-def run(quick: bool = False, vllm_python: str | None = None) -> dict[str, Any]:
+def run(quick: bool = False, vllm_python: str | None = None,
+        save_min_sightings: int = 1) -> dict[str, Any]:
+    """``save_min_sightings``: the hkv engines' connector setting (2: a block is saved when a
+    second request brings it)."""
     try:
         python = find_vllm_python(vllm_python)
     except NoVllm as exc:
@@ -770,9 +776,10 @@ def run(quick: bool = False, vllm_python: str | None = None) -> dict[str, Any]:
         keep = os.environ.get("HKV_BENCH_KEEP")  # a folder to keep the logs in (debugging)
         if keep:
             Path(keep).mkdir(parents=True, exist_ok=True)
-            return _bench(python, quick, Path(tempfile.mkdtemp(prefix="serve-", dir=keep)))
+            return _bench(python, quick, Path(tempfile.mkdtemp(prefix="serve-", dir=keep)),
+                          save_min_sightings)
         with tempfile.TemporaryDirectory(prefix="hkv-serve-") as tmp:
-            return _bench(python, quick, Path(tmp))
+            return _bench(python, quick, Path(tmp), save_min_sightings)
 
 
 @contextlib.contextmanager

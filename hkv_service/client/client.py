@@ -301,6 +301,13 @@ class MetadataClient:
         finally:
             stream.cancel()
 
+    def admit_save(self, block_hashes: Sequence[BlockHash], needed: int,
+                   offered_from: int = 0) -> int:
+        # not idempotent: a retried call would record its offers twice
+        req = pb.AdmitSaveRequest(block_hashes=block_hashes, needed=needed,
+                                  offered_from=offered_from)
+        return int(self._call("AdmitSave", req, idempotent=False).admitted)
+
     # ---- leases, reads, captures --------------------------------------------------------
 
     def release_lease(self, lease_id: LeaseId | int) -> None:

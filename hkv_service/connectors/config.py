@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from hkv_service.core.sightings import MAX_NEEDED
+
 from .errors import BadConnectorConfig
 
 __all__ = ["ConnectorConfig"]
@@ -41,6 +43,10 @@ class ConnectorConfig:
     spec_out: str | None = None  # write the spec this engine needs here (YAML)
     staging_mib: float = 1024.0  # saves staged off vLLM's cache, not yet landed; past: dropped
     drain_s: float = 10.0  # at shutdown, how long saves in flight get to land
+    # a block is saved once offered this many times, by any engine (the service counts:
+    # core/sightings.py); 2: a prompt no second request brings is never saved (SGLang's
+    # write_through_selective); 1: every block computed is saved
+    save_min_sightings: int = 1
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -65,6 +71,9 @@ class ConnectorConfig:
                                      "must be > 0")
         if self.staging_mib <= 0 or self.drain_s < 0:
             raise BadConnectorConfig("staging_mib", "staging_mib must be > 0, drain_s >= 0")
+        if not 1 <= self.save_min_sightings <= MAX_NEEDED:
+            raise BadConnectorConfig("save_min_sightings", f"must be 1..{MAX_NEEDED} (1: save "
+                                     f"every block; 2: blocks a second request brings)")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise BadConnectorConfig("tls_cert", "tls_cert and tls_key go together (mTLS)")
 
@@ -76,6 +85,12 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
         if isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
             return tuple(value)
         raise BadConnectorConfig(key, f"must be a list of names, got {value!r}")
+    if isinstance(default, int) and not isinstance(default, bool):
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().isdigit():
+            return int(value)
+        raise BadConnectorConfig(key, f"must be a whole number, got {value!r}")
     if isinstance(default, float):
         if isinstance(value, int | float) and not isinstance(value, bool):
             return float(value)

@@ -128,7 +128,7 @@ class HkvConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unuse
             plane = dataplane(cfg, self.geometry.spec)
             self._check_spec(plane.layout.spec, cfg)
             self.worker = WorkerSide(self.geometry, plane, int(cfg.staging_mib * (1 << 20)),
-                                     cfg.drain_s)
+                                     cfg.drain_s, cfg.save_min_sightings)
 
     def _check_spec(self, service: Any, cfg: ConnectorConfig) -> None:
         if service != self.geometry.spec:

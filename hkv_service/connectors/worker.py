@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hkv_service.core.ids import BlockHash
 from workers.dataplane import DataPlane, Recompute
 
 from .geometry import Geometry, GroupMap
@@ -72,7 +73,9 @@ class Staged:
 
 class WorkerSide:
     def __init__(self, geo: Geometry, plane: DataPlane, staging_bytes: int = 1 << 30,
-                 drain_s: float = 10.0) -> None:
+                 drain_s: float = 10.0, min_sightings: int = 1) -> None:
+        """``min_sightings``: a block is saved once offered that many times (the connector's
+        ``save_min_sightings``; 1: always)."""
         self.geo = geo
         self.plane = plane
         self.stats = Counters()
@@ -80,6 +83,7 @@ class WorkerSide:
         self._pages: dict[str, list[np.ndarray]] = {}  # ... as [blocks, page bytes] (CPU)
         self.staging_bytes = staging_bytes  # staged bytes in flight at most; past it, drop
         self.drain_s = drain_s  # how long ``close`` waits for saves in flight
+        self.min_sightings = min_sightings
         self._out = Outcomes()
         self._staged_bytes = 0
         self._held: set[str] = set()  # finished requests whose save is in flight
@@ -242,20 +246,39 @@ class WorkerSide:
             blocks = {k: v.numpy() if isinstance(v, torch.Tensor) else v
                       for k, v in st.blocks.items()}
             hashes = job.hashes(self.geo.hash_block_size)
-            tokens = np.frombuffer(job.token_ids, "<i4").tolist()
-            report = self.plane.write_prefix(hashes, blocks, token_ids=tokens)
-            self.stats.add("saved_blocks", report.written)
-            self.stats.add("state_saves", sum(self._group(it.column).recurrent
-                                              for it in job.items))
-            self.stats.add("existing_blocks", report.existing)
-            if report.failed:
-                self.stats.add("save_failed", len(report.failed))
+            blocks = self._admitted(hashes, blocks)
+            if blocks:
+                self._write_blocks(job, hashes, blocks)
         except Exception as exc:  # a lost save is a future miss, nothing worse
             self.stats.add("save_failed", len(job.items))
             log.warning("hkv save of %s failed: %s", job.req_id, exc)
         finally:
             self.stats.add("write_s", time.perf_counter() - start)
         self._settle_save(job, st.nbytes)
+
+    def _write_blocks(self, job: SaveJob, hashes: list[BlockHash],
+                      blocks: dict[tuple[int, str], Any]) -> None:
+        tokens = np.frombuffer(job.token_ids, "<i4").tolist()
+        report = self.plane.write_prefix(hashes, blocks, token_ids=tokens)
+        self.stats.add("saved_blocks", report.written)
+        self.stats.add("state_saves", sum(self._group(column).recurrent
+                                          for _, column in blocks))
+        self.stats.add("existing_blocks", report.existing)
+        if report.failed:
+            self.stats.add("save_failed", len(report.failed))
+
+    def _admitted(self, hashes: list[BlockHash], blocks: dict[tuple[int, str], Any]
+                  ) -> dict[tuple[int, str], Any]:
+        """The blocks the service admits (offered ``min_sightings`` times, by any engine);
+        all of them when ``min_sightings`` is 1 (no call)."""
+        if self.min_sightings <= 1 or not blocks:
+            return blocks
+        first = min(d for d, _ in blocks)  # before it: this request's earlier saves, or hits
+        upto = self.plane.meta.admit_save(hashes, self.min_sightings, offered_from=first)
+        kept = {slot: b for slot, b in blocks.items() if slot[0] < upto}
+        if len(kept) < len(blocks):
+            self.stats.add("save_unadmitted", len(blocks) - len(kept))
+        return kept
 
     def _give_up(self, st: Staged, why: str) -> None:
         self.stats.add("save_abandoned", len(st.job.items))

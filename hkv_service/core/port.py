@@ -114,6 +114,20 @@ class MetadataPort(Protocol):
         shards' unit) plus a slice of orphans adopted."""
         ...
 
+    def admit_save(self, block_hashes: Sequence[BlockHash], needed: int,
+                   offered_from: int = 0) -> int:
+        """The depth up to which a save of the chain ``block_hashes`` (from its root) should
+        write its blocks ``offered_from`` on: those offered at least ``needed`` times, this
+        offer included, leading (``core/sightings.py``: a one-off prompt is never saved with
+        ``needed=2``). A request offers each block once: the blocks before ``offered_from``
+        are its earlier saves' or its hits, not looked at.
+
+        Mutates: one offer of each hash from ``offered_from`` is recorded (nothing else: no
+        entry, no object). Valid after: advice only; a later ``allocate`` decides as always.
+        Raises: InvalidInput (``needed`` outside 1..255, ``offered_from`` outside the
+        chain), BadHash (a malformed hash), recording nothing. Cost: O(hashes), ~1 us each."""
+        ...
+
     def allocate(self, block_hashes: Sequence[BlockHash], requests: Sequence[AllocRequest],
                  owner: ShardId | None = None, first_block: int = 0,
                  token_ids: Sequence[int] | None = None) -> list[Allocation]:

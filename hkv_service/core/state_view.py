@@ -71,6 +71,7 @@ from .prefix_index import PrefixIndex
 from .rebuild import Rebuild
 from .records import Handle, ObjRecord
 from .reports import Reports
+from .sightings import Sightings
 from .spec import CacheSpec
 from .states import Event
 from .tables import Tables
@@ -103,6 +104,7 @@ class CacheState:
         self._rebuild = Rebuild(t)
         self._ownership = Ownership(t)
         self._leasing = Leasing(t)
+        self._sightings = Sightings()
         # what callers (the server, benches, tests) read of the view: the same objects
         self.spec: CacheSpec = spec
         self.layout: Layout = t.layout
@@ -165,6 +167,13 @@ class CacheState:
         """Reap until nothing is left, a slice per lock hold (in-process ports, tests)."""
         while self.reap():
             pass
+
+    # ---- save admission (core/sightings.py) -----------------------------------------------
+
+    def admit_save(self, block_hashes: Sequence[BlockHash], needed: int,
+                   offered_from: int = 0) -> int:
+        with self._lock:
+            return self._sightings.admit(block_hashes, needed, offered_from)
 
     # ---- allocation, eviction, transfers (core/placement.py, core/transfers.py) ----------
 

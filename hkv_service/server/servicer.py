@@ -288,6 +288,13 @@ class MetadataServicer(pb_grpc.MetadataServiceServicer):
             return head.SerializeToString()
         return head.SerializeToString() + codec.repeated_field(2, matches)
 
+    @_unary
+    def AdmitSave(self, request: Any, context: grpc.ServicerContext) -> Any:
+        hashes = [BlockHash(h) for h in request.block_hashes]
+        validation.check_hashes(hashes, "AdmitSave")
+        return pb.AdmitSaveResponse(admitted=self.state.admit_save(
+            hashes, request.needed, request.offered_from))
+
     # ---- leases, reads, captures --------------------------------------------------------
 
     @_unary

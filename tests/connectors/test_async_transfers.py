@@ -276,3 +276,25 @@ def test_a_request_aborted_while_its_load_is_in_flight_is_freed_after_it(
     h.run()
     assert "B" not in h.sched.requests  # freed once the load reported
     assert h.connector.scheduler.stats.total["finished_while_loading"] == 1  # type: ignore[union-attr]
+
+
+def test_a_prompt_is_saved_when_a_second_request_brings_it(make: Callable[..., Harness]) -> None:
+    """``save_min_sightings=2``: a one-off prompt costs no write; the second request with the
+    same prefix saves it (whole, its bytes the forward's); the third one hits."""
+    h = make()
+    w = work(h)
+    w.min_sightings = 2  # (what ``save_min_sightings`` in the extra config sets)
+    tokens = prompt(N, seed=6)
+    h.add("A", tokens)
+    h.run()
+    assert w.drain(30.0)
+    assert w.stats.total["saved_blocks"] == 0
+    assert w.stats.total["save_unadmitted"] > 0
+    assert certified_bytes(h, tokens) == 0
+    h.forget_local()  # the next request computes (vLLM's own cache forgot the prompt)
+    h.add("B", tokens)
+    h.run()
+    assert w.drain(30.0)
+    assert w.stats.total["saved_blocks"] > 0
+    assert w.stats.total["save_failed"] == 0
+    assert certified_bytes(h, tokens) == 384

@@ -43,6 +43,10 @@ def test_the_readme_config_loads_the_connector_class_with_hma() -> None:
     ({"endpoint": "h:1", "lease_ttl_s": 0}, "lease_ttl_s"),
     ({"endpoint": "h:1", "tls_cert": "c.pem"}, "tls_cert"),
     ({"endpoint": "h:1", "shards": 3}, "shards"),
+    ({"endpoint": "h:1", "save_min_sightings": 0}, "save_min_sightings"),
+    ({"endpoint": "h:1", "save_min_sightings": 256}, "save_min_sightings"),
+    ({"endpoint": "h:1", "save_min_sightings": 1.5}, "save_min_sightings"),
+    ({"endpoint": "h:1", "save_min_sightings": True}, "save_min_sightings"),
 ])
 def test_bad_extra_config_is_refused_naming_the_key(extra: dict[str, object], key: str) -> None:
     with pytest.raises(BadConnectorConfig) as err:

@@ -127,6 +127,20 @@ def test_lease_check_read_release(client: MetadataClient) -> None:
         client.release_lease(m.lease_id)
 
 
+def test_admit_save_counts_offers_and_refuses_bad_input(client: MetadataClient) -> None:
+    hs = hashes(6, seed=7)
+    assert client.admit_save(hs, 2) == 0  # a first offer: nothing to save yet
+    assert client.admit_save(hs[:4], 2) == 4
+    assert client.admit_save(hs, 2) == 6
+    with pytest.raises(E.InvalidInput):
+        client.admit_save(hs, 0)
+    with pytest.raises(E.InvalidInput):
+        client.admit_save(hashes(3, seed=8), 256)
+    with pytest.raises(E.BadHash):
+        client.admit_save([*hashes(2, seed=9), BlockHash(b"x" * 15)], 2)
+    assert client.admit_save(hashes(3, seed=8), 2) == 0  # the refused calls counted nothing
+
+
 def test_evict_makes_handle_stale(client: MetadataClient) -> None:
     register(client)
     hs = hashes(4)

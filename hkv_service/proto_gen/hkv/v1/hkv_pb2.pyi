@@ -589,6 +589,22 @@ class LookupStreamResponse(_message.Message):
     error: ItemError
     def __init__(self, tag: _Optional[int] = ..., matches: _Optional[_Iterable[_Union[Match, _Mapping]]] = ..., error: _Optional[_Union[ItemError, _Mapping]] = ...) -> None: ...
 
+class AdmitSaveRequest(_message.Message):
+    __slots__ = ("block_hashes", "needed", "offered_from")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    NEEDED_FIELD_NUMBER: _ClassVar[int]
+    OFFERED_FROM_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    needed: int
+    offered_from: int
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., needed: _Optional[int] = ..., offered_from: _Optional[int] = ...) -> None: ...
+
+class AdmitSaveResponse(_message.Message):
+    __slots__ = ("admitted",)
+    ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    admitted: int
+    def __init__(self, admitted: _Optional[int] = ...) -> None: ...
+
 class ReleaseLeaseRequest(_message.Message):
     __slots__ = ("lease_id",)
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]

@@ -100,6 +100,11 @@ class MetadataServiceStub:
                 request_serializer=hkv_dot_v1_dot_hkv__pb2.LookupStreamRequest.SerializeToString,
                 response_deserializer=hkv_dot_v1_dot_hkv__pb2.LookupStreamResponse.FromString,
                 _registered_method=True)
+        self.AdmitSave = channel.unary_unary(
+                '/hkv.v1.MetadataService/AdmitSave',
+                request_serializer=hkv_dot_v1_dot_hkv__pb2.AdmitSaveRequest.SerializeToString,
+                response_deserializer=hkv_dot_v1_dot_hkv__pb2.AdmitSaveResponse.FromString,
+                _registered_method=True)
         self.ReleaseLease = channel.unary_unary(
                 '/hkv.v1.MetadataService/ReleaseLease',
                 request_serializer=hkv_dot_v1_dot_hkv__pb2.ReleaseLeaseRequest.SerializeToString,
@@ -241,6 +246,14 @@ class MetadataServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AdmitSave(self, request, context):
+        """Save admission: how many leading blocks of a chain a save should write (those offered
+        at least `needed` times, this offer included); records one offer of each block.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReleaseLease(self, request, context):
         """Release a lease taken by a lookup.
         """
@@ -367,6 +380,11 @@ def add_MetadataServiceServicer_to_server(servicer, server):
                     servicer.LookupStream,
                     request_deserializer=hkv_dot_v1_dot_hkv__pb2.LookupStreamRequest.FromString,
                     response_serializer=hkv_dot_v1_dot_hkv__pb2.LookupStreamResponse.SerializeToString,
+            ),
+            'AdmitSave': grpc.unary_unary_rpc_method_handler(
+                    servicer.AdmitSave,
+                    request_deserializer=hkv_dot_v1_dot_hkv__pb2.AdmitSaveRequest.FromString,
+                    response_serializer=hkv_dot_v1_dot_hkv__pb2.AdmitSaveResponse.SerializeToString,
             ),
             'ReleaseLease': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseLease,
@@ -761,6 +779,33 @@ class MetadataService:
             '/hkv.v1.MetadataService/LookupStream',
             hkv_dot_v1_dot_hkv__pb2.LookupStreamRequest.SerializeToString,
             hkv_dot_v1_dot_hkv__pb2.LookupStreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AdmitSave(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hkv.v1.MetadataService/AdmitSave',
+            hkv_dot_v1_dot_hkv__pb2.AdmitSaveRequest.SerializeToString,
+            hkv_dot_v1_dot_hkv__pb2.AdmitSaveResponse.FromString,
             options,
             channel_credentials,
             insecure,
