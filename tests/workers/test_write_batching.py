@@ -115,6 +115,17 @@ class _BeforeCommit:
         return getattr(self.inner, name)
 
 
+def _noting(allocate: Callable[..., Any], slot: tuple[int, str],
+            into: list[int]) -> Callable[..., Any]:
+    """``allocate``, noting the object id each call gives ``slot`` in ``into``."""
+    def noted(*args: Any, **kwargs: Any) -> Any:
+        allocs = allocate(*args, **kwargs)
+        slots = [(r.depth, r.column) for r in args[1]]
+        into.append(int(allocs[slots.index(slot)].handle.object_id))
+        return allocs
+    return noted
+
+
 def _went_away() -> None:
     raise ConnectionError("the service went away mid-call")
 
@@ -151,14 +162,8 @@ def test_a_refused_commit_is_no_hit_and_its_bytes_are_forgotten(restartable: InP
     # the first KV of block 5's resume period: evicted while its bytes go in
     victim_slot = min(s for s in blocks if s[0] >= 5 and
                       lay.columns[lay.by_name[s[1]]].kind is Kind.COMPRESSED)
-    victims: set[int] = set()
-    original = system.meta.allocate
-
-    def allocate(*args: Any, **kwargs: Any) -> Any:
-        allocs = original(*args, **kwargs)
-        slots = [(r.depth, r.column) for r in args[1]]
-        victims.add(allocs[slots.index(victim_slot)].handle.object_id)
-        return allocs
+    victims: list[int] = []
+    allocate = _noting(system.meta.allocate, victim_slot, victims)
 
     def evict_victims() -> None:
         for oid in victims:
@@ -284,13 +289,7 @@ def test_a_refused_finish_leaves_no_ready_object_it_cannot_read(system: InProces
                 for i in range(len(batch))]
 
     victim: list[int] = []
-    original = system.meta.allocate
-
-    def allocate(*args: Any, **kwargs: Any) -> Any:
-        allocs = original(*args, **kwargs)
-        slots = [(r.depth, r.column) for r in args[1]]
-        victim.append(int(allocs[slots.index(kv)].handle.object_id))
-        return allocs
+    allocate = _noting(system.meta.allocate, kv, victim)
 
     link.shard.finish_blocks = finish_blocks  # type: ignore[method-assign]
     system.meta.allocate = allocate  # type: ignore[method-assign]
