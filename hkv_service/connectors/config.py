@@ -39,6 +39,9 @@ class ConnectorConfig:
     lease_ttl_s: float = 30.0  # a lease pins the loaded objects from alloc to the read
     # a request's first probe runs off the step; pending longer than this, it computes
     probe_wait_s: float = 1.0
+    # a scheduler step waits for its new requests' probes at most this long in all, so a
+    # request is usually answered in the step that first sees it (0: never wait, ask again)
+    probe_step_wait_s: float = 0.001
     timeout_s: float = 10.0  # per call to the service or a shard
     spec_out: str | None = None  # write the spec this engine needs here (YAML)
     staging_mib: float = 1024.0  # saves staged off vLLM's cache, not yet landed; past: dropped
@@ -69,6 +72,9 @@ class ConnectorConfig:
         if self.lease_ttl_s <= 0 or self.timeout_s <= 0 or self.probe_wait_s <= 0:
             raise BadConnectorConfig("lease_ttl_s", "lease_ttl_s, timeout_s and probe_wait_s "
                                      "must be > 0")
+        if not 0 <= self.probe_step_wait_s <= self.probe_wait_s:
+            raise BadConnectorConfig("probe_step_wait_s", "must be >= 0 and at most "
+                                     "probe_wait_s (it is waited inside vLLM's step)")
         if self.staging_mib <= 0 or self.drain_s < 0:
             raise BadConnectorConfig("staging_mib", "staging_mib must be > 0, drain_s >= 0")
         if not 1 <= self.save_min_sightings <= MAX_NEEDED:

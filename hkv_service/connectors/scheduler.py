@@ -2,12 +2,16 @@
 
 A request's life, as vLLM drives it::
 
-    get_num_new_matched_tokens   probe: a match-only lookup (no lease, no side effect), off
-                                 the step: the first call queues it and answers None ("ask
-                                 again"); the step's probes go to the probe lane as one batch
-                                 (hashing and one lookup call) at build_connector_meta; a
-                                 later call answers usable - local (tokens hkv's funnel
-                                 certifies beyond vLLM's own hit), loaded asynchronously. An
+    on_new_request               the request's probe is queued: a match-only lookup (no
+                                 lease, no side effect) of its whole-block prefix
+    get_num_new_matched_tokens   the probes queued so far go to the probe lane as one batch
+                                 (hashing and one lookup call); the step waits for them at
+                                 most ``probe_step_wait_s`` in all (shared by every request
+                                 it asks about), so a new request is usually answered in the
+                                 step that first sees it. Not answered by then: None ("ask
+                                 again"), and a later call answers. The answer is usable -
+                                 local (tokens hkv's funnel certifies beyond vLLM's own hit),
+                                 loaded asynchronously. An
                                  answer given once is given again at once (and refreshed on
                                  the lane for the next ask): vLLM waits on hkv once per
                                  request. hkv slower than ``probe_wait_s``: 0 (computed). At
@@ -40,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -82,6 +87,15 @@ class _Ask:
     match: Match | None = None
     done: bool = False
     served: bool = False  # its answer was given to vLLM (a later ask refreshes it)
+    submitted: bool = False  # handed to the probe lane
+    deferred: bool = False  # vLLM was told to ask again (not answered in its step's wait)
+    landed: threading.Event = dataclasses.field(default_factory=threading.Event)  # done set
+
+    def settle(self, match: Match | None) -> None:
+        """On the lane: the answer, then ``done`` (the step reads match only once done)."""
+        self.match = match
+        self.done = True
+        self.landed.set()
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +127,8 @@ def _why(downgrades: Sequence[Downgrade]) -> str:
 
 class SchedulerSide:
     def __init__(self, geo: Geometry, meta: MetadataPort, model_id: str,
-                 lease_ttl_s: float, probe_wait_s: float = 1.0) -> None:
+                 lease_ttl_s: float, probe_wait_s: float = 1.0,
+                 probe_step_wait_s: float = 0.001) -> None:
         self.geo = geo
         self.layout = Layout(geo.spec)
         self.meta = meta
@@ -137,13 +152,24 @@ class SchedulerSide:
         self.probe_wait_s = probe_wait_s  # a probe pending longer: the request computes
         self._answered: dict[str, _Ask] = {}  # request -> its latest probe answered
         self._pending: dict[str, _Ask] = {}  # request -> its probe on the lane, if any
-        self._new: list[_Ask] = []  # asked in this step: one batch at build_connector_meta
+        self._new: list[_Ask] = []  # asked, not yet on the lane: one batch
+        # a step waits for its probes at most this long in all (0: never waits)
+        self.probe_step_wait_s = probe_step_wait_s
+        self._waited: tuple[int, float] = (0, 0.0)  # (step, seconds this step waited)
         self._lane = Lane("probe")
 
     # -- probe ----------------------------------------------------------------------------
 
     def added(self, request: Request) -> None:
+        """``on_new_request``: the request's probe is queued now, so the requests that arrive
+        together go to the lane as one batch when the first of them is asked about."""
         self._requests[request.request_id] = request
+        if request.mm_features or request.prompt_embeds is not None:
+            return
+        n = len(request.all_token_ids)
+        limit = (n - 1) // self.geo.lcm * self.geo.lcm
+        if limit > 0:
+            self._ask(request, limit)
 
     def extra_keys(self, request: Request) -> ExtraKeys:
         lora = request.lora_request
@@ -165,6 +191,7 @@ class SchedulerSide:
             return asked[3]  # hkv was asked this step already: its answer, not a second ask
         self._probes.pop(req_id, None)
         if limit <= local or local % lcm:
+            self._unask(req_id)
             return 0, False
         pending = self._pending.get(req_id)
         if pending is not None and pending.done:
@@ -174,32 +201,66 @@ class SchedulerSide:
         ask = self._answered.get(req_id)
         if ask is None or ask.limit != limit:  # nothing answered for this prompt length yet
             if pending is None or pending.limit != limit:
-                self._ask(request, limit)
+                pending = self._ask(request, limit)
+            if self._wait(pending):  # answered within the step's wait: answer it now
+                self._answered[req_id] = ask = pending
+                del self._pending[req_id]
+                pending = None
+            elif time.monotonic() - pending.started < self.probe_wait_s:
+                if not pending.deferred:
+                    pending.deferred = True
+                    self.stats.add("probe_deferred")
                 return None, False
-            if time.monotonic() - pending.started < self.probe_wait_s:
-                return None, False
-            # hkv is slower than the bound: compute (a late answer serves a later ask)
-            self.stats.add("probe_late")
-            self._reports[req_id] = Certified(limit, local, 0, why="hkv probe late")
-            answer: tuple[int | None, bool] = (0, False)
-        else:
-            if ask.served and pending is None:  # asked again (not scheduled, or preempted):
-                self._ask(request, limit)  # this answer now, a fresh one for the next ask
-            answer = self._answer(req_id, ask, local, limit)
+            else:  # hkv is slower than the bound: compute (a late answer serves a later ask)
+                self.stats.add("probe_late")
+                self._reports[req_id] = Certified(limit, local, 0, why="hkv probe late")
+                late: tuple[int | None, bool] = (0, False)
+                self._asked[req_id] = (self._step, local, limit, late)
+                return late
+        elif ask.served and pending is None:  # asked again (not scheduled, or preempted):
+            self._ask(request, limit)  # this answer now, a fresh one for the next ask
+        answer = self._answer(req_id, ask, local, limit)
         self._asked[req_id] = (self._step, local, limit, answer)
         return answer
 
-    def _ask(self, request: Request, limit: int) -> None:
+    def _ask(self, request: Request, limit: int) -> _Ask:
         ask = _Ask(request.request_id, limit, list(request.all_token_ids[:limit]),
                    self.extra_keys(request), time.monotonic())
         self._pending[ask.req_id] = ask
         self._new.append(ask)
+        return ask
+
+    def _unask(self, req_id: str) -> None:
+        """vLLM's own hit covers what hkv could add: a probe queued at arrival is not sent."""
+        queued = self._pending.get(req_id)
+        if queued is not None and not queued.submitted:
+            del self._pending[req_id]
+
+    def _wait(self, ask: _Ask) -> bool:
+        """Whether ``ask`` is answered, waiting for it (its batch handed to the lane first)
+        no longer than what is left of this step's ``probe_step_wait_s``."""
+        if not ask.submitted:
+            self._submit()
+        step, waited = self._waited
+        if step != self._step:
+            waited = 0.0
+        left = self.probe_step_wait_s - waited
+        if not ask.done and left > 0:
+            start = time.perf_counter()
+            ask.landed.wait(left)
+            spent = time.perf_counter() - start
+            self.stats.add("probe_waited_s", spent)
+            waited += spent
+        self._waited = (self._step, waited)
+        return ask.done
 
     def _submit(self) -> None:
-        """This step's probes, still wanted (a request may have finished since it asked), to
-        the probe lane as one task."""
+        """The probes asked so far, still wanted (a request may have finished since it
+        asked), to the probe lane as one task."""
         asks = [a for a in self._new if self._pending.get(a.req_id) is a]
         self._new.clear()
+        for a in asks:
+            a.submitted = True
         if asks:
             self.stats.add("probe_batches")
             self._lane.submit(Task(partial(self._run_probes, asks),
@@ -225,16 +286,14 @@ class SchedulerSide:
         else:
             matches = [self._lookup(r) for r in reqs]
         for a, m in zip(asks, matches, strict=True):
-            a.match = m
-            a.done = True  # after match: the step reads match only once done
+            a.settle(m)
         self.stats.add("probe_s", time.perf_counter() - start)
 
     def _abandon_probes(self, asks: list[_Ask], why: str) -> None:
         log.warning("hkv probes abandoned (%s): computing instead", why)
         self.stats.add("probe_abandoned", len(asks))
         for a in asks:
-            a.match = None
-            a.done = True
+            a.settle(None)
 
     def _answer(self, req_id: str, ask: _Ask, local: int, limit: int) -> tuple[int, bool]:
         match = ask.match

@@ -8,7 +8,9 @@ disk tier first), ``load_ok``, ``load_failed``, ``load_failed.<why>``, ``loaded_
 ``saved_blocks``, ``existing_blocks``, ``save_failed``, ``lookup_s``, ``read_s``, ``write_s``.
 Probes (scheduler, off the step): ``probe_batches`` (lane tasks: the probes asked in one step),
 ``probe_s`` (their hashing and lookups), ``probe_late`` (a request computed because its probe
-was pending past ``probe_wait_s``), ``probe_abandoned`` (probes whose lane task never ran).
+was pending past ``probe_wait_s``), ``probe_abandoned`` (probes whose lane task never ran),
+``probe_waited_s`` (what the steps waited for probes, at most ``probe_step_wait_s`` a step),
+``probe_deferred`` (probes not answered within their step's wait: vLLM asked again later).
 Off the step (worker): ``stage_s`` / ``staged_bytes`` (the in-step copies out of vLLM's cache),
 ``save_dropped`` (blocks not staged: the staging budget was full), ``save_abandoned`` (blocks
 of a save never run: its lane's thread died under it, or shutdown's drain ran out),

@@ -123,7 +123,8 @@ class HkvConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unuse
             meta = metadata(cfg, self.geometry.spec)
             self._check_spec(meta.get_spec(), cfg)
             self.scheduler = SchedulerSide(self.geometry, meta, self.geometry.spec.model_id,
-                                           cfg.lease_ttl_s, cfg.probe_wait_s)
+                                           cfg.lease_ttl_s, cfg.probe_wait_s,
+                                           cfg.probe_step_wait_s)
         else:
             plane = dataplane(cfg, self.geometry.spec)
             self._check_spec(plane.layout.spec, cfg)

@@ -10,14 +10,15 @@ Three engines, one after the other (each shut down before the next starts):
   run under test resumes (align mode splits a prefill at the resume point, and a prefill
   split elsewhere gives other bf16 logits: docs/vllm-recurrent-state.md):
   ``at_960`` (it served the prompt P first: its own prefix cache resumes P + S at 960),
-  ``at_864`` (it served P[:900] first), ``recompute`` (nothing cached).
+  ``at_864`` (it served P[:900] first: 864 with vLLM's 96-token blocks, 896 with 64-token
+  ones), ``recompute`` (nothing cached).
 * **A**, with hkv: serves P, then (its own cache reset) P[:900]; hkv keeps what vLLM hands
-  off: the attention blocks and the states at 960 and 864.
+  off: the attention blocks and the states at 960 and P[:900]'s boundary.
 * **B**, a fresh engine with hkv: serves P + S (16 greedy tokens, the logprobs of the whole
   vocabulary at every step). First two negative controls (the recurrent groups' copies
   dropped from the load; every copy dropped, the hit still claimed), then the real load,
   then three faults injected into hkv between runs (vLLM's own cache reset before each):
-  ``other_boundary`` (the states at 960 evicted: hkv certifies 864), ``corrupt_disk`` (every
+  ``other_boundary`` (the states at 960 evicted: hkv certifies P[:900]'s), ``corrupt_disk`` (every
   object moved to disk, one bit of a state flipped there: the load fails, vLLM recomputes),
   ``evicted`` (every state evicted: hkv certifies nothing and says why).
 """
@@ -39,7 +40,11 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 SYSTEM = "qwen3next-hkv"
-PROMPT, SHORT, SUFFIX = 1000, 900, 40
+# P + S ends before the block after 960 for both of vLLM's block sizes here (96 with an fp32 SSM
+# state on AVX-512-BF16 hosts, 64 without): the full prompt's resume point is P's, 960, and a
+# prefill from P[:900]'s boundary (864 or 896) hands off the state at 960 again
+PROMPT, SHORT, SUFFIX = 1000, 900, 20
+AT = 960  # the resume point of P and of P + S, for either block size
 
 
 def engine(system: str | None) -> Any:
@@ -165,7 +170,10 @@ def main(work: Path) -> dict[str, Any]:
         assert system is not None
         out["spec"] = system.spec.to_dict()
         out["held_before_b"] = held(system, full)
-        a_states = state_digests(system, full, 960)
+        bs = system.spec.groups[-1].block_size
+        assert (len(full) - 1) // bs * bs == (PROMPT - 1) // bs * bs == AT, bs
+        short = (SHORT - 1) // bs * bs
+        a_states = state_digests(system, full, AT)
 
         # -- B reads --
         b = start("b", SYSTEM)
@@ -196,14 +204,14 @@ def main(work: Path) -> dict[str, Any]:
         b_run("skip_recurrent", "at_960", "skip_recurrent")
         b_run("nothing", "at_960", "nothing")
         b_run("hit", "at_960")
-        out["injected"] = {"other_boundary": evict_states(system, full, (960,))}
+        out["injected"] = {"other_boundary": evict_states(system, full, (AT,))}
         b_run("other_boundary", "at_864")
-        out["injected"]["corrupt_disk"] = corrupt_state(system, full, 960)
+        out["injected"]["corrupt_disk"] = corrupt_state(system, full, AT)
         b_run("corrupt_disk", "recompute")
         # the state hkv holds at 960 now is the recompute's (never the block the failed load
         # was to fill): equal to A's, which came from the same one-chunk prefill
-        out["after_corrupt_state_equals_a"] = state_digests(system, full, 960) == a_states
-        out["injected"]["evicted"] = evict_states(system, full, (864, 960))
+        out["after_corrupt_state_equals_a"] = state_digests(system, full, AT) == a_states
+        out["injected"]["evicted"] = evict_states(system, full, (short, AT))
         b_run("evicted", "recompute")
         out["b"] = runs
         out["b_counters"] = counters(b_conn)
@@ -281,12 +289,42 @@ def corrupt_state(system: Any, tokens: list[int], p: int) -> int:
     m = system.meta.lookup(LookupRequest(hashes, p))
     assert m.usable_tokens == p, m
     plane = system.dataplane()
-    got = plane.read(m, hashes, release=False)
     handles = [h for col in m.handles.values() for h in col]
     assert all(r.ok for r in plane.offload(handles, None, evict_memory=True))
-    (blob,) = got[_state_columns(system)[0]]
-    head = bytes(memoryview(blob).cast("B")[3072:3136])  # inside the SSM state
-    return sum(flip_on_disk(system.shard_dir(s), head) for s in system.links)
+    group = _state_columns(system)[0]
+    for sid in system.links:
+        # the payload as the disk tier stored it: raw, or a zstd frame when that saves >= 10%
+        # (a bf16 SSM state does, an fp32 one not), so the state's own bytes are not always
+        # in the file; one bit mid-payload
+        stored = _stored_state(system.shard_dir(sid), hashes[-1], group)
+        if stored is not None:
+            return flip_on_disk(system.shard_dir(sid), stored[len(stored) // 2:][:64])
+    return 0
+
+
+_STORED = """
+import sys, lmdb
+path, key_head, group = sys.argv[1], bytes.fromhex(sys.argv[2]), sys.argv[3].encode()
+env = lmdb.open(path, readonly=True, lock=False, max_dbs=16)
+with env.begin() as txn:
+    for key, value in txn.cursor(env.open_db(b"records", txn=txn, create=False)):
+        if key[:16] + key[24:25] == key_head and key[25:] == group:
+            print(bytes(value).hex())
+"""
+
+
+def _stored_state(shard_dir: Path, block_hash: bytes, group: str) -> bytes | None:
+    """The disk tier's stored payload of ``group``'s state at ``block_hash``, if this shard
+    holds it (storage/record.py: the key is hash, ABI, kind code, group name). Read in a
+    child process: LMDB refuses a second open of an environment in the process holding it."""
+    import subprocess
+
+    from storage.record import KIND_CODES
+
+    head = block_hash + bytes([KIND_CODES["STATE"]])
+    out = subprocess.run([sys.executable, "-c", _STORED, str(shard_dir), head.hex(), group],
+                         capture_output=True, text=True, timeout=60, check=True).stdout.split()
+    return bytes.fromhex(out[0]) if out else None
 
 
 if __name__ == "__main__":

@@ -97,6 +97,56 @@ def test_the_step_goes_on_while_a_probe_is_held_and_takes_its_answer_after(
     assert not s._pending and not s._answered and not s._new  # nothing left behind
 
 
+def test_a_new_request_is_answered_in_the_step_that_first_sees_it(
+        make: Callable[..., Harness]) -> None:
+    """Its probe is queued when vLLM adds it and waited for inside the step (up to the
+    step's ``probe_step_wait_s``): a hit loads and a miss computes from that first step on,
+    instead of a step later."""
+    h = make()
+    tokens = prompt(N, seed=7)
+    saved(h, tokens)
+    s = side(h)
+    batches, deferred = s.stats.total["probe_batches"], s.stats.total["probe_deferred"]
+    h.probe_step_wait_s = 10.0  # far above an in-process lookup: the answer comes first
+    h.add("B", tokens)  # a hit
+    h.add("C", prompt(N, seed=8))  # a miss
+    out = h.step()
+    (job,) = h.loads("B")
+    assert job.tokens == 384 and out.num_scheduled_tokens.get("C") == N
+    assert s.stats.total["probe_batches"] == batches + 1  # both asked as one lane batch
+    assert s.stats.total["probe_deferred"] == deferred  # neither told to ask again
+    h.run()
+    assert h.scheduled("B") == N - 384 and h.scheduled("C") == N
+    assert not s._pending and not s._answered and not s._new
+
+
+def test_a_step_waits_for_its_probes_at_most_probe_step_wait_s_in_all(
+        make: Callable[..., Harness]) -> None:
+    """Two new requests held at hkv: the step waits its budget once, for both together, then
+    goes on without them; they are answered in a later step."""
+    h = make()
+    tokens = prompt(N, seed=9)
+    saved(h, tokens)
+    s = side(h)
+    gate = Gate(s.meta, "lookup")
+    h.probe_step_wait_s = 0.5
+    waited = s.stats.total["probe_waited_s"]
+    h.add("B", tokens)
+    h.add("C", prompt(N, seed=10))
+    out = h.step()
+    assert not out.num_scheduled_tokens and gate.entered.is_set()
+    spent = s.stats.total["probe_waited_s"] - waited
+    assert 0.45 <= spent < 1.0  # the budget, shared: not 0.5 for each request
+    assert s.stats.total["probe_deferred"] == 2
+    h.probe_step_wait_s = 0.0
+    gate.open()
+    steps_until(h, lambda: bool(h.loads("B")))
+    (job,) = h.loads("B")
+    assert job.tokens == 384
+    h.run()
+    assert h.scheduled("B") == N - 384 and h.scheduled("C") == N
+
+
 def test_a_probe_slower_than_its_bound_and_an_unreachable_hkv_resolve_to_compute(
         make: Callable[..., Harness]) -> None:
     h = make()

@@ -46,6 +46,8 @@ def test_the_readme_config_loads_the_connector_class_with_hma() -> None:
     ({"endpoint": "h:1", "save_min_sightings": 0}, "save_min_sightings"),
     ({"endpoint": "h:1", "save_min_sightings": 256}, "save_min_sightings"),
     ({"endpoint": "h:1", "save_min_sightings": 1.5}, "save_min_sightings"),
+    ({"endpoint": "h:1", "probe_step_wait_s": -0.001}, "probe_step_wait_s"),
+    ({"endpoint": "h:1", "probe_step_wait_s": 2.0}, "probe_step_wait_s"),
     ({"endpoint": "h:1", "save_min_sightings": True}, "save_min_sightings"),
 ])
 def test_bad_extra_config_is_refused_naming_the_key(extra: dict[str, object], key: str) -> None:

@@ -277,9 +277,11 @@ class Harness:
         self.outputs: list[SchedulerOutput] = []
         self.recved: set[str] = set()  # requests whose load the worker reported done
         self.sent: set[str] = set()  # finished requests whose save the worker reported landed
-        # a step starts once the probes asked in earlier steps were answered (an engine whose
-        # steps outlast a probe); False: steps never wait on them (a tight empty-step loop)
+        # a step starts once the probes asked in earlier steps were answered, and waits for
+        # the ones it asks (an engine whose steps outlast a probe); False: steps never wait on
+        # probes (a tight empty-step loop, hkv slower than the step's probe_step_wait_s)
         self.wait_probes = True
+        self.probe_step_wait_s: float | None = None  # set: the steps' wait, and no drain
 
     @property
     def connector(self) -> HkvConnector:
@@ -304,7 +306,10 @@ class Harness:
 
     def step(self) -> SchedulerOutput:
         side = self.connector.scheduler
-        if self.wait_probes and side is not None:
+        if side is not None:
+            side.probe_step_wait_s = (30.0 if self.wait_probes else 0.0) \
+                if self.probe_step_wait_s is None else self.probe_step_wait_s
+        if self.wait_probes and self.probe_step_wait_s is None and side is not None:
             assert side._lane.drain(30.0), "hkv probes still pending after 30 s"
         out = self.sched.schedule()
         self.outputs.append(out)
