@@ -39,9 +39,10 @@ class ConnectorConfig:
     lease_ttl_s: float = 30.0  # a lease pins the loaded objects from alloc to the read
     # a request's first probe runs off the step; pending longer than this, it computes
     probe_wait_s: float = 1.0
-    # a scheduler step waits for its new requests' probes at most this long in all, so a
-    # request is usually answered in the step that first sees it (0: never wait, ask again)
-    probe_step_wait_s: float = 0.001
+    # while other requests run, a scheduler step waits for its new requests' probes at most
+    # a tenth of the step before it and at most this long, in all, so a request is usually
+    # answered in the step that first sees it (0: never wait; scheduler.STEP_SHARE)
+    probe_step_wait_s: float = 0.05
     timeout_s: float = 10.0  # per call to the service or a shard
     spec_out: str | None = None  # write the spec this engine needs here (YAML)
     staging_mib: float = 1024.0  # saves staged off vLLM's cache, not yet landed; past: dropped

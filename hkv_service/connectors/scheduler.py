@@ -5,11 +5,15 @@ A request's life, as vLLM drives it::
     on_new_request               the request's probe is queued: a match-only lookup (no
                                  lease, no side effect) of its whole-block prefix
     get_num_new_matched_tokens   the probes queued so far go to the probe lane as one batch
-                                 (hashing and one lookup call); the step waits for them at
-                                 most ``probe_step_wait_s`` in all (shared by every request
-                                 it asks about), so a new request is usually answered in the
-                                 step that first sees it. Not answered by then: None ("ask
-                                 again"), and a later call answers. The answer is usable -
+                                 (hashing and one lookup call). While other requests run, a
+                                 request told to wait would miss a whole step of theirs, so
+                                 the step waits for its probes, in all (shared by every
+                                 request it asks about), at most a tenth of the step before
+                                 it and at most ``probe_step_wait_s``; a new request is
+                                 then usually answered in the step that first sees it;
+                                 an engine with nothing else to run does not wait (its next
+                                 iteration comes within a millisecond). Not answered: None
+                                 ("ask again"), and a later call answers. The answer is usable -
                                  local (tokens hkv's funnel certifies beyond vLLM's own hit),
                                  loaded asynchronously. An
                                  answer given once is given again at once (and refreshed on
@@ -72,6 +76,12 @@ __all__ = ["Certified", "Probe", "SchedulerSide"]
 
 log = logging.getLogger(__name__)
 
+# A step waits for its new requests' probes at most this share of the step before it (and
+# at most probe_step_wait_s): a request told to ask again loses a whole step, so the wait
+# costs the engine at most a tenth of what it saves; a GPU step of a few milliseconds
+# waits a fraction of one, a CPU step of 200 ms up to 20 ms.
+STEP_SHARE = 0.1
+
 
 @dataclass(slots=True, eq=False)
 class _Ask:
@@ -128,7 +138,7 @@ def _why(downgrades: Sequence[Downgrade]) -> str:
 class SchedulerSide:
     def __init__(self, geo: Geometry, meta: MetadataPort, model_id: str,
                  lease_ttl_s: float, probe_wait_s: float = 1.0,
-                 probe_step_wait_s: float = 0.001) -> None:
+                 probe_step_wait_s: float = 0.05) -> None:
         self.geo = geo
         self.layout = Layout(geo.spec)
         self.meta = meta
@@ -155,7 +165,10 @@ class SchedulerSide:
         self._new: list[_Ask] = []  # asked, not yet on the lane: one batch
         # a step waits for its probes at most this long in all (0: never waits)
         self.probe_step_wait_s = probe_step_wait_s
+        self.step_share = STEP_SHARE
         self._waited: tuple[int, float] = (0, 0.0)  # (step, seconds this step waited)
+        self._step_at = time.monotonic()  # the last build_connector_meta
+        self._step_s = 0.0  # the time between the last two: the step before this one
         self._lane = Lane("probe")
 
     # -- probe ----------------------------------------------------------------------------
@@ -244,8 +257,8 @@ class SchedulerSide:
         step, waited = self._waited
         if step != self._step:
             waited = 0.0
-        left = self.probe_step_wait_s - waited
-        if not ask.done and left > 0:
+        left = min(self.probe_step_wait_s, self.step_share * self._step_s) - waited
+        if not ask.done and left > 0 and self._busy():
             start = time.perf_counter()
             ask.landed.wait(left)
             spent = time.perf_counter() - start
@@ -253,6 +266,11 @@ class SchedulerSide:
             waited += spent
         self._waited = (self._step, waited)
         return ask.done
+
+    def _busy(self) -> bool:
+        """Whether some request is not waiting for its probe (it runs, or waits for a load
+        or for room): then a request told to ask again loses a step of the engine's work."""
+        return len(self._requests) > len(self._pending)
 
     def _submit(self) -> None:
         """The probes asked so far, still wanted (a request may have finished since it
@@ -419,6 +437,8 @@ class SchedulerSide:
         handoffs = handoffs or {}
         self._submit()
         self._step += 1
+        now = time.monotonic()
+        self._step_s, self._step_at = now - self._step_at, now
         self._asked.clear()
         self._lane.check()
         for req_id, n in scheduled.items():

@@ -9,7 +9,8 @@ disk tier first), ``load_ok``, ``load_failed``, ``load_failed.<why>``, ``loaded_
 Probes (scheduler, off the step): ``probe_batches`` (lane tasks: the probes asked in one step),
 ``probe_s`` (their hashing and lookups), ``probe_late`` (a request computed because its probe
 was pending past ``probe_wait_s``), ``probe_abandoned`` (probes whose lane task never ran),
-``probe_waited_s`` (what the steps waited for probes, at most ``probe_step_wait_s`` a step),
+``probe_waited_s`` (what the steps waited for probes: at most ``probe_step_wait_s`` and a
+tenth of the step before, a step),
 ``probe_deferred`` (probes not answered within their step's wait: vLLM asked again later).
 Off the step (worker): ``stage_s`` / ``staged_bytes`` (the in-step copies out of vLLM's cache),
 ``save_dropped`` (blocks not staged: the staging budget was full), ``save_abandoned`` (blocks

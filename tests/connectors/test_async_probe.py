@@ -25,7 +25,7 @@ from test_scheduler import _FaultBeforeLease, handles
 from vllm.v1.request import RequestStatus
 from vllm_harness import Harness, harnesses, prompt, write_tiny_config
 
-from hkv_service.connectors.scheduler import SchedulerSide
+from hkv_service.connectors.scheduler import STEP_SHARE, SchedulerSide
 
 N = 400  # prompt tokens; 384 of them in whole LCM blocks
 
@@ -97,14 +97,23 @@ def test_the_step_goes_on_while_a_probe_is_held_and_takes_its_answer_after(
     assert not s._pending and not s._answered and not s._new  # nothing left behind
 
 
+def running(h: Harness, req_id: str = "R") -> None:
+    """A request in its decode steps (another request's work for every step to come)."""
+    h.wait_probes = True
+    h.add(req_id, prompt(N, seed=99), max_tokens=200)
+    h.admit(req_id)
+    h.wait_probes = False
+
+
 def test_a_new_request_is_answered_in_the_step_that_first_sees_it(
         make: Callable[..., Harness]) -> None:
-    """Its probe is queued when vLLM adds it and waited for inside the step (up to the
-    step's ``probe_step_wait_s``): a hit loads and a miss computes from that first step on,
-    instead of a step later."""
+    """While another request runs, a new request's probe (queued when vLLM added it) is
+    waited for inside the step, up to ``probe_step_wait_s``: a hit loads and a miss computes
+    from that first step on, instead of a step later."""
     h = make()
     tokens = prompt(N, seed=7)
     saved(h, tokens)
+    running(h)
     s = side(h)
     batches, deferred = s.stats.total["probe_batches"], s.stats.total["probe_deferred"]
     h.probe_step_wait_s = 10.0  # far above an in-process lookup: the answer comes first
@@ -115,6 +124,7 @@ def test_a_new_request_is_answered_in_the_step_that_first_sees_it(
     assert job.tokens == 384 and out.num_scheduled_tokens.get("C") == N
     assert s.stats.total["probe_batches"] == batches + 1  # both asked as one lane batch
     assert s.stats.total["probe_deferred"] == deferred  # neither told to ask again
+    h.sched.finish_requests("R", RequestStatus.FINISHED_ABORTED)
     h.run()
     assert h.scheduled("B") == N - 384 and h.scheduled("C") == N
     assert not s._pending and not s._answered and not s._new
@@ -122,29 +132,80 @@ def test_a_new_request_is_answered_in_the_step_that_first_sees_it(
 
 def test_a_step_waits_for_its_probes_at_most_probe_step_wait_s_in_all(
         make: Callable[..., Harness]) -> None:
-    """Two new requests held at hkv: the step waits its budget once, for both together, then
-    goes on without them; they are answered in a later step."""
+    """Two new requests held at hkv while another runs: the step waits its budget once, for
+    both together, then goes on without them; they are answered in a later step."""
     h = make()
     tokens = prompt(N, seed=9)
     saved(h, tokens)
+    running(h)
     s = side(h)
     gate = Gate(s.meta, "lookup")
     h.probe_step_wait_s = 0.5
-    waited = s.stats.total["probe_waited_s"]
+    waited, deferred = s.stats.total["probe_waited_s"], s.stats.total["probe_deferred"]
     h.add("B", tokens)
     h.add("C", prompt(N, seed=10))
     out = h.step()
-    assert not out.num_scheduled_tokens and gate.entered.is_set()
+    assert set(out.num_scheduled_tokens) == {"R"} and gate.entered.is_set()
     spent = s.stats.total["probe_waited_s"] - waited
     assert 0.45 <= spent < 1.0  # the budget, shared: not 0.5 for each request
-    assert s.stats.total["probe_deferred"] == 2
+    assert s.stats.total["probe_deferred"] == deferred + 2
     h.probe_step_wait_s = 0.0
     gate.open()
     steps_until(h, lambda: bool(h.loads("B")))
     (job,) = h.loads("B")
     assert job.tokens == 384
+    h.sched.finish_requests("R", RequestStatus.FINISHED_ABORTED)
     h.run()
     assert h.scheduled("B") == N - 384 and h.scheduled("C") == N
+
+
+def test_the_wait_is_at_most_a_tenth_of_the_step_before(
+        make: Callable[..., Harness]) -> None:
+    """A step of 1 s before (the time between two build_connector_meta calls): a held probe
+    is waited for about 0.1 s, not the 10 s allowed."""
+    h = make()
+    tokens = prompt(N, seed=13)
+    saved(h, tokens)
+    running(h)
+    s = side(h)
+    gate = Gate(s.meta, "lookup")
+    h.probe_step_wait_s, h.step_share = 10.0, STEP_SHARE
+    h.step()
+    time.sleep(1.0)
+    h.step()  # the step before the next one: ~1 s
+    waited = s.stats.total["probe_waited_s"]
+    h.add("B", tokens)
+    out = h.step()
+    assert "B" not in out.num_scheduled_tokens and gate.entered.is_set()
+    assert 0.09 <= s.stats.total["probe_waited_s"] - waited < 0.6  # 0.1 of ~1 s
+    gate.open()
+    h.probe_step_wait_s = 0.0
+    steps_until(h, lambda: bool(h.loads("B")))
+    h.sched.finish_requests("R", RequestStatus.FINISHED_ABORTED)
+    h.run()
+    assert h.scheduled("B") == N - 384
+
+
+def test_an_engine_with_nothing_else_to_run_does_not_wait_for_a_probe(
+        make: Callable[..., Harness]) -> None:
+    """Alone, a request told to ask again costs an empty iteration, not another's step: the
+    step does not wait, and a later one answers."""
+    h = make()
+    tokens = prompt(N, seed=12)
+    saved(h, tokens)
+    s = side(h)
+    gate = Gate(s.meta, "lookup")
+    h.probe_step_wait_s = 0.5
+    waited, deferred = s.stats.total["probe_waited_s"], s.stats.total["probe_deferred"]
+    h.add("B", tokens)
+    out = h.step()
+    assert not out.num_scheduled_tokens and gate.entered.wait(10.0)
+    assert s.stats.total["probe_waited_s"] == waited  # not a moment
+    assert s.stats.total["probe_deferred"] == deferred + 1
+    gate.open()
+    steps_until(h, lambda: bool(h.loads("B")))
+    h.run()
+    assert h.scheduled("B") == N - 384
 
 
 def test_a_probe_slower_than_its_bound_and_an_unreachable_hkv_resolve_to_compute(

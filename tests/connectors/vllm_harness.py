@@ -282,6 +282,7 @@ class Harness:
         # probes (a tight empty-step loop, hkv slower than the step's probe_step_wait_s)
         self.wait_probes = True
         self.probe_step_wait_s: float | None = None  # set: the steps' wait, and no drain
+        self.step_share = 1e9  # the wait's share of the step before: here, the wait itself
 
     @property
     def connector(self) -> HkvConnector:
@@ -309,6 +310,7 @@ class Harness:
         if side is not None:
             side.probe_step_wait_s = (30.0 if self.wait_probes else 0.0) \
                 if self.probe_step_wait_s is None else self.probe_step_wait_s
+            side.step_share = self.step_share
         if self.wait_probes and self.probe_step_wait_s is None and side is not None:
             assert side._lane.drain(30.0), "hkv probes still pending after 30 s"
         out = self.sched.schedule()
