@@ -29,7 +29,7 @@ from hkv_service.core.state_view import CacheState
 from hkv_service.settings import SYSTEM_DEFAULTS
 
 from .dataplane import DataPlane
-from .link import InProcessLink
+from .link import InProcessLink, ShardUnavailable
 from .local import LocalMetadata
 from .partitioned import PartitionedMetadata
 from .shard import ShardActor, ShardConfig
@@ -121,15 +121,26 @@ class InProcessSystem:
         """A fresh metadata view (of ``partition`` only, if given); returns once every shard
         has rejoined it (or raises TimeoutError)."""
         # a crashed shard is left out: its successor registers with whichever view is there
-        before = {sid: self._rejoins(sid) for sid, link in self.links.items() if link.alive}
+        before = {sid: (self.incarnation(sid), self._rejoins(sid))
+                  for sid, link in self.links.items() if link.alive}
         for i in range(len(self.parts)) if partition is None else [partition]:
             self.parts[i].swap(self._fresh_state(i))
         self.restarts += 1
         deadline = time.monotonic() + timeout_s
-        while any(self._rejoins(sid) <= n for sid, n in before.items()):
+        while any(self._awaited(sid, *was) for sid, was in before.items()):
             if time.monotonic() > deadline:
                 raise TimeoutError("shards did not rejoin the restarted metadata view")
             time.sleep(0.05)
+
+    def _awaited(self, sid: str, incarnation: int, rejoins: int) -> bool:
+        """Whether shard ``sid`` has yet to rejoin a restarted view. One that crashed meanwhile
+        (or was crashed and revived: a new incarnation, counting its rejoins from 0) is not
+        waited for: its successor registers with whichever view is there."""
+        try:
+            return (self.links[sid].alive and self.incarnation(sid) == incarnation
+                    and self._rejoins(sid) <= rejoins)
+        except ShardUnavailable:
+            return False
 
     def _rejoins(self, sid: str) -> int:
         stats = self.links[sid].submit("stats").result(30.0)
