@@ -105,6 +105,15 @@ def running(h: Harness, req_id: str = "R") -> None:
     h.wait_probes = False
 
 
+def held_while_running(h: Harness, seed: int) -> tuple[list[int], SchedulerSide, Gate]:
+    """A prompt saved in hkv, another request running, and hkv's lookups held at a gate."""
+    tokens = prompt(N, seed=seed)
+    saved(h, tokens)
+    running(h)
+    s = side(h)
+    return tokens, s, Gate(s.meta, "lookup")
+
+
 def test_a_new_request_is_answered_in_the_step_that_first_sees_it(
         make: Callable[..., Harness]) -> None:
     """While another request runs, a new request's probe (queued when vLLM added it) is
@@ -135,11 +144,7 @@ def test_a_step_waits_for_its_probes_at_most_probe_step_wait_s_in_all(
     """Two new requests held at hkv while another runs: the step waits its budget once, for
     both together, then goes on without them; they are answered in a later step."""
     h = make()
-    tokens = prompt(N, seed=9)
-    saved(h, tokens)
-    running(h)
-    s = side(h)
-    gate = Gate(s.meta, "lookup")
+    tokens, s, gate = held_while_running(h, seed=9)
     h.probe_step_wait_s = 0.5
     waited, deferred = s.stats.total["probe_waited_s"], s.stats.total["probe_deferred"]
     h.add("B", tokens)
@@ -164,11 +169,7 @@ def test_the_wait_is_at_most_a_tenth_of_the_step_before(
     """A step of 1 s before (the time between two build_connector_meta calls): a held probe
     is waited for about 0.1 s, not the 10 s allowed."""
     h = make()
-    tokens = prompt(N, seed=13)
-    saved(h, tokens)
-    running(h)
-    s = side(h)
-    gate = Gate(s.meta, "lookup")
+    tokens, s, gate = held_while_running(h, seed=13)
     h.probe_step_wait_s, h.step_share = 10.0, STEP_SHARE
     h.step()
     time.sleep(1.0)
