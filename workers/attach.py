@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -109,8 +110,24 @@ def join_ray(address: str | None = "auto", namespace: str = NAMESPACE) -> None:
     if ray.is_initialized():
         return
     _token_auth_if_available()
-    with _gcs_loss_tolerated(address):
+    with _gcs_loss_tolerated(address), _fresh_ray_ids():
         ray.init(address=address, namespace=namespace, log_to_driver=False)
+
+
+@contextlib.contextmanager
+def _fresh_ray_ids() -> Iterator[None]:
+    """Python's ``random`` reseeded from the OS for ``ray.init``, the caller's state given
+    back after. Ray 2.60 draws its GCS subscriber ids from that generator, and an engine has
+    seeded it (vLLM's ``--seed``, 0 by default): every replica subscribed under one id, their
+    error subscribers' long polls displaced each other and spun (two idle ``vllm serve``
+    replicas: 0.25 cores each, 0.7 in Ray's GCS). The caller's sequence goes on as if Ray
+    had drawn nothing."""
+    state = random.getstate()
+    random.seed()
+    try:
+        yield
+    finally:
+        random.setstate(state)
 
 
 @contextlib.contextmanager
