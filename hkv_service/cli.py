@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="serve only: the hkv engines' connector setting save_min_sightings "
                        "(default 1: every block saved; 2: a block is saved when a second "
                        "request brings it)")
+    bench.add_argument("--rounds", type=int, default=None, metavar="N",
+                       help="serve only: how often each workload runs on each configuration, "
+                       "alternating which goes first (default 3; 1 with --quick)")
 
     stats = sub.add_parser("stats", help="print a running service's counters")
     stats.add_argument("--endpoint", default=f"127.0.0.1:{DEFAULT_PORT}",

@@ -19,6 +19,11 @@ from typing import Any
 __all__ = ["run_bench"]
 
 
+# flags of hkv bench serve alone, with the range of a number (None: not a number)
+SERVE_ONLY: dict[str, tuple[int | None, int | None]] = {
+    "vllm_python": (None, None), "save_min_sightings": (1, 255), "rounds": (1, 20)}
+
+
 def _print_human(result: dict[str, Any]) -> None:
     print(f"hkv bench {result['name']}{' (quick)' if result.get('quick') else ''}")
     for section in ("figures", "baseline", "ratios"):
@@ -36,21 +41,18 @@ def run_bench(args: argparse.Namespace) -> int:
             sys.stderr.write(f"hkv bench {args.name}: --model is for hkv bench vllm only\n")
             return 2
         extra["model"] = args.model
-    if getattr(args, "vllm_python", None) is not None:
+    for flag, (low, high) in SERVE_ONLY.items():
+        value = getattr(args, flag, None)
+        if value is None:
+            continue
+        name = "--" + flag.replace("_", "-")
         if args.name != "serve":
-            sys.stderr.write("hkv: error: --vllm-python applies to 'hkv bench serve' only.\n")
+            sys.stderr.write(f"hkv: error: {name} applies to 'hkv bench serve' only.\n")
             return 2
-        extra["vllm_python"] = args.vllm_python
-    sightings = getattr(args, "save_min_sightings", None)
-    if sightings is not None:
-        if args.name != "serve":
-            sys.stderr.write("hkv: error: --save-min-sightings applies to 'hkv bench serve' "
-                             "only.\n")
+        if low is not None and not low <= value <= high:
+            sys.stderr.write(f"hkv: error: {name} must be {low}..{high}.\n")
             return 2
-        if not 1 <= sightings <= 255:
-            sys.stderr.write("hkv: error: --save-min-sightings must be 1..255.\n")
-            return 2
-        extra["save_min_sightings"] = sightings
+        extra[flag] = value
     result: dict[str, Any] = module.run(quick=args.quick, **extra)
     if args.json:
         print(json.dumps(result, sort_keys=True))

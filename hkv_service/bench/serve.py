@@ -79,6 +79,7 @@ NATIVE_OFFLOAD = ("not run: vLLM's OffloadingConnector dies at engine start on v
 REPO = Path(__file__).resolve().parents[2]
 TARGET_TTFT_P50 = 0.5  # hkv / alone on shared_prefix, at most
 TARGET_NO_REUSE_RPS = 0.97  # hkv / alone on no_reuse, at least
+ROUNDS = 3  # of each workload on each configuration, alternating (1 with --quick)
 # vLLM on CPU runs this float32 model in bfloat16 ("Downcasting torch.float32 to
 # torch.bfloat16"): its logprobs here are multiples of 1/64-1/32 apart and exact ties are
 # common (several per hundred tokens, measured); a few such steps is a near-tie.
@@ -160,6 +161,8 @@ def find_vllm_python(given: str | None = None) -> str:
     """The python of a venv with vLLM: ``given`` (``--vllm-python``), else ``$HKV_VLLM_PYTHON``,
     else this interpreter if it has vLLM, else ``.venv-vllm/bin/python`` beside the repo."""
     named = given or os.environ.get(ENV_PYTHON)
+    if named and os.sep in named:  # the engines start in the run's folder, not here
+        named = os.path.abspath(named)
     if named:
         if not _has_vllm(named):
             raise NoVllm(f"hkv bench serve: {named} cannot import vllm; give --vllm-python "
@@ -612,36 +615,115 @@ def _load() -> list[float]:
 
 # --- the run --------------------------------------------------------------------------------
 
-def _run_pair(engines: list[Engine], w: Workload, hkv_up: HkvUp | None = None
-              ) -> tuple[dict[str, Any], dict[str, Result]]:
-    ports = [e.port for e in engines]
-    sessions = {"engines": [e.proc.pid for e in engines]}
-    if hkv_up is not None:
-        sessions["hkv_up"] = [hkv_up.proc.pid]
+WORKLOADS = {"shared_prefix": shared_prefix, "no_reuse": no_reuse}
+QUIET_CORES = 0.25  # after a phase, the next starts once its processes use less than this
+QUIET_WAIT_S = 60.0  # ... or after this long (a save lane still draining is reported)
+
+
+@dataclass
+class Phase:
+    """One workload driven once on one configuration (``alone`` or ``hkv``)."""
+
+    results: list[Result]
+    wall_s: float
+    before: list[dict[str, float]]  # each engine's /metrics counters before and after
+    after: list[dict[str, float]]
+    cpu_s: dict[str, float]
+    connector: dict[str, float]  # the hkv connector's counters (both engines), {} alone
+    load: list[float]
+    quiet_after_s: float  # how long its processes took to go quiet after the last request
+
+
+@dataclass
+class Config:
+    name: str
+    engines: list[Engine]
+    hkv_up: HkvUp | None = None
+
+    def sessions(self) -> dict[str, list[int]]:
+        out = {"engines": [e.proc.pid for e in self.engines]}
+        if self.hkv_up is not None:
+            out["hkv_up"] = [self.hkv_up.proc.pid]
+        return out
+
+
+def _run_phase(cfg: Config, workload: str, w: Workload, seed: int) -> Phase:
+    engines = cfg.engines
+    before = [e.metrics() for e in engines]
+    logs = [e.log_size() for e in engines]
+    load = _load()
+    cpu = _cpu_sample()
+    results, wall = WORKLOADS[workload]([e.port for e in engines], w, seed)
+    quiet = _quiesce(cfg.sessions())
+    used = cpu_split(cfg.sessions(), cpu, _cpu_sample())
+    time.sleep(2.5)  # the last steps' stats reach /metrics and the log (1 s interval)
+    stats: dict[str, float] = {}
+    for e, at in zip(engines, logs, strict=True):
+        for k, v in e.connector_stats(at).items():
+            stats[k] = stats.get(k, 0.0) + v
+    return Phase(results, wall, before, [e.metrics() for e in engines], used, stats, load,
+                 quiet)
+
+
+def _quiesce(sessions: dict[str, list[int]]) -> float:
+    """Wait until ``sessions`` use less than :data:`QUIET_CORES` (a save lane that is still
+    writing would slow the next phase, which may be the other configuration's); returns the
+    seconds waited."""
+    start = time.monotonic()
+    sids = [s for group in sessions.values() for s in group]
+    while time.monotonic() - start < QUIET_WAIT_S:
+        a, t0 = _cpu_by_session(), time.monotonic()
+        time.sleep(0.5)
+        b, t1 = _cpu_by_session(), time.monotonic()
+        busy = sum(b.get(s, 0.0) - a.get(s, 0.0) for s in sids)
+        if busy < QUIET_CORES * (t1 - t0):
+            break
+    return round(time.monotonic() - start, 2)
+
+
+def pool(phases: list[Phase]) -> dict[str, Any]:
+    """The figures of one configuration's phases of one workload taken together: every
+    request's TTFT in the percentiles, requests over the summed wall time, counters summed."""
+    out = summarize([r for p in phases for r in p.results], sum(p.wall_s for p in phases),
+                    [b for p in phases for b in p.before], [a for p in phases for a in p.after])
+    out["load_avg_1_5_15"] = [p.load for p in phases]
+    out["cpu_s"] = _sum_dicts([p.cpu_s for p in phases], 2)
+    out["quiet_after_s"] = [p.quiet_after_s for p in phases]
+    connector = _sum_dicts([p.connector for p in phases], 4)
+    if connector:  # the hkv connector's own counters over this workload, both engines
+        out["connector"] = connector
+    return out
+
+
+def _sum_dicts(ds: list[dict[str, float]], digits: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for d in ds:
+        for k, v in d.items():
+            out[k] = out.get(k, 0.0) + v
+    return {k: round(v, digits) for k, v in sorted(out.items())}
+
+
+def _warm(engines: list[Engine]) -> None:
     for i, e in enumerate(engines):  # an engine's first request pays one-time costs
         complete(e.port, _tokens(random.Random(f"warm-{i}"), 64), 2, f"warm{i}")
-    out: dict[str, Any] = {}
-    outputs: dict[str, Result] = {}
-    for name, drive in (("shared_prefix", shared_prefix), ("no_reuse", no_reuse)):
-        before = [e.metrics() for e in engines]
-        logs = [e.log_size() for e in engines]
-        load = _load()
-        cpu = _cpu_sample()
-        results, wall = drive(ports, w)
-        used = cpu_split(sessions, cpu, _cpu_sample())
-        time.sleep(2.5)  # the last steps' stats reach /metrics and the log (1 s interval)
-        out[name] = summarize(results, wall, before, [e.metrics() for e in engines])
-        out[name]["load_avg_1_5_15"] = load
-        out[name]["cpu_s"] = used
-        stats: dict[str, float] = {}
-        for e, at in zip(engines, logs, strict=True):
-            for k, v in e.connector_stats(at).items():
-                stats[k] = stats.get(k, 0.0) + v
-        if stats:  # the hkv connector's own counters over this workload, both engines
-            out[name]["connector"] = {k: round(v, 4) for k, v in sorted(stats.items())}
-        outputs.update({f"{name}/{r.key}": r for r in results})
-    out["engine_kv_tokens"] = [e.kv_tokens() for e in engines]
-    return out, outputs
+
+
+def _run_rounds(configs: tuple[Config, Config], w: Workload, rounds: int,
+                say: Any) -> dict[str, dict[str, list[Phase]]]:
+    """``rounds`` rounds; in each, every workload on both configurations back to back with
+    new prompts (the round's seed: no round reuses another's), the configuration that goes
+    first alternating, so drift on a shared host falls on both alike."""
+    phases: dict[str, dict[str, list[Phase]]] = {c.name: {wl: [] for wl in WORKLOADS}
+                                                 for c in configs}
+    for r in range(rounds):
+        for k, wl in enumerate(WORKLOADS):
+            for cfg in configs if (r + k) % 2 == 0 else configs[::-1]:
+                p = _run_phase(cfg, wl, w, seed=r)
+                phases[cfg.name][wl].append(p)
+                say(f"round {r + 1}/{rounds} {wl} {cfg.name}: {len(p.results)} requests in "
+                    f"{p.wall_s:.1f} s, TTFT p50 "
+                    f"{statistics.median(x.ttft_s for x in p.results):.3f} s")
+    return phases
 
 
 def _start_engines(procs: _Procs, python: str, model: Path, work: Path, w: Workload,
@@ -689,7 +771,8 @@ def _write_model(python: str, work: Path) -> Path:
     return model
 
 
-def _bench(python: str, quick: bool, work: Path, sightings: int) -> dict[str, Any]:
+def _bench(python: str, quick: bool, work: Path, sightings: int, rounds: int,
+           say: Any) -> dict[str, Any]:
     w = Workload.of(quick)
     procs = _Procs()
     t0 = time.monotonic()
@@ -701,35 +784,57 @@ def _bench(python: str, quick: bool, work: Path, sightings: int) -> dict[str, An
         _await_file(spec, spec_proc, work / "vllm-spec.log", deadline)
         procs.stop(spec_proc)
         hkv_blocks = 4 * w.engine_blocks()  # the whole working set, twice over
-        up = HkvUp(procs, python, spec, work, hkv_blocks)
-        for e in alone:
-            e.await_ready(deadline)
-        up.ready(deadline)  # idle while vLLM alone runs: the same background for both
-        alone_figs, alone_out = _run_pair(alone, w)
-        for e in alone:
-            procs.stop(e.proc)
-        env = _child_env(RAY_ADDRESS=up.ray_address)
+        up = HkvUp(procs, python, spec, work, hkv_blocks).ready(deadline)
+        # all four engines up at once: the configurations alternate within each round
         with_hkv = _start_engines(procs, python, model, work, w, "hkv",
-                                  _transfer(up.endpoint, sightings=sightings), env)
+                                  _transfer(up.endpoint, sightings=sightings),
+                                  _child_env(RAY_ADDRESS=up.ray_address))
         deadline = time.monotonic() + START_TIMEOUT_S
-        for e in with_hkv:
+        for e in alone + with_hkv:
             e.await_ready(deadline)
-        hkv_figs, hkv_out = _run_pair(with_hkv, w, up)
+        say(f"4 engines and hkv up ready after {time.monotonic() - t0:.0f} s")
+        _warm(alone + with_hkv)
+        configs = (Config("alone", alone), Config("hkv", with_hkv, up))
+        phases = _run_rounds(configs, w, rounds, say)
+        kv_tokens = {c.name: [e.kv_tokens() for e in c.engines] for c in configs}
     finally:
         procs.stop_all()
+    return _report(quick, w, phases, rounds, sightings, kv_tokens, hkv_blocks, t0)
 
+
+def _outputs(phases: dict[str, list[Phase]]) -> dict[str, Result]:
+    return {f"r{r}/{wl}/{x.key}": x for wl, ps in phases.items()
+            for r, p in enumerate(ps) for x in p.results}
+
+
+def _ratios(hkv: dict[str, Any], alone: dict[str, Any]) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    for wl in WORKLOADS:
+        for k in ("ttft_p50_s", "ttft_p99_s", "requests_per_s", "output_tokens_per_s"):
+            name = k.removesuffix("_s") if k.startswith("ttft") else k
+            out[f"{wl}_{name}"] = _ratio(hkv[wl][k], alone[wl][k])
+    return out
+
+
+def _report(quick: bool, w: Workload, phases: dict[str, dict[str, list[Phase]]],
+            rounds: int, sightings: int, kv_tokens: dict[str, list[int | None]],
+            hkv_blocks: int, t0: float) -> dict[str, Any]:
+    alone = {wl: pool(ps) for wl, ps in phases["alone"].items()}
+    hkv = {wl: pool(ps) for wl, ps in phases["hkv"].items()}
+    ratios = _ratios(hkv, alone)
+    by_round = [_ratios({wl: pool([phases["hkv"][wl][r]]) for wl in WORKLOADS},
+                        {wl: pool([phases["alone"][wl][r]]) for wl in WORKLOADS})
+                for r in range(rounds)]
+    alone_out, hkv_out = _outputs(phases["alone"]), _outputs(phases["hkv"])
     differing = compare_outputs(alone_out, hkv_out)
     same = len(hkv_out) - len(differing)
-    sp, sp0 = hkv_figs["shared_prefix"], alone_figs["shared_prefix"]
-    nr, nr0 = hkv_figs["no_reuse"], alone_figs["no_reuse"]
-    ratios: dict[str, float | None] = {}
-    for wl, (a, b) in {"shared_prefix": (sp, sp0), "no_reuse": (nr, nr0)}.items():
-        for k in ("ttft_p50_s", "ttft_p99_s", "requests_per_s", "output_tokens_per_s"):
-            ratios[f"{wl}_{k.removesuffix('_s') if k.startswith('ttft') else k}"] = \
-                _ratio(a[k], b[k])
     p50, rps = ratios["shared_prefix_ttft_p50"], ratios["no_reuse_requests_per_s"]
     figures = {
-        "with_hkv": hkv_figs,
+        "rounds": rounds,
+        "with_hkv": hkv,
+        "engine_kv_tokens": kv_tokens,  # what each engine's vLLM says its KV cache holds
+        # each round's ratios (hkv / alone, the two run back to back): the spread
+        "ratios_by_round": by_round,
         "outputs_compared": len(hkv_out),
         "outputs_identical": same,
         "outputs_all_identical": same == len(hkv_out) == len(alone_out),
@@ -737,7 +842,7 @@ def _bench(python: str, quick: bool, work: Path, sightings: int) -> dict[str, An
         "outputs_differing": dict(sorted(differing.items())),
         "outputs_differing_unexplained": sum(d["cause"] == NOT_NEAR_TIE
                                              for d in differing.values()),
-        "hkv_share_shared_prefix": sp["hkv_share"],
+        "hkv_share_shared_prefix": hkv["shared_prefix"]["hkv_share"],
         "save_min_sightings": sightings,  # the connector's (1: every block computed saved)
         "workload": {"clients": CLIENTS, "replicas": REPLICAS, "block_size": BLOCK,
                      "engine_blocks": w.engine_blocks(), "hkv_blocks_per_group": hkv_blocks,
@@ -760,26 +865,33 @@ def _bench(python: str, quick: bool, work: Path, sightings: int) -> dict[str, An
         },
     }
     return {"name": "serve", "quick": quick, "figures": figures,
-            "baseline": {"vllm_alone": alone_figs}, "ratios": ratios}
+            "baseline": {"vllm_alone": alone}, "ratios": ratios}
 
 
 def run(quick: bool = False, vllm_python: str | None = None,
-        save_min_sightings: int = 1) -> dict[str, Any]:
+        save_min_sightings: int = 1, rounds: int | None = None) -> dict[str, Any]:
     """``save_min_sightings``: the hkv engines' connector setting (2: a block is saved when a
-    second request brings it)."""
+    second request brings it). ``rounds``: how often each workload runs on each
+    configuration (default 3, 1 with ``quick``); progress goes to stderr."""
     try:
         python = find_vllm_python(vllm_python)
     except NoVllm as exc:
         sys.stderr.write(f"{exc}\n")
         raise SystemExit(2) from None
+    n = rounds if rounds is not None else (1 if quick else ROUNDS)
+
+    def say(line: str) -> None:
+        sys.stderr.write(f"hkv bench serve: {line}\n")
+        sys.stderr.flush()
+
     with _stop_on_sigterm():
         keep = os.environ.get("HKV_BENCH_KEEP")  # a folder to keep the logs in (debugging)
         if keep:
             Path(keep).mkdir(parents=True, exist_ok=True)
             return _bench(python, quick, Path(tempfile.mkdtemp(prefix="serve-", dir=keep)),
-                          save_min_sightings)
+                          save_min_sightings, n, say)
         with tempfile.TemporaryDirectory(prefix="hkv-serve-") as tmp:
-            return _bench(python, quick, Path(tmp), save_min_sightings)
+            return _bench(python, quick, Path(tmp), save_min_sightings, n, say)
 
 
 @contextlib.contextmanager

@@ -60,10 +60,79 @@ def test_the_env_names_the_python_when_no_flag_does(
         serve.find_vllm_python(None)
 
 
-def test_vllm_python_is_refused_by_the_other_benches(
-        capsys: pytest.CaptureFixture[str]) -> None:
-    err = _exit_2(["bench", "core", "--vllm-python", "/x/python"], capsys)
-    assert "applies to 'hkv bench serve' only" in err
+@pytest.mark.parametrize("flag", [["--vllm-python", "/x/python"], ["--rounds", "2"],
+                                  ["--save-min-sightings", "2"]])
+def test_serve_flags_are_refused_by_the_other_benches(
+        flag: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    err = _exit_2(["bench", "core", *flag], capsys)
+    assert f"{flag[0]} applies to 'hkv bench serve' only" in err
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--rounds", "0"), ("--rounds", "21"),
+                                             ("--save-min-sightings", "0")])
+def test_a_serve_number_out_of_range_exits_2_before_any_engine_starts(
+        flag: str, value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    err = _exit_2(["bench", "serve", "--quick", flag, value], capsys)
+    assert f"{flag} must be" in err
+
+
+def _phase(ttft: list[float], wall_s: float, prompt: float, hits: float,
+           connector: dict[str, float] | None = None) -> serve.Phase:
+    zero = dict.fromkeys(serve.METRICS, 0.0)
+    after = dict(zero, **{"vllm:prompt_tokens_total": prompt,
+                          "vllm:external_prefix_cache_hits_total": hits})
+    results = [serve.Result(f"q{i}", 10, ttft_s=t, e2e_s=t, output=[1]) for i, t in
+               enumerate(ttft)]
+    return serve.Phase(results, wall_s, [zero], [after], {"engines": 1.0}, connector or {},
+                       [0.0, 0.0, 0.0], 0.5)
+
+
+def test_pooled_phases_put_every_request_in_the_percentiles_and_sum_the_rest() -> None:
+    got = serve.pool([_phase([0.1, 0.2], 1.0, 1000, 500, {"saved": 3.0}),
+                      _phase([0.3, 0.4, 0.5, 0.6], 3.0, 3000, 500, {"saved": 1.0})])
+    assert got["requests"] == 6 and got["requests_per_s"] == 1.5  # 6 requests in 4 s
+    assert got["ttft_p50_s"] == pytest.approx(0.35)  # over all six, not a mean of medians
+    assert got["prompt_tokens"] == 4000 and got["hkv_share"] == 0.25
+    assert got["connector"] == {"saved": 4.0} and got["cpu_s"] == {"engines": 2.0}
+    assert got["quiet_after_s"] == [0.5, 0.5] and len(got["load_avg_1_5_15"]) == 2
+
+
+def test_rounds_alternate_which_configuration_goes_first(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    ran: list[tuple[int, str, str]] = []
+
+    def run_phase(cfg: serve.Config, wl: str, w: serve.Workload, seed: int) -> serve.Phase:
+        ran.append((seed, wl, cfg.name))
+        return _phase([0.1], 1.0, 10, 0)
+
+    monkeypatch.setattr(serve, "_run_phase", run_phase)
+    configs = (serve.Config("alone", []), serve.Config("hkv", []))
+    lines: list[str] = []
+    phases = serve._run_rounds(configs, serve.Workload.of(True), 2, lines.append)
+    assert ran == [(0, "shared_prefix", "alone"), (0, "shared_prefix", "hkv"),
+                   (0, "no_reuse", "hkv"), (0, "no_reuse", "alone"),
+                   (1, "shared_prefix", "hkv"), (1, "shared_prefix", "alone"),
+                   (1, "no_reuse", "alone"), (1, "no_reuse", "hkv")]
+    assert [len(phases[c][wl]) for c in ("alone", "hkv") for wl in serve.WORKLOADS] == [2] * 4
+    assert len(lines) == 8 and lines[0].startswith("round 1/2 shared_prefix alone")
+
+
+def test_the_report_pools_rounds_and_gives_each_rounds_ratios() -> None:
+    w = serve.Workload.of(True)
+    phases = {"alone": {"shared_prefix": [_phase([1.0], 1.0, 100, 0), _phase([1.0], 1.0, 100, 0)],
+                        "no_reuse": [_phase([1.0], 1.0, 100, 0), _phase([1.0], 1.0, 100, 0)]},
+              "hkv": {"shared_prefix": [_phase([0.2], 1.0, 100, 50), _phase([0.6], 1.0, 100, 50)],
+                      "no_reuse": [_phase([1.0], 1.0, 100, 0), _phase([1.0], 2.0, 100, 0)]}}
+    got = serve._report(True, w, phases, 2, 2, {"alone": [1], "hkv": [1]}, 8, 0.0)
+    by_round = got["figures"]["ratios_by_round"]
+    assert [r["shared_prefix_ttft_p50"] for r in by_round] == [0.2, 0.6]
+    assert [r["no_reuse_requests_per_s"] for r in by_round] == [1.0, 0.5]
+    assert got["ratios"]["no_reuse_requests_per_s"] == pytest.approx(2 / 3, abs=1e-4)
+    assert got["ratios"]["shared_prefix_ttft_p50"] == pytest.approx(0.4)
+    assert got["figures"]["outputs_compared"] == 4  # keyed by round: none overwrites another
+    targets = got["figures"]["targets"]
+    assert targets["shared_prefix_ttft_p50 <= 0.5"] and not targets[
+        "no_reuse_requests_per_s >= 0.97"]
 
 
 @pytest.mark.parametrize("quick", [True, False])
@@ -147,3 +216,14 @@ def test_this_process_cpu_is_counted_in_its_session() -> None:
         pass
     assert serve._cpu_by_session()[sid] - a >= 0.15
     assert serve._machine_cpu_s() > 0
+
+
+def test_a_relative_vllm_python_is_made_absolute(monkeypatch: pytest.MonkeyPatch,
+                                                 tmp_path: Path) -> None:
+    """The engines start in the run's own folder: a relative ``--vllm-python`` (as
+    ``.venv-vllm/bin/python`` from the checkout) would name nothing there."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(serve, "_has_vllm", lambda python: True)
+    assert serve.find_vllm_python(".venv-vllm/bin/python") == str(
+        tmp_path / ".venv-vllm" / "bin" / "python")
+    assert serve.find_vllm_python("python3") == "python3"  # a name: looked up on PATH

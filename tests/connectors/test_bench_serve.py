@@ -3,7 +3,8 @@ hkv (one ``hkv up``) under 8 clients; the report's fields, and that every reques
 temperature 0 is the same with hkv as without (or differs only at a near-tie).
 
 A subprocess (``python -m hkv_service.cli``), as a user runs it; it starts and stops its own
-processes. 4-6 minutes on 2 loaded cores (five engine starts), hence slow."""
+processes. 4-6 minutes on 2 loaded cores (five engine starts, four of them at once), hence
+slow."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ def test_quick_serve_bench_reports_every_figure_and_hkv_changes_no_output() -> N
     w = Workload.of(quick=True)
     figures, alone = report["figures"], report["baseline"]["vllm_alone"]
     runs = {"hkv": figures["with_hkv"], "alone": alone}
+    assert figures["rounds"] == 1 and len(figures["ratios_by_round"]) == 1  # --quick
     sizes = {"shared_prefix": w.conversations * w.turns, "no_reuse": w.no_reuse_requests}
     for name, run in runs.items():
         for wl, n in sizes.items():
@@ -59,5 +61,6 @@ def test_quick_serve_bench_reports_every_figure_and_hkv_changes_no_output() -> N
                 "shared_prefix_requests_per_s", "no_reuse_requests_per_s",
                 "no_reuse_output_tokens_per_s"):
         assert report["ratios"][key] > 0, key
+    assert figures["ratios_by_round"][0] == report["ratios"]  # one round: the same ratios
     assert set(figures["targets"].values()) <= {True, False}
     assert "not run" in figures["native_cpu_offload"]
