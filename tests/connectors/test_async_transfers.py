@@ -298,3 +298,40 @@ def test_a_prompt_is_saved_when_a_second_request_brings_it(make: Callable[..., H
     assert w.stats.total["saved_blocks"] > 0
     assert w.stats.total["save_failed"] == 0
     assert certified_bytes(h, tokens) == 384
+
+
+def test_a_failed_admission_call_loses_that_save_only(make: Callable[..., Harness]) -> None:
+    """``admit_save`` failing (the service unreachable, say) is a lost save: counted, the
+    staging budget and the held request given back, nothing certified; the engine never
+    waits on it, and the next request's save goes through once the service answers."""
+    h = make()
+    w = work(h)
+    w.min_sightings = 2
+    meta = w.plane.meta
+    real = meta.admit_save
+    calls: list[int] = []
+
+    def unreachable(*args: Any, **kwargs: Any) -> int:
+        calls.append(1)
+        raise ConnectionError("metadata service unreachable")
+
+    meta.admit_save = unreachable  # type: ignore[method-assign]
+    tokens = prompt(N, seed=8)
+    for name in ("A", "B"):  # B would be A's second sighting
+        h.forget_local()
+        h.add(name, tokens)
+        h.run()
+        assert not h.sched.has_requests()  # the engine ran it to its end and let it go
+    assert w.drain(30.0)
+    assert calls and w.stats.total["save_failed"] > 0
+    assert w.stats.total["saved_blocks"] == 0
+    assert w._staged_bytes == 0 and not w._held
+    assert certified_bytes(h, tokens) == 0
+    meta.admit_save = real  # type: ignore[method-assign]
+    for name in ("C", "D"):  # the service answers again: offered twice, then saved
+        h.forget_local()
+        h.add(name, tokens)
+        h.run()
+    assert w.drain(30.0)
+    assert w.stats.total["saved_blocks"] > 0
+    assert certified_bytes(h, tokens) == 384
