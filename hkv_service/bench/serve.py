@@ -189,6 +189,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+RESERVED_CPUS_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
 def _child_env(**extra: str) -> dict[str, str]:
     """The environment of every process started here: this checkout's hkv first on the path
     (the vLLM venv may have another hkv installed), vLLM's CPU KV space bounded."""
@@ -197,6 +201,12 @@ def _child_env(**extra: str) -> dict[str, str]:
     # Stats every second: the connector's counters reach the log before a workload's end.
     env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1",
                VLLM_LOG_STATS_INTERVAL="1")
+    # vLLM on CPU reserves a core for its scheduler process, and one more whenever a
+    # kv_transfer_config is set: on 2 cores that is all of them, so it reserves none and runs
+    # the connector engine's model on 2 OMP threads over both cores, the plain engine's on 1
+    # thread on core 0. Both configurations get the same binding (the plain engine's), or
+    # the bench compares two thread layouts rather than hkv against none.
+    env.setdefault(RESERVED_CPUS_ENV, "1")
     env.pop("RAY_ADDRESS", None)
     env.update(extra)
     return env
@@ -273,6 +283,11 @@ class Engine:
         """The tokens vLLM says its KV cache holds (its start-up log line)."""
         m = re.search(r"KV cache size: ([0-9,]+) tokens", _tail(self.log, 10**7))
         return int(m.group(1).replace(",", "")) if m else None
+
+    def cpu_binding(self) -> str | None:
+        """The cores vLLM bound this engine's model threads to (its start-up log line)."""
+        m = re.search(r"core ids=(\[[0-9, ]*\])", _tail(self.log, 10**7))
+        return m.group(1) if m else None
 
     def log_size(self) -> int:
         return self.log.stat().st_size
@@ -735,8 +750,22 @@ def _start_engines(procs: _Procs, python: str, model: Path, work: Path, w: Workl
         log = work / f"vllm-{tag}-{i}.log"
         argv = _serve_argv(python, model, port, w.engine_blocks(), w.longest_prompt + 64,
                            transfer)
-        engines.append(Engine(f"{tag}-{i}", port, procs.start(argv, env, log, work), log))
+        engines.append(Engine(f"{tag}-{i}", port,
+                              procs.start(argv, _replica_env(env, i), log, work), log))
     return engines
+
+
+def _replica_env(env: dict[str, str], i: int) -> dict[str, str]:
+    """Replica ``i``'s model threads on core ``i`` (of this process's cores, round-robin):
+    one device per replica, as on a GPU host, and the same layout in both configurations.
+    Left to vLLM (``auto``), every replica's model is bound to the same core, the other kept
+    for the scheduler processes: vLLM alone then took 12-20 s for a shared-prefix phase
+    that it runs in 4-5 s this way (2 cores, 2026-12-05). ``VLLM_CPU_OMP_THREADS_BIND`` set
+    by the caller wins."""
+    if BIND_ENV in env:
+        return env
+    cores = sorted(os.sched_getaffinity(0))
+    return dict(env, **{BIND_ENV: str(cores[i % len(cores)])})
 
 
 def _discover_spec(procs: _Procs, python: str, model: Path, work: Path, w: Workload,
@@ -797,9 +826,10 @@ def _bench(python: str, quick: bool, work: Path, sightings: int, rounds: int,
         configs = (Config("alone", alone), Config("hkv", with_hkv, up))
         phases = _run_rounds(configs, w, rounds, say)
         kv_tokens = {c.name: [e.kv_tokens() for e in c.engines] for c in configs}
+        binding = {c.name: [e.cpu_binding() for e in c.engines] for c in configs}
     finally:
         procs.stop_all()
-    return _report(quick, w, phases, rounds, sightings, kv_tokens, hkv_blocks, t0)
+    return _report(quick, w, phases, rounds, sightings, kv_tokens, binding, hkv_blocks, t0)
 
 
 def _outputs(phases: dict[str, list[Phase]]) -> dict[str, Result]:
@@ -818,7 +848,8 @@ def _ratios(hkv: dict[str, Any], alone: dict[str, Any]) -> dict[str, float | Non
 
 def _report(quick: bool, w: Workload, phases: dict[str, dict[str, list[Phase]]],
             rounds: int, sightings: int, kv_tokens: dict[str, list[int | None]],
-            hkv_blocks: int, t0: float) -> dict[str, Any]:
+            binding: dict[str, list[str | None]], hkv_blocks: int, t0: float
+            ) -> dict[str, Any]:
     alone = {wl: pool(ps) for wl, ps in phases["alone"].items()}
     hkv = {wl: pool(ps) for wl, ps in phases["hkv"].items()}
     ratios = _ratios(hkv, alone)
@@ -833,6 +864,7 @@ def _report(quick: bool, w: Workload, phases: dict[str, dict[str, list[Phase]]],
         "rounds": rounds,
         "with_hkv": hkv,
         "engine_kv_tokens": kv_tokens,  # what each engine's vLLM says its KV cache holds
+        "engine_cpu_binding": binding,  # the cores each engine's model threads were bound to
         # each round's ratios (hkv / alone, the two run back to back): the spread
         "ratios_by_round": by_round,
         "outputs_compared": len(hkv_out),

@@ -123,7 +123,8 @@ def test_the_report_pools_rounds_and_gives_each_rounds_ratios() -> None:
                         "no_reuse": [_phase([1.0], 1.0, 100, 0), _phase([1.0], 1.0, 100, 0)]},
               "hkv": {"shared_prefix": [_phase([0.2], 1.0, 100, 50), _phase([0.6], 1.0, 100, 50)],
                       "no_reuse": [_phase([1.0], 1.0, 100, 0), _phase([1.0], 2.0, 100, 0)]}}
-    got = serve._report(True, w, phases, 2, 2, {"alone": [1], "hkv": [1]}, 8, 0.0)
+    got = serve._report(True, w, phases, 2, 2, {"alone": [1], "hkv": [1]},
+                        {"alone": ["[0]"], "hkv": ["[0]"]}, 8, 0.0)
     by_round = got["figures"]["ratios_by_round"]
     assert [r["shared_prefix_ttft_p50"] for r in by_round] == [0.2, 0.6]
     assert [r["no_reuse_requests_per_s"] for r in by_round] == [1.0, 0.5]
@@ -170,6 +171,39 @@ def test_connector_counters_add_up_over_the_log_lines_after_the_mark(tmp_path: P
     engine = serve.Engine("e", 0, None, log)  # type: ignore[arg-type]
     got = engine.connector_stats(len(early))
     assert got == {"load_ok": 3.0, "lookup_s": 0.75, "downgrade.NO_STATE": 3.0}
+
+
+def test_both_configurations_run_vllm_with_one_cpu_binding(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM on CPU reserves one more core when a kv_transfer_config is set (on 2 cores: none,
+    and the model on 2 threads): the bench fixes the reservation for every engine, so the two
+    arms differ only by hkv; a value the user set is kept, for both."""
+    monkeypatch.delenv(serve.RESERVED_CPUS_ENV, raising=False)
+    alone, with_hkv = serve._child_env(), serve._child_env(RAY_ADDRESS="127.0.0.1:1")
+    assert alone[serve.RESERVED_CPUS_ENV] == with_hkv[serve.RESERVED_CPUS_ENV] == "1"
+    monkeypatch.setenv(serve.RESERVED_CPUS_ENV, "0")
+    assert serve._child_env()[serve.RESERVED_CPUS_ENV] == "0"
+    assert serve._child_env(RAY_ADDRESS="127.0.0.1:1")[serve.RESERVED_CPUS_ENV] == "0"
+
+
+def test_replica_i_runs_its_model_on_core_i_unless_the_caller_binds(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    cores = sorted(serve.os.sched_getaffinity(0))
+    env = {"X": "1"}
+    got = [serve._replica_env(env, i)[serve.BIND_ENV] for i in range(len(cores) + 1)]
+    assert got == [str(c) for c in cores] + [str(cores[0])]  # round-robin over the cores
+    assert env == {"X": "1"}  # a copy: the configurations' shared env is left alone
+    mine = {serve.BIND_ENV: "0-1"}
+    assert serve._replica_env(mine, 1) is mine  # the caller's binding wins
+
+
+def test_an_engines_cpu_binding_comes_from_its_log(tmp_path: Path) -> None:
+    log = tmp_path / "vllm.log"
+    log.write_text("(EngineCore pid=1) INFO [ompmultiprocessing.py:185] \tlocal_rank=0, "
+                   "core ids=[0, 1]\nother\n")
+    assert serve.Engine("e", 0, None, log).cpu_binding() == "[0, 1]"  # type: ignore[arg-type]
+    log.write_text("no binding line\n")
+    assert serve.Engine("e", 0, None, log).cpu_binding() is None  # type: ignore[arg-type]
 
 
 def _result(key: str, prompt: list[int], output: list[int], margins: list[float]

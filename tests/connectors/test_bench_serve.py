@@ -62,5 +62,10 @@ def test_quick_serve_bench_reports_every_figure_and_hkv_changes_no_output() -> N
                 "no_reuse_output_tokens_per_s"):
         assert report["ratios"][key] > 0, key
     assert figures["ratios_by_round"][0] == report["ratios"]  # one round: the same ratios
+    # Replica i's model ran on core i in both configurations (left to vLLM, a connector
+    # engine gets another thread layout than a plain one).
+    binding = figures["engine_cpu_binding"]
+    assert binding["alone"] == binding["hkv"] and None not in binding["hkv"], binding
+    assert len(set(binding["hkv"])) == 2, binding  # one core each, not one shared
     assert set(figures["targets"].values()) <= {True, False}
     assert "not run" in figures["native_cpu_offload"]
