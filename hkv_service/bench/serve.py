@@ -208,6 +208,10 @@ def _child_env(**extra: str) -> dict[str, str]:
     # the bench compares two thread layouts rather than hkv against none.
     env.setdefault(RESERVED_CPUS_ENV, "1")
     env.pop("RAY_ADDRESS", None)
+    # vLLM's engine in the API server's process is not how `vllm serve` runs (nor is its
+    # model bound to a core then): a caller's in-process setting (a test module sets it at
+    # import) must not reach the engines started here.
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     env.update(extra)
     return env
 

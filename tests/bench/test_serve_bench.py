@@ -179,8 +179,11 @@ def test_both_configurations_run_vllm_with_one_cpu_binding(
     and the model on 2 threads): the bench fixes the reservation for every engine, so the two
     arms differ only by hkv; a value the user set is kept, for both."""
     monkeypatch.delenv(serve.RESERVED_CPUS_ENV, raising=False)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # a test module's, in process
     alone, with_hkv = serve._child_env(), serve._child_env(RAY_ADDRESS="127.0.0.1:1")
     assert alone[serve.RESERVED_CPUS_ENV] == with_hkv[serve.RESERVED_CPUS_ENV] == "1"
+    # the engines run as `vllm serve` does (an engine process, its model bound to a core)
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in alone | with_hkv
     monkeypatch.setenv(serve.RESERVED_CPUS_ENV, "0")
     assert serve._child_env()[serve.RESERVED_CPUS_ENV] == "0"
     assert serve._child_env(RAY_ADDRESS="127.0.0.1:1")[serve.RESERVED_CPUS_ENV] == "0"
