@@ -121,7 +121,7 @@ class InProcessSystem:
         """A fresh metadata view (of ``partition`` only, if given); returns once every shard
         has rejoined it (or raises TimeoutError)."""
         # a crashed shard is left out: its successor registers with whichever view is there
-        before = {sid: (self.incarnation(sid), self._rejoins(sid))
+        before = {sid: (self.incarnation(sid), self._registrations(sid))
                   for sid, link in self.links.items() if link.alive}
         for i in range(len(self.parts)) if partition is None else [partition]:
             self.parts[i].swap(self._fresh_state(i))
@@ -132,19 +132,21 @@ class InProcessSystem:
                 raise TimeoutError("shards did not rejoin the restarted metadata view")
             time.sleep(0.05)
 
-    def _awaited(self, sid: str, incarnation: int, rejoins: int) -> bool:
-        """Whether shard ``sid`` has yet to rejoin a restarted view. One that crashed meanwhile
-        (or was crashed and revived: a new incarnation, counting its rejoins from 0) is not
-        waited for: its successor registers with whichever view is there."""
+    def _awaited(self, sid: str, incarnation: int, registrations: int) -> bool:
+        """Whether shard ``sid`` has yet to register with a restarted view (a registration
+        completed since the restart began; not a rejoin begun: one in flight when the view
+        swapped is refused and retried inside that same rejoin). One that crashed meanwhile
+        (or was crashed and revived: a new incarnation, counting from 0) is not waited for:
+        its successor registers with whichever view is there."""
         try:
             return (self.links[sid].alive and self.incarnation(sid) == incarnation
-                    and self._rejoins(sid) <= rejoins)
+                    and self._registrations(sid) <= registrations)
         except ShardUnavailable:
             return False
 
-    def _rejoins(self, sid: str) -> int:
+    def _registrations(self, sid: str) -> int:
         stats = self.links[sid].submit("stats").result(30.0)
-        return int(stats["counts"].get("rejoins", 0))
+        return int(stats["counts"].get("registrations", 0))
 
     # -- the transition stream ------------------------------------------------------------
 

@@ -195,6 +195,9 @@ class ShardActor:
         for attempt in range(1, REGISTER_ATTEMPTS + 1):
             try:
                 self._register_once(partitions)
+                # counted once it landed: a restart waits for this, and a registration that
+                # a newer view refused is retried here, not by another rejoin
+                self._bump("registrations")
                 return
             except UnknownOwner as exc:
                 last = exc

@@ -7,6 +7,8 @@ view" aborted the demo."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -28,3 +30,48 @@ def test_a_restart_does_not_wait_for_a_shard_that_crashed_meanwhile(
     monkeypatch.setattr(part, "swap", swap_then_crash)
     system.restart_service(timeout_s=5.0)  # returned, not TimeoutError / ShardUnavailable
     assert system.restarts == 1
+
+
+def test_a_restart_that_begins_while_a_shard_rejoins_the_one_before_returns(
+        inprocess: Callable[..., InProcessSystem], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two restarts close together (the demo's two workers): the second begins while a
+    shard, rejoining the first, is still registering. That registration lands with the
+    second view (or is refused by it and retried inside the same rejoin), so the shard joins
+    the second view without rejoining again; the second restart must see that registration,
+    not wait for a rejoin that never comes (it did: "shards did not rejoin", 60 s, in a
+    fresh-clone CI)."""
+    system = inprocess(shards=1)
+    shard = system.links["shard-0"].shard
+    inside, release = threading.Event(), threading.Event()
+    real = shard._register_once
+    calls: list[int] = []
+
+    def held_once(partitions: Any) -> None:
+        calls.append(1)
+        if len(calls) == 1:  # the rejoin of the first restart: held while the second begins
+            inside.set()
+            assert release.wait(30.0)
+        real(partitions)  # the view swapped meanwhile: refused, then retried by _register
+
+    monkeypatch.setattr(shard, "_register_once", held_once)
+    first = threading.Thread(target=system.restart_service, kwargs={"timeout_s": 30.0})
+    first.start()
+    assert inside.wait(30.0)  # shard-0 is registering with the first restart's view
+    second_done = threading.Event()
+    errors: list[BaseException] = []
+
+    def second() -> None:
+        try:
+            system.restart_service(timeout_s=10.0)
+        except BaseException as exc:
+            errors.append(exc)
+        second_done.set()
+
+    threading.Thread(target=second).start()
+    time.sleep(0.3)  # the second restart took its snapshot and swapped the view
+    release.set()
+    assert second_done.wait(30.0)
+    first.join(30.0)
+    assert not errors, errors
+    assert system.restarts == 2 and calls
+    system.meta.heartbeat("shard-0", shard.incarnation)  # the current view knows it
