@@ -32,7 +32,7 @@ from .dataplane import DataPlane
 from .link import InProcessLink, ShardUnavailable
 from .local import LocalMetadata
 from .partitioned import PartitionedMetadata
-from .shard import ShardActor, ShardConfig
+from .shard import REGISTRATIONS, ShardActor, ShardConfig
 
 __all__ = ["ODD_SHARD", "InProcessConfig", "InProcessSystem"]
 
@@ -146,7 +146,7 @@ class InProcessSystem:
 
     def _registrations(self, sid: str) -> int:
         stats = self.links[sid].submit("stats").result(30.0)
-        return int(stats["counts"].get("registrations", 0))
+        return int(stats["counts"].get(REGISTRATIONS, 0))
 
     # -- the transition stream ------------------------------------------------------------
 

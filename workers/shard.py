@@ -86,6 +86,8 @@ __all__ = ["PACK_BELOW", "REGISTER_ATTEMPTS", "ShardActor", "ShardConfig", "new_
 PACK_BELOW = 32 * 1024  # read spans smaller than this are packed into one buffer per call
 LOAD_CHUNK = 8  # disk loads begun, read and finished together (see ShardActor.load)
 CONFIRM_BATCH = 256  # reports per confirm call when the shard registers again
+# the stats count of registrations that landed: what a service restart waits for
+REGISTRATIONS = "registrations"
 REGISTER_ATTEMPTS = 5  # registrations a shard tries before it gives up (see _register)
 REGISTER_BACKOFF_S = 0.05  # times the attempt: late loss reports land meanwhile
 _WRITTEN = ItemResult(Outcome.OK)  # one shared object: a batch of them pickles as memo refs
@@ -197,7 +199,7 @@ class ShardActor:
                 self._register_once(partitions)
                 # counted once it landed: a restart waits for this, and a registration that
                 # a newer view refused is retried here, not by another rejoin
-                self._bump("registrations")
+                self._bump(REGISTRATIONS)
                 return
             except UnknownOwner as exc:
                 last = exc

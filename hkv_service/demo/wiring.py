@@ -37,6 +37,7 @@ from hkv_service.core.port import MetadataPort
 from hkv_service.core.spec import CacheSpec
 from workers.dataplane import DataPlane
 from workers.inprocess import ODD_PAD, ODD_SHARD, InProcessConfig, InProcessSystem
+from workers.shard import REGISTRATIONS
 
 __all__ = ["InProcessWiring", "SystemWiring", "Wiring"]
 
@@ -321,14 +322,14 @@ class SystemWiring(Wiring):
 
     def restart_service(self) -> None:
         """Kill ``hkv serve`` and start it again on its port; wait for every shard to rejoin."""
-        before = {sid: _rejoins(a) for sid, a in self.system.shards.items()}
+        before = {sid: _registrations(a) for sid, a in self.system.shards.items()}
         self.system.restart_service(self.say)
         self._merged.reset()
         self.pids += [p.pid for p in self.system.services]
         self.restarts += 1
         deadline = time.monotonic() + REVIVE_WAIT_S
         for sid, actor in self.system.shards.items():
-            while _rejoins(actor) <= before[sid]:
+            while _registrations(actor) <= before[sid]:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"shard {sid} did not rejoin the restarted service")
                 time.sleep(0.1)
@@ -360,14 +361,16 @@ class SystemWiring(Wiring):
             self._data_dir.rmdir()  # only if this run left it empty
 
 
-def _rejoins(actor: Any) -> int:
+def _registrations(actor: Any) -> int:
+    """The shard's registrations that landed (a rejoin begun may still be registering with
+    the view before: see ``InProcessSystem.restart_service``)."""
     import ray
 
     try:
         stats = ray.get(actor.stats.remote(), timeout=10.0)
     except Exception:
         return -1
-    return int(stats["counts"].get("rejoins", 0))
+    return int(stats["counts"].get(REGISTRATIONS, 0))
 
 
 def _ray_pids() -> list[int]:
