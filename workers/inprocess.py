@@ -137,7 +137,10 @@ class InProcessSystem:
         completed since the restart began; not a rejoin begun: one in flight when the view
         swapped is refused and retried inside that same rejoin). One that crashed meanwhile
         (or was crashed and revived: a new incarnation, counting from 0) is not waited for:
-        its successor registers with whichever view is there."""
+        its successor registers with whichever view is there. A registration with the old
+        view that lands between the snapshot and the swap counts too: the restart then
+        returns before the shard rejoins, which its next heartbeat does (a miss meanwhile,
+        never a wait without end)."""
         try:
             return (self.links[sid].alive and self.incarnation(sid) == incarnation
                     and self._registrations(sid) <= registrations)

@@ -204,8 +204,9 @@ def _child_env(**extra: str) -> dict[str, str]:
     # vLLM on CPU reserves a core for its scheduler process, and one more whenever a
     # kv_transfer_config is set: on 2 cores that is all of them, so it reserves none and runs
     # the connector engine's model on 2 OMP threads over both cores, the plain engine's on 1
-    # thread on core 0. Both configurations get the same binding (the plain engine's), or
-    # the bench compares two thread layouts rather than hkv against none.
+    # thread on core 0. _replica_env binds each replica itself; where the caller binds
+    # instead (VLLM_CPU_OMP_THREADS_BIND=auto, say), this keeps the two configurations'
+    # layouts alike, or the bench would compare thread layouts rather than hkv against none.
     env.setdefault(RESERVED_CPUS_ENV, "1")
     env.pop("RAY_ADDRESS", None)
     # vLLM's engine in the API server's process is not how `vllm serve` runs (nor is its
@@ -764,7 +765,7 @@ def _replica_env(env: dict[str, str], i: int) -> dict[str, str]:
     one device per replica, as on a GPU host, and the same layout in both configurations.
     Left to vLLM (``auto``), every replica's model is bound to the same core, the other kept
     for the scheduler processes: vLLM alone then took 12-20 s for a shared-prefix phase
-    that it runs in 4-5 s this way (2 cores, 2026-12-05). ``VLLM_CPU_OMP_THREADS_BIND`` set
+    that it runs in 4-6 s this way (2 cores, 2026-12-05). ``VLLM_CPU_OMP_THREADS_BIND`` set
     by the caller wins."""
     if BIND_ENV in env:
         return env

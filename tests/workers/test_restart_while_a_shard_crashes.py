@@ -8,7 +8,6 @@ view" aborted the demo."""
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -43,6 +42,14 @@ def test_a_restart_that_begins_while_a_shard_rejoins_the_one_before_returns(
     system = inprocess(shards=1)
     shard = system.links["shard-0"].shard
     inside, release = threading.Event(), threading.Event()
+    part, swapped = system.parts[0], threading.Semaphore(0)
+    swap = part.swap
+
+    def counted_swap(state: Any) -> None:
+        swap(state)
+        swapped.release()
+
+    monkeypatch.setattr(part, "swap", counted_swap)
     real = shard._register_once
     calls: list[int] = []
 
@@ -51,12 +58,13 @@ def test_a_restart_that_begins_while_a_shard_rejoins_the_one_before_returns(
         if len(calls) == 1:  # the rejoin of the first restart: held while the second begins
             inside.set()
             assert release.wait(30.0)
-        real(partitions)  # the view swapped meanwhile: refused, then retried by _register
+        real(partitions)  # lands with whichever view is there by then: the second one
 
     monkeypatch.setattr(shard, "_register_once", held_once)
     first = threading.Thread(target=system.restart_service, kwargs={"timeout_s": 30.0})
     first.start()
-    assert inside.wait(30.0)  # shard-0 is registering with the first restart's view
+    assert swapped.acquire(timeout=30.0)  # the first restart's view
+    assert inside.wait(30.0)  # shard-0 is registering with it
     second_done = threading.Event()
     errors: list[BaseException] = []
 
@@ -68,7 +76,8 @@ def test_a_restart_that_begins_while_a_shard_rejoins_the_one_before_returns(
         second_done.set()
 
     threading.Thread(target=second).start()
-    time.sleep(0.3)  # the second restart took its snapshot and swapped the view
+    # the second restart took its snapshot (before its swap) while the registration is held
+    assert swapped.acquire(timeout=30.0)
     release.set()
     assert second_done.wait(30.0)
     first.join(30.0)
