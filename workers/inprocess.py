@@ -51,6 +51,7 @@ class InProcessConfig:
     odd_shard: bool = False  # one more shard whose pools are only 32-byte aligned
     device: str = "cpu"  # (not hkv up's "auto": in-process runs are tests and benches)
     partitions: int = 1  # metadata partitions (core/partitions.py)
+    worker_claims: bool = True  # ShardConfig.worker_claims
 
 
 class InProcessSystem:
@@ -83,6 +84,7 @@ class InProcessSystem:
             disk_budget_bytes=c.disk_budget_bytes, admission=c.admission,
             heartbeat_interval_s=c.heartbeat_interval_s, device=c.device,
             node_id="in-process", pool_stride_pad=ODD_PAD if sid == ODD_SHARD else 0,
+            worker_claims=c.worker_claims,
         )
 
     def dataplane(self, timeout_s: float = 10.0) -> DataPlane:

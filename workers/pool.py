@@ -27,6 +27,10 @@ by a worker on the node straight from and into the segment::
     (the worker copies its n bytes into the block)
     finish(block, gen, writer)     seq even: readable
     read by a worker               seq, gen, object checked before and after its copy
+
+A claim and a finish are made by the shard or by the worker itself (``Slots``: one home for
+the rules, under the pool's lock that both take, ``workers.shm.MetaLock``); the shard's own
+copies out of a shared pool are made under that lock too.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import logging
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, overload
+from typing import Any, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -45,9 +49,10 @@ from hkv_service.core.api import Handle, PoolConfig
 from hkv_service.core.ids import GroupName, ObjectId, ShardId
 from hkv_service.core.states import Kind
 
-from .shm import META_FIELDS, Segment, Writer, writer_alive
+from .shm import META_FIELDS, MetaLock, Segment, Writer, writer_alive
 
-__all__ = ["ALIGN", "BlockPool", "HandleBatch", "PoolSet", "StaleRead", "StaleWrite", "round_up"]
+__all__ = ["ALIGN", "BlockPool", "HandleBatch", "PoolSet", "Slots", "StaleRead", "StaleWrite",
+           "round_up"]
 
 ALIGN = 256  # bytes between block starts are a multiple of this
 _EMPTY = -1
@@ -84,10 +89,124 @@ class _Ready:
             self.event.synchronize()
 
 
-class _Claim(NamedTuple):
-    generation: int
-    object_id: int
-    writer: Writer
+def _check_size(name: str, capacity: int, nbytes: int) -> None:
+    if not 0 < nbytes <= capacity:
+        raise ValueError(f"{nbytes} bytes cannot be a {name!r} object: a block holds 1 to "
+                         f"{capacity}")
+
+
+class Slots:
+    """One pool's per-block records and the rules that change them, in one place for the
+    shard and for a worker on its node that claims blocks itself (``workers.shared``): the
+    records may live in a shared segment that both map. Every method but :meth:`claimed_by`
+    expects the caller to hold ``lock``.
+
+    A claim is made in an order that a process killed at any point leaves safe: the claimant
+    first (``claim_pid`` last, so a record is whole once it shows), then ``seq`` odd, then the
+    object; a finish makes ``seq`` even before it clears the claimant. A claimant found dead
+    (:meth:`check_claim`) is undone from what is left: ``seq`` odd means the bytes may be
+    half-copied (the block then holds no object); ``seq`` even means the block holds what it
+    held before the claim, or the claimed object's whole bytes after its finish."""
+
+    __slots__ = ("claim_pid", "claim_start", "generation", "length", "lock", "name", "nbytes",
+                 "object_id", "rows", "seq")
+
+    def __init__(self, name: str, nbytes: int, meta: Mapping[str, np.ndarray], lock: MetaLock,
+                 rows: np.ndarray | None) -> None:
+        self.name, self.nbytes, self.lock, self.rows = name, nbytes, lock, rows
+        self.seq, self.generation = meta["seq"], meta["generation"]
+        self.object_id, self.length = meta["object_id"], meta["length"]
+        self.claim_pid, self.claim_start = meta["claim_pid"], meta["claim_start"]
+
+    def claimed_by(self, block: int) -> Writer | None:
+        pid = int(self.claim_pid[block])
+        return (pid, int(self.claim_start[block])) if pid else None
+
+    def open(self, block: int) -> None:
+        """``seq`` odd: the bytes are changing (kept odd if a dead claimant left it so)."""
+        self.seq[block] += 1 if not self.seq[block] & 1 else 2
+
+    def close(self, block: int) -> None:
+        if self.seq[block] & 1:
+            self.seq[block] += 1
+
+    def claim(self, block: int, generation: int, object_id: int, nbytes: int,
+              writer: Writer) -> None:
+        """Let ``writer`` copy ``nbytes`` bytes of ``object_id`` into ``block`` itself. Until
+        :meth:`finish` the block reads as being written (odd ``seq``) and no other write or
+        claim takes it while the writer lives: a stalled copy never lands in a block reused
+        meanwhile (a dead writer writes nothing, so its claim lapses). The write rules of
+        ``BlockPool.write`` hold; a claim the writer already holds is granted again."""
+        _check_size(self.name, self.nbytes, nbytes)
+        if self.claimed_by(block) == writer and (int(self.generation[block]),
+                                                 int(self.object_id[block])) == (generation,
+                                                                                 object_id):
+            return
+        self.check_claim(block, generation, object_id)
+        self.check_stale(block, generation, object_id)
+        self.claim_start[block] = writer[1]
+        self.claim_pid[block] = writer[0]
+        self.open(block)
+        self.generation[block] = generation
+        self.object_id[block] = object_id
+        self.length[block] = nbytes
+        if self.rows is not None and nbytes < self.nbytes:
+            self.rows[block, nbytes : self.nbytes] = 0  # no earlier occupant's bytes
+
+    def finish(self, block: int, generation: int, object_id: int, writer: Writer) -> None:
+        """``writer`` copied its claimed bytes: the block is readable (StaleWrite if the claim
+        is not the writer's any more)."""
+        if self.claimed_by(block) != writer or (int(self.generation[block]),
+                                                int(self.object_id[block])) != (generation,
+                                                                                object_id):
+            raise StaleWrite(f"{self.name!r} block {block}: the claim of generation "
+                             f"{generation} (object {object_id}) is not held")
+        self.close(block)
+        self.claim_pid[block] = 0
+
+    def release(self, block: int, generation: int, object_id: int, writer: Writer) -> None:
+        """``writer`` gives its claim up (its copy failed): the block holds no object."""
+        if self.claimed_by(block) == writer and (int(self.generation[block]),
+                                                 int(self.object_id[block])) == (generation,
+                                                                                 object_id):
+            self.object_id[block] = _EMPTY
+            self.close(block)
+            self.claim_pid[block] = 0
+
+    def check_claim(self, block: int, generation: int, object_id: int) -> None:
+        """Refuse a write or claim of ``block`` while another live writer holds a claim on it;
+        a dead writer's claim is undone (its half-copied bytes are no object's)."""
+        writer = self.claimed_by(block)
+        if writer is None:
+            return
+        if writer_alive(writer):
+            raise StaleWrite(f"{self.name!r} block {block} is being written by process "
+                             f"{writer[0]} (generation {int(self.generation[block])}); "
+                             f"generation {generation} (object {object_id}) must wait")
+        if self.seq[block] & 1:
+            self.object_id[block] = _EMPTY
+            self.close(block)
+        self.claim_pid[block] = 0
+
+    def check_stale(self, block: int, generation: int, object_id: int) -> None:
+        """The write rules a write and a claim obey: never an older generation, nor another
+        object at the same one, nor new bytes for the object that holds the block."""
+        current, holder = int(self.generation[block]), int(self.object_id[block])
+        if generation < current or (
+            generation == current and _EMPTY not in (holder, object_id) and holder != object_id
+        ):
+            raise StaleWrite(
+                f"{self.name!r} block {block} is at generation {current} (object {holder}); "
+                f"write for generation {generation} (object {object_id}) is stale"
+            )
+        if generation == current and holder == object_id != _EMPTY:
+            raise StaleWrite(
+                f"{self.name!r} block {block} holds object {object_id}'s bytes already; an "
+                "object's bytes never change (a rewrite goes to a fresh object)")
+
+    def forget(self, block: int, object_id: int) -> None:
+        if int(self.object_id[block]) == object_id:
+            self.object_id[block] = _EMPTY
 
 
 HOST_ALIGN = 4096  # base alignment of host pools
@@ -176,11 +295,13 @@ class BlockPool:
         self.object_id = meta["object_id"]
         self.object_id[:] = _EMPTY
         self.length = meta["length"]  # bytes the occupant wrote
-        self._claims: dict[int, _Claim] = {}  # blocks a worker is copying into (claim())
         self._ready = [_DONE] * num_blocks
         self._stream = _cuda.Stream(device) if device.type == "cuda" else None
         # Host pools are read and written through one numpy view (no torch on the hot path).
         self._host = None if device.type == "cuda" else self.tensor.numpy().reshape(num_blocks, -1)
+        self.shared = segment is not None  # workers on this node change the records too
+        self.slots = Slots(name, nbytes, meta, segment.lock(name) if segment else MetaLock(),
+                           self._host)
 
     @property
     def config(self) -> PoolConfig:
@@ -208,96 +329,46 @@ class BlockPool:
         """
         self._check_block(block)
         src = _as_bytes(data)
-        if not 0 < src.size <= self.nbytes:
-            raise ValueError(f"{src.size} bytes cannot be a {self.name!r} object: a block "
-                             f"holds 1 to {self.nbytes}")
-        self._check_claim(block, generation, object_id)
-        current, holder = int(self.generation[block]), int(self.object_id[block])
-        if generation == current and holder == object_id != _EMPTY and self._holds(block, src):
-            return  # a retry of the same write: its bytes are there
-        self._check_stale(block, generation, object_id)
-        self.seq[block] += 1  # odd: a reader copying from shared memory now discards
-        self.generation[block] = generation  # claim first: a racing reader now sees stale
-        self.object_id[block] = object_id
-        self.length[block] = src.size
-        self._copy_in(block, src)
-        self.seq[block] += 1
-
-    def _check_stale(self, block: int, generation: int, object_id: int) -> None:
-        """The write rules of :meth:`write` a claim obeys too: never an older generation, nor
-        another object at the same one, nor new bytes for the object that holds the block."""
-        current, holder = int(self.generation[block]), int(self.object_id[block])
-        if generation < current or (
-            generation == current and _EMPTY not in (holder, object_id) and holder != object_id
-        ):
-            raise StaleWrite(
-                f"{self.name!r} block {block} is at generation {current} (object {holder}); "
-                f"write for generation {generation} (object {object_id}) is stale"
-            )
-        if generation == current and holder == object_id != _EMPTY:
-            raise StaleWrite(
-                f"{self.name!r} block {block} holds object {object_id}'s bytes already; an "
-                "object's bytes never change (a rewrite goes to a fresh object)")
+        _check_size(self.name, self.nbytes, src.size)
+        slots = self.slots
+        with slots.lock:  # (a worker's claim of this block waits: the records are one state)
+            slots.check_claim(block, generation, object_id)
+            current, holder = int(self.generation[block]), int(self.object_id[block])
+            if generation == current and holder == object_id != _EMPTY and \
+                    self._holds(block, src):
+                return  # a retry of the same write: its bytes are there
+            slots.check_stale(block, generation, object_id)
+            slots.open(block)  # odd: a reader copying from shared memory now discards
+            self.generation[block] = generation  # claim first: a racing reader sees stale
+            self.object_id[block] = object_id
+            self.length[block] = src.size
+            self._copy_in(block, src)
+            slots.close(block)
 
     # -- writes by a worker on this node (workers.shared) ---------------------------------
 
     def claim(self, block: int, generation: int, object_id: int, nbytes: int,
               writer: Writer) -> None:
         """Let ``writer`` (a process on this node) copy ``nbytes`` bytes of ``object_id`` into
-        ``block`` of the shared segment itself; :meth:`finish` makes them readable. Until then
-        the block reads as being written (odd ``seq``) and no other write or claim takes it
-        while the writer lives: a stalled copy never lands in a block reused meanwhile (a
-        dead writer writes nothing, so its claim lapses). The write rules of :meth:`write`
-        hold; a claim the writer already holds is granted again."""
+        ``block`` of the shared segment itself (:meth:`Slots.claim`); :meth:`finish` makes
+        them readable."""
         self._check_block(block)
         assert self._host is not None, "claims need a host pool"
-        if not 0 < nbytes <= self.nbytes:
-            raise ValueError(f"{nbytes} bytes cannot be a {self.name!r} object: a block "
-                             f"holds 1 to {self.nbytes}")
-        if self._claims.get(block) == _Claim(generation, object_id, writer):
-            return
-        self._check_claim(block, generation, object_id)
-        self._check_stale(block, generation, object_id)
-        self.seq[block] += 1  # odd until finish()
-        self.generation[block] = generation
-        self.object_id[block] = object_id
-        self.length[block] = nbytes
-        self._host[block, nbytes : self.nbytes] = 0  # no earlier occupant's bytes
-        self._claims[block] = _Claim(generation, object_id, writer)
+        with self.slots.lock:
+            self.slots.claim(block, generation, object_id, nbytes, writer)
 
     def finish(self, block: int, generation: int, object_id: int, writer: Writer) -> None:
         """``writer`` copied its claimed bytes: the block is readable (StaleWrite if the claim
         is not the writer's any more)."""
         self._check_block(block)
-        claim = _Claim(generation, object_id, writer)
-        if self._claims.get(block) != claim or (int(self.generation[block]),
-                                               int(self.object_id[block])) != claim[:2]:
-            raise StaleWrite(f"{self.name!r} block {block}: the claim of generation "
-                             f"{generation} (object {object_id}) is not held")
-        del self._claims[block]
-        self.seq[block] += 1
+        with self.slots.lock:
+            self.slots.finish(block, generation, object_id, writer)
         self._ready[block] = _DONE
 
     def release(self, block: int, generation: int, object_id: int, writer: Writer) -> None:
         """``writer`` gives its claim up (its copy failed): the block holds no object."""
-        if self._claims.get(block) == _Claim(generation, object_id, writer):
-            del self._claims[block]
-            self.seq[block] += 1
-            self.forget(block, object_id)
-
-    def _check_claim(self, block: int, generation: int, object_id: int) -> None:
-        """Refuse a write or claim of ``block`` while another live writer holds a claim on it;
-        a dead writer's claim is dropped (its half-copied bytes are no object's)."""
-        claim = self._claims.get(block)
-        if claim is None:
-            return
-        if writer_alive(claim.writer):
-            raise StaleWrite(f"{self.name!r} block {block} is being written by process "
-                             f"{claim.writer[0]} (generation {claim.generation}); "
-                             f"generation {generation} (object {object_id}) must wait")
-        del self._claims[block]
-        self.seq[block] += 1
-        self.forget(block, claim.object_id)
+        with self.slots.lock:
+            self.slots.release(block, generation, object_id, writer)
 
     def _holds(self, block: int, src: Bytes) -> bool:
         """Whether ``block`` holds exactly ``src`` (the bytes its occupant wrote)."""
@@ -337,8 +408,8 @@ class BlockPool:
     def forget(self, block: int, object_id: int) -> None:
         """Drop ``object_id``'s claim on ``block`` (its commit was refused): the bytes are
         unreadable through any handle, and the block's next writer may claim it."""
-        if int(self.object_id[block]) == object_id:
-            self.object_id[block] = _EMPTY
+        with self.slots.lock:
+            self.slots.forget(block, object_id)
 
     # -- reads ----------------------------------------------------------------------------
 
@@ -347,11 +418,17 @@ class BlockPool:
     ) -> Bytes:
         """The block's ``nbytes`` bytes, if ``(generation, object_id)`` is still current.
 
-        ``copy=False`` on a host pool returns a view into the pool: valid only until the next
-        write to the block (the shard hands it straight to Ray, which copies it out).
+        ``copy=False`` on a private host pool returns a view into the pool: valid only until
+        the next write to the block (the shard hands it straight to Ray, which copies it out).
+        A pool in a shared segment always copies (a worker's claim does not wait for Ray).
         """
         self._check_block(block)
         self._ready[block].wait()  # readable = the write's copy completed
+        if self.shared:  # a worker may claim the block at any time: check and copy locked
+            with self.slots.lock:
+                self.check(block, generation, object_id)
+                assert self._host is not None
+                return self._host[block, : int(self.length[block])].copy()
         self.check(block, generation, object_id)
         n = int(self.length[block])
         if self._host is not None:
@@ -379,8 +456,10 @@ class BlockPool:
     def take(self, first: int, count: int) -> np.ndarray:
         """Blocks ``first .. first+count-1`` as one flat ``uint8`` array of
         ``count * stride`` bytes (the last block trimmed to ``nbytes``): a view into a host
-        pool (valid until the next write to those blocks), a host copy of a device pool (the
-        caller re-checks with :meth:`readable` afterwards: a write may have raced the copy)."""
+        pool (valid until the next write to those blocks: in a shared pool, copy it while
+        holding ``slots.lock`` and check :meth:`readable` under it), a host copy of a device
+        pool (the caller re-checks with :meth:`readable` afterwards: a write may have raced
+        the copy)."""
         start = first * self.stride
         end = start + (count - 1) * self.stride + self.nbytes
         if self._host is not None:

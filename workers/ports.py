@@ -16,6 +16,7 @@ from typing import Any, overload
 import numpy as np
 
 from hkv_service.core.api import Handle, Params
+from hkv_service.core.errors import WrongSize
 from hkv_service.core.layout import Layout
 from hkv_service.core.states import Event, Kind
 
@@ -128,6 +129,23 @@ def commit_bytes(layout: Layout, column: int, depth: int | None,
     if kind in (Kind.SWA, Kind.TAIL) and depth is None:
         return None
     return layout.object_bytes(column, depth or 0, lo, hi, tail_len)
+
+
+def size_refusal(layout: Layout, column: int, group: str, depth: int | None,
+                 commit: Commit | None, got: int) -> ItemResult | None:
+    """None if ``got`` bytes are exactly the object's a write of ``column`` (``group``) with
+    ``commit`` (and its block's ``depth``, when known) must carry; else the refusal. A short
+    write would be committed over a block whose rest is another object's. The shard and a
+    worker that claims blocks itself ask this one rule."""
+    if not 0 <= column < len(layout.columns) or layout.columns[column].name != group:
+        return ItemResult(Outcome.FAILED, f"bad handle: column {column} is not {group!r}")
+    want = commit_bytes(layout, column, depth, commit)
+    if want is None:
+        return ItemResult(Outcome.FAILED, f"{group}: the object's size depends on its depth "
+                                          "or range: pass its tag or its commit")
+    if got != want:
+        return ItemResult(Outcome.FAILED, str(WrongSize(f"write of {group!r}", want, got)))
+    return None
 
 
 def payload_bytes(data: Any) -> int:

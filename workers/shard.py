@@ -37,6 +37,7 @@ because the object already is in the target state counts as done.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -51,11 +52,7 @@ import numpy as np
 
 from hkv_service.core.api import AdmissionCap, Handle, ObjectReport, Params, PoolConfig
 from hkv_service.core.contracts import CONTRACTS
-from hkv_service.core.errors import (
-    HkvError,
-    UnknownOwner,
-    WrongSize,
-)
+from hkv_service.core.errors import HkvError, UnknownOwner
 from hkv_service.core.ids import BlockHash, ObjectId, ShardId
 from hkv_service.core.inputs import check_report
 from hkv_service.core.layout import Layout
@@ -77,8 +74,8 @@ from .partitioned import (
     pool_ranges,
 )
 from .pool import BlockPool, HandleBatch, PoolSet, StaleRead, StaleWrite
-from .ports import Commit, ItemResult, Outcome, PackedRead, commit_bytes, payload_bytes
-from .shm import SegmentInfo, Writer, writer_alive
+from .ports import Commit, ItemResult, Outcome, PackedRead, payload_bytes, size_refusal
+from .shm import MetaLockTimeout, SegmentInfo, Writer, writer_alive
 from .tags import TAG, BlockTag, decode_tagged, encode_tagged, tag_bytes
 
 __all__ = ["PACK_BELOW", "REGISTER_ATTEMPTS", "ShardActor", "ShardConfig", "new_instance"]
@@ -127,6 +124,10 @@ class ShardConfig:
     # Host pools in a shared-memory segment that workers on this node copy to and from
     # directly (workers.shm, workers.shared); off: every byte goes through Ray.
     shared_memory: bool = True
+    # A worker on this node claims the blocks it writes itself, under the pools' locks
+    # (workers.pool.Slots), instead of asking this shard on its control socket: a write then
+    # calls no other process. Off: every claim is the shard's (one round trip each).
+    worker_claims: bool = True
     # Bytes of padding after every pool block. Not 0 only to make a shard whose block stride
     # is no multiple of a reader's alignment (the demo's misaligned_handle fault, tests).
     pool_stride_pad: int = 0
@@ -466,7 +467,8 @@ class ShardActor:
         seg = self.pools.segment
         if seg is None:
             return None
-        return seg.info(self.instance, "" if self._control is None else self._control.name)
+        return seg.info(self.instance, "" if self._control is None else self._control.name,
+                        self.config.worker_claims, self.layout)
 
     def claim_blocks(self, handles: Sequence[Handle], sizes: Sequence[int], writer: Writer,
                      tags: Sequence[BlockTag | None] | None = None,
@@ -528,24 +530,13 @@ class ShardActor:
             step(pool)
         except StaleWrite as exc:
             return ItemResult(Outcome.STALE, str(exc))
-        except (ValueError, IndexError) as exc:
+        except (ValueError, IndexError, MetaLockTimeout) as exc:
             return ItemResult(Outcome.FAILED, str(exc))
         return _WRITTEN
 
     def _sized(self, column: int, group: str, tag: BlockTag | None, commit: Commit | None,
                got: int) -> ItemResult | None:
-        """None if ``got`` bytes are exactly its object's; else the refusal. A short write
-        would be committed over a block whose rest is another object's."""
-        if not 0 <= column < len(self.layout.columns) or \
-                self.layout.columns[column].name != group:
-            return ItemResult(Outcome.FAILED, f"bad handle: column {column} is not {group!r}")
-        want = commit_bytes(self.layout, column, tag.depth if tag else None, commit)
-        if want is None:
-            return ItemResult(Outcome.FAILED, f"{group}: the object's size depends on its depth "
-                                              "or range: pass its tag or its commit")
-        if got != want:
-            return ItemResult(Outcome.FAILED, str(WrongSize(f"write of {group!r}", want, got)))
-        return None
+        return size_refusal(self.layout, column, group, tag.depth if tag else None, commit, got)
 
     def _copy_in(self, group: str, block: int, generation: int, oid: int,
                  data: Any) -> ItemResult:
@@ -658,22 +649,25 @@ class ShardActor:
         for lo, hi in runs:
             pool = pools[int(sl[lo])]
             assert pool is not None
-            first = int(b[lo])
-            data = pool.take(first, hi - lo)
-            if pool.device.type != "cpu":  # a write may have raced the device copy
-                idx = good[lo:hi]
-                fresh = pool.readable(blocks[idx], gens[idx], oids[idx])
-                self._stale(spans, pool, idx[~fresh], blocks, gens, oids)
-            if lo in small_at:
-                buf, base = 0, small_at[lo]
-                buffers[0][base : base + data.nbytes] = data
-            else:
-                buf, base = len(buffers), 0
-                buffers.append(data)
-            stride, length = pool.stride, pool.length
-            for i, blk in zip(items[lo:hi], b[lo:hi].tolist(), strict=True):
+            first, idx = int(b[lo]), good[lo:hi]
+            # a shared pool: workers claim its blocks without this shard's lock; check again
+            # and copy while none can (a device pool: a write may have raced the copy)
+            with pool.slots.lock if pool.shared else contextlib.nullcontext():
+                data = pool.take(first, hi - lo)
+                if pool.shared or pool.device.type != "cpu":
+                    fresh = pool.readable(blocks[idx], gens[idx], oids[idx])
+                    self._stale(spans, pool, idx[~fresh], blocks, gens, oids)
+                if lo in small_at:
+                    buf, base = 0, small_at[lo]
+                    buffers[0][base : base + data.nbytes] = data
+                else:
+                    buf, base = len(buffers), 0
+                    buffers.append(data)
+                lengths = pool.length[b[lo:hi]].tolist()
+            stride = pool.stride
+            for i, blk, n in zip(items[lo:hi], b[lo:hi].tolist(), lengths, strict=True):
                 if spans[i] is _UNREAD:  # exactly the object's bytes, never the block's rest
-                    spans[i] = (buf, base + (blk - first) * stride, int(length[blk]))
+                    spans[i] = (buf, base + (blk - first) * stride, n)
         return buffers
 
     def _stale(self, spans: list[tuple[int, int, int] | ItemResult], pool: BlockPool,
@@ -938,11 +932,21 @@ class ShardActor:
             "device": str(self.pools.device),
             "pool_bytes": self.pools.nbytes(),
             "data_dir": str(Path(self.config.data_dir) / self.config.shard_id),
-            "counts": dict(self._counts),
+            "counts": self._all_counts(),
             "disk": {"entries": disk.entries, "bytes_used": disk.bytes_used,
                      "corruption": disk.corruption, "quarantined": disk.quarantined,
                      "puts": disk.puts, "gets": disk.gets},
         }
+
+    def _all_counts(self) -> dict[str, int]:
+        """This shard's counts, with the claims and finishes workers made themselves."""
+        counts = dict(self._counts)
+        if self.pools.segment is not None:
+            claims, finishes = self.pools.segment.worker_counts()
+            for name, n in (("claims", claims), ("writes", finishes)):
+                if n:
+                    counts[name] = counts.get(name, 0) + n
+        return counts
 
     def shutdown(self) -> None:
         """Stop heartbeats and close the disk tier (the launcher calls this before a kill)."""

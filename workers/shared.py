@@ -1,10 +1,11 @@
 """A worker's side of a shard's shared-memory pools (:mod:`workers.shm`): bytes copied once.
 
-:class:`Mapped` is one shard's segment mapped in this process (the meta region read-only, the
-data region read-write). :class:`SharedLink` wraps a :class:`~workers.link.ShardLink` and takes
-the data plane's ``read_blocks`` and ``write_blocks`` calls on itself when the shard's segment
-can be mapped here (same node, same pid namespace, host pools); every other call, and any
-shard it cannot map, goes through the wrapped link as before.
+:class:`Mapped` is one shard's segment mapped in this process (the data region read-write;
+the meta region read-write where this process claims blocks itself, else read-only).
+:class:`SharedLink` wraps a :class:`~workers.link.ShardLink` and takes the data plane's
+``read_blocks`` and ``write_blocks`` calls on itself when the shard's segment can be mapped
+here (same node, same pid namespace, host pools); every other call, and any shard it cannot
+map, goes through the wrapped link as before.
 
 Read (no call to the shard at all; a seqlock over the shard's own meta arrays)::
 
@@ -18,7 +19,19 @@ A write bumps ``seq`` before it changes a byte and after (``BlockPool.write``/``
 copy and of the second ``seq`` are ordered on x86-64 (TSO) without a fence; Python has no fence
 to offer elsewhere, so other machines keep the Ray path (:data:`ORDERED`).
 
-Write (the bytes never go through Ray; one round trip to the shard)::
+Write (the bytes never go through Ray), with the shard's ``worker_claims`` (the default: no
+call to another process at all)::
+
+    under each pool's lock (an OFD lock on the segment's file, ``shm.MetaLock``):
+      the shard's size and write checks, then claim   ``pool.Slots.claim``, in the records
+    copy each array into its block
+    under the lock: finish                           ``seq`` even: readable
+
+The rules are the shard's own (``pool.Slots``, ``ports.size_refusal``: one home for both);
+the shard takes the same lock for every change of a pool's records, and around its own
+copies out of the segment (a worker's claim never lands between its check and its copy). A
+write with commits for the shard to report still ends with the shard's ``finish_blocks``.
+Without ``worker_claims``, one round trip to the shard::
 
     claim_blocks(handles, sizes, writer)   the shard's write checks; the blocks are this
                                            process's to fill (no one else's while it lives)
@@ -33,12 +46,15 @@ and this process's next claim find the blocks finished; a read that finds a bloc
 claimed for the very object it reads waits for its finish (this process's own: until their
 answers are read; another's: up to :data:`FINISH_WAIT_S`) before it leaves the block to the
 shard (:meth:`SharedLink._read_mapped`): a block committed right after its write is read
-from the segment, not refused as STALE. A writer killed before its finish was sent leaves the
-block claimed by a dead process: never readable (odd ``seq``), taken back by the next write
-of the block (``BlockPool.claim``). One killed after sending it leaves whole bytes: the
-finish is sent only after the last byte was copied. A finish the shard refuses (the claim
-was taken from a live writer: never, short of the shard's own reset) leaves the block
-unreadable, counted in ``ControlClient.refused``: reads of it are STALE, never its bytes.
+from the segment, not refused as STALE. Either way, a writer killed before its finish leaves
+the block claimed by a dead process: never readable (odd ``seq``), taken back by the next
+write of the block (``Slots.check_claim``). One killed after it leaves whole bytes: the
+finish is made only after the last byte was copied. A finish refused (the claim was taken
+from a live writer: never, short of the shard's own reset) leaves the block unreadable,
+counted in ``ControlClient.refused`` when posted: reads of it are STALE, never its bytes.
+A worker stopped while it holds a pool's lock holds up that pool's changes for
+``shm.LOCK_WAIT_S``, then they fail (a sentence, nothing changed); a killed one's lock goes
+with it.
 
 A shard that died (its pid's ``pidfd`` is readable) or shut down (the segment's alive word is
 0) is let go before the next copy: a worker never reads a replaced shard's segment. The mapping
@@ -64,9 +80,22 @@ import numpy as np
 
 from .control import ControlClient
 from .link import Deferred, Pending, ShardLink, ShardUnavailable
-from .pool import HandleBatch, _as_bytes
-from .ports import ItemResult, Outcome, PackedRead
-from .shm import ALIVE_AT, MAGIC, NONCE_AT, SegmentInfo, meta_arrays, this_writer
+from .pool import HandleBatch, Slots, StaleWrite, _as_bytes
+from .ports import ItemResult, Outcome, PackedRead, size_refusal
+from .shm import (
+    ALIVE_AT,
+    MAGIC,
+    NONCE_AT,
+    LockFile,
+    MetaLock,
+    MetaLockTimeout,
+    SegmentInfo,
+    Writer,
+    meta_arrays,
+    pool_counts,
+    this_writer,
+    writer_alive,
+)
 
 __all__ = ["ORDERED", "Mapped", "NotShared", "SharedLink", "shared_links"]
 
@@ -81,6 +110,7 @@ FINISH_WAIT_S = 0.2  # ... and this long for a finish of the object it reads by 
 FINISH_POLL_S = 50e-6  # (how often it looks meanwhile)
 _EMPTY = -1
 _UNREAD = ItemResult(Outcome.FAILED, "not read")  # an item's span until it is read
+_GRANTED = ItemResult(Outcome.OK)
 
 
 class NotShared(Exception):
@@ -106,13 +136,15 @@ class Mapped:
         except OSError as exc:
             raise NotShared(f"no process {info.pid} here: {exc}") from None
         try:
-            fd = os.open(f"/proc/{info.pid}/fd/{info.fd}", os.O_RDWR)
+            fd = os.open(f"/proc/{info.pid}/fd/{info.fd}", os.O_RDWR | os.O_CLOEXEC)
         except OSError as exc:
             os.close(self.pidfd)
             raise NotShared(f"cannot open the segment of process {info.pid}: {exc}") from None
+        # claiming blocks here changes the records (under their locks: this open file's)
+        self.worker_claims = bool(info.worker_claims) and info.layout is not None
         try:
-            self._meta = mmap.mmap(fd, info.meta_bytes, flags=mmap.MAP_SHARED,
-                                   prot=mmap.PROT_READ)
+            self._meta = mmap.mmap(fd, info.meta_bytes, flags=mmap.MAP_SHARED, prot=(
+                mmap.PROT_READ | mmap.PROT_WRITE) if self.worker_claims else mmap.PROT_READ)
             if self._meta[:8] != MAGIC or self._meta[NONCE_AT : NONCE_AT + 16] != info.nonce:
                 self._meta.close()  # another process's file under that pid and fd
                 raise NotShared(f"process {info.pid}'s fd {info.fd} is not this shard's segment")
@@ -123,13 +155,19 @@ class Mapped:
             self.inode = os.fstat(fd).st_ino  # (what /proc/<pid>/maps names the mapping by)
         except BaseException:
             os.close(self.pidfd)
-            raise
-        finally:
             os.close(fd)
+            raise
+        lock_file = LockFile(fd)  # the pools' locks are this open file's (closed with it)
+        self.me = this_writer()  # (alive: it is this process)
         self._alive = np.frombuffer(self._meta, np.int64, 1, ALIVE_AT)
         self.pools = {r.name: _Region(meta_arrays(self._meta, r), np.frombuffer(
             self._data, np.uint8, r.num_blocks * r.stride, r.data_offset).reshape(
                 r.num_blocks, r.stride), r.stride) for r in info.pools}
+        self.slots: dict[str, Slots] = {}
+        if self.worker_claims:
+            self.slots = {r.name: Slots(r.name, r.nbytes, meta_arrays(self._meta, r), MetaLock(
+                lock_file, i, pool_counts(self._meta, i)), self.pools[r.name].data)
+                for i, r in enumerate(info.pools)}
 
     def alive(self) -> bool:
         """The shard process that made the segment still runs and has not shut it down.
@@ -144,7 +182,7 @@ class Mapped:
             return
         os.close(self.pidfd)
         self.pidfd = -1
-        self.pools = {}
+        self.pools, self.slots = {}, {}  # (the locks' file closes with the last of them)
         self._alive = np.zeros(1, np.int64)
         for m in (self._meta, self._data):
             with contextlib.suppress(BufferError):  # a view still held: freed with it
@@ -218,6 +256,98 @@ class Mapped:
                 out[i] = bool(int(r.seq[blk]) & 1) and int(r.generation[blk]) == gen and \
                     int(r.object_id[blk]) == oid
         return out
+
+    # -- claims made here (info.worker_claims): ShardActor.claim_blocks without the call ----
+
+    def claim(self, batch: HandleBatch, sizes: Sequence[int], writer: Writer,
+              tags: Sequence[Any] | None, commits: Sequence[Any] | None
+              ) -> list[ItemResult] | None:
+        """What the shard's ``claim_blocks`` answers, decided here under each pool's lock by
+        the same rules (``ports.size_refusal``, ``pool.Slots.claim``); None, as the shard
+        answers, for a writer that is not a live process seen from here (its claims could
+        never lapse). The caller found the shard alive just before (``SharedLink._attach``)
+        and asks again once the write is finished: a claim in a dead shard's records is
+        never acknowledged."""
+        slots = self._slots()
+        if writer != self.me and not writer_alive(writer):
+            return None
+        out: list[ItemResult] = [_GRANTED] * len(batch)
+        rows = batch.rows.tolist()
+        for slot, col in enumerate(batch.columns):
+            items = [i for i, row in enumerate(rows) if row[0] == slot]
+            pool = slots.get(col[3])
+            if pool is None:
+                for i in items:
+                    out[i] = ItemResult(Outcome.FAILED, f"bad handle: no column {col[3]!r}")
+                continue
+            try:
+                with pool.lock:
+                    for i in items:
+                        out[i] = self._claim_one(pool, col, rows[i], sizes[i], writer,
+                                                 tags[i] if tags else None,
+                                                 commits[i] if commits else None)
+            except MetaLockTimeout as exc:  # nothing of this pool's items was changed after it
+                for i in items:
+                    if out[i] is _GRANTED:
+                        out[i] = ItemResult(Outcome.FAILED, str(exc))
+        return out
+
+    def _slots(self) -> dict[str, Slots]:
+        slots = self.slots
+        if not slots:  # let go of (by another thread: the shard died or was replaced)
+            raise NotShared("the shard's segment was let go of")
+        return slots
+
+    def _claim_one(self, pool: Slots, col: Any, row: list[int], size: int, writer: Writer,
+                   tag: Any, commit: Any) -> ItemResult:
+        refused = size_refusal(self.info.layout, col[1], col[3],
+                               tag.depth if tag is not None else None, commit, int(size))
+        if refused is not None:
+            return refused
+        _, oid, gen, block, _ = row
+        if not 0 <= block < self.pools[col[3]].num_blocks:
+            return ItemResult(Outcome.FAILED, f"block {block} is outside {col[3]!r} "
+                                              f"(0..{self.pools[col[3]].num_blocks - 1})")
+        try:
+            pool.claim(block, gen, oid, int(size), writer)
+        except StaleWrite as exc:
+            return ItemResult(Outcome.STALE, str(exc))
+        except ValueError as exc:
+            return ItemResult(Outcome.FAILED, str(exc))
+        if pool.lock.counts is not None:
+            pool.lock.counts[0] += 1
+        return _GRANTED
+
+    def finish(self, batch: HandleBatch, writer: Writer) -> list[ItemResult]:
+        """``writer`` copied its claims' bytes: readable (as the shard's ``finish_blocks``
+        with nothing to report). An item whose claim is not held any more is STALE."""
+        out: list[ItemResult] = [_GRANTED] * len(batch)
+        self._each_claim(batch, lambda pool, i, blk, gen, oid: pool.finish(blk, gen, oid, writer),
+                         out, count=1)
+        return out
+
+    def release(self, batch: HandleBatch, writer: Writer) -> None:
+        """``writer`` gives its claims up (its copy failed): those blocks hold no object."""
+        self._each_claim(batch, lambda pool, i, blk, gen, oid: pool.release(blk, gen, oid,
+                                                                           writer),
+                         [_GRANTED] * len(batch))
+
+    def _each_claim(self, batch: HandleBatch, step: Callable[..., None], out: list[ItemResult],
+                    count: int = -1) -> None:
+        rows, slots = batch.rows.tolist(), self._slots()
+        for slot, col in enumerate(batch.columns):
+            pool = slots[col[3]]
+            with pool.lock:
+                for i, row in enumerate(rows):
+                    if row[0] != slot:
+                        continue
+                    try:
+                        step(pool, i, row[3], row[2], row[1])
+                    except StaleWrite as exc:
+                        out[i] = ItemResult(Outcome.STALE, str(exc))
+                        continue
+                    if count >= 0 and pool.lock.counts is not None:
+                        pool.lock.counts[count] += 1
 
     def write(self, batch: HandleBatch, arrays: Sequence[Any], which: Sequence[int]) -> None:
         """Copy ``arrays[i]`` into the block of item ``i`` (claimed for this process) for each
@@ -430,8 +560,11 @@ class SharedLink:
                tags: Sequence[Any] | None = None, commits: Sequence[Any] | None = None,
                report: bool = True) -> Pending:
         sizes = [_as_bytes(a).size for a in arrays]
-        claimed = self._control_call("claim_blocks", batch, sizes, self.writer, tags=tags,
-                                     commits=commits)
+        # a claim nobody waits for is never made (it would keep its blocks from reuse for as
+        # long as this process lives): made when the result is asked for, here or by the shard
+        claimed: Pending = Deferred(lambda _t: self._claim_here(m, batch, sizes, tags, commits)) \
+            if m.worker_claims else self._control_call("claim_blocks", batch, sizes,
+                                                       self.writer, tags=tags, commits=commits)
 
         def finish(timeout_s: float) -> list[ItemResult]:
             claims: list[ItemResult] | None = claimed.result(timeout_s)
@@ -443,6 +576,7 @@ class SharedLink:
             mine = [i for i, r in enumerate(claims) if r.ok]
             if not mine:
                 return claims
+            granted = batch if len(mine) == len(batch) else batch.take(mine)
             try:
                 m.write(batch, arrays, mine)
             except NotShared:
@@ -450,15 +584,20 @@ class SharedLink:
                                        "a write") from None
             except BaseException:
                 with contextlib.suppress(Exception):
-                    self._control_call("release_blocks", batch.take(mine),
-                                       self.writer).result(timeout_s)
+                    if m.worker_claims:
+                        m.release(granted, self.writer)
+                    else:
+                        self._control_call("release_blocks", granted,
+                                           self.writer).result(timeout_s)
                 raise
-            # (every byte is copied: only now may the finish leave)
-            granted = batch if len(mine) == len(batch) else batch.take(mine)
+            # (every byte is copied: only now may the finish be made)
+            quiet = not report or (tags is None and commits is None)  # nothing to report
+            if quiet and m.worker_claims:
+                return self._finish_here(m, granted, mine, claims)
             control = self.control
-            if control is not None and (not report or (tags is None and commits is None)):
-                # the shard's answer is OK for every claim it granted (nothing to report):
-                # posted, not waited for (see the module docstring)
+            if quiet and control is not None:
+                # the shard's answer is OK for every claim it granted: posted, not waited
+                # for (see the module docstring)
                 try:
                     control.post("finish_blocks", granted, self.writer, report=False)
                 except ShardUnavailable:
@@ -475,6 +614,29 @@ class SharedLink:
                 claims[i] = done[j]
             return claims
         return Deferred(finish)
+
+    def _claim_here(self, m: Mapped, batch: HandleBatch, sizes: Sequence[int],
+                    tags: Sequence[Any] | None, commits: Sequence[Any] | None
+                    ) -> list[ItemResult] | None:
+        try:
+            return m.claim(batch, sizes, self.writer, tags, commits)
+        except NotShared:
+            raise ShardUnavailable(self.shard_id, "the shard's segment went away before a "
+                                   "write") from None
+
+    def _finish_here(self, m: Mapped, granted: HandleBatch, mine: list[int],
+                     claims: list[ItemResult]) -> list[ItemResult]:
+        """The finish of this process's own claims with nothing for the shard to report."""
+        try:
+            finished = m.finish(granted, self.writer)
+        except NotShared:
+            finished = []
+        for j, res in enumerate(finished):
+            claims[mine[j]] = res  # (STALE only if the claim was taken: never, while live)
+        if not finished or not m.alive():  # the shard died meanwhile: nothing acknowledged
+            raise ShardUnavailable(self.shard_id, "the shard's segment went away during a "
+                                   "write")
+        return claims
 
 
 class _Arena:

@@ -1,5 +1,6 @@
-"""A write through the shared segment waits for one round trip (its claim): the finish is
-posted, sent only once every byte is copied, its answer read later (workers/shared.py).
+"""A write through the shared segment: its finish is made only once every byte is copied
+(by the writer itself with ``worker_claims``; else posted to the shard, its answer read
+later: workers/shared.py).
 Adversarial: the writer is a real second process, stalled or SIGKILLed around its finish, the
 shard a real one with its control socket; the reader this process, through the real mapping
 and through the shard's own ``read_blocks``."""
@@ -68,9 +69,18 @@ if mode == "killed":
 """
 
 
+@pytest.fixture(params=[True, False], ids=["worker claims", "shard claims"])
+def one_shard(inprocess: Any, request: pytest.FixtureRequest) -> InProcessSystem:
+    """A shard whose writers claim blocks themselves, or ask it (ShardConfig.worker_claims)."""
+    system: InProcessSystem = inprocess(shards=1, blocks_per_group=8,
+                                        worker_claims=request.param)
+    return system
+
+
 @pytest.fixture
-def one_shard(inprocess: Any) -> InProcessSystem:
-    system: InProcessSystem = inprocess(shards=1, blocks_per_group=8)
+def shard_claims(inprocess: Any) -> InProcessSystem:
+    """A shard that makes every claim itself: its finishes are posted on its socket."""
+    system: InProcessSystem = inprocess(shards=1, blocks_per_group=8, worker_claims=False)
     return system
 
 
@@ -205,13 +215,14 @@ def _write_with_the_finish_held(system: InProcessSystem, link: SharedLink, batch
 
 @pytest.mark.parametrize("reader", ["the writer", "another process"])
 def test_a_read_of_a_block_whose_finish_is_in_flight_waits_for_it(
-        one_shard: InProcessSystem, w: Any, reader: str) -> None:
+        shard_claims: InProcessSystem, w: Any, reader: str) -> None:
     """The shard is held busy right after the copy (the finish waits in the socket): a read
     of the block, by the writing process or by another one (its own connection, nothing in
     flight on it), waits for that finish and reads through the segment, never asking the
     shard (which could only answer STALE for a block still being written). (Mutation-checked:
     without the wait for a finish under way the other process's read went to the shard;
     without it and the writer's sync of its own finishes, the writer's too.)"""
+    one_shard = shard_claims
     shard = one_shard.links["shard-0"].shard
     writer = SharedLink(one_shard.links["shard-0"])
     assert writer._attached() is not None and writer.control is not None
@@ -234,10 +245,10 @@ def test_a_read_of_a_block_whose_finish_is_in_flight_waits_for_it(
 
 
 def test_calls_from_many_threads_and_posts_share_one_connection_in_order(
-        one_shard: InProcessSystem) -> None:
+        shard_claims: InProcessSystem) -> None:
     """Answers go to the thread that asked, posted calls' answers are read in passing, a
     refused post is counted, never raised at someone else."""
-    info = one_shard.links["shard-0"].shard.shared_pool()
+    info = shard_claims.links["shard-0"].shard.shared_pool()
     assert info is not None
     client = ControlClient("shard-0", info.control)
     me = this_writer()

@@ -51,6 +51,16 @@ def system(request: pytest.FixtureRequest, data_dir: Path) -> Iterator[InProcess
 
 
 @pytest.fixture(params=[1, 2], ids=["1-shard", "2-shards"])
+def shard_claims(request: pytest.FixtureRequest, data_dir: Path) -> Iterator[InProcessSystem]:
+    """As ``system``, with every claim made by the shard (``ShardConfig.worker_claims``
+    off): the tests that make the shard refuse a claim or a finish."""
+    system = InProcessSystem(default_spec(), data_dir, InProcessConfig(
+        shards=request.param, heartbeat_interval_s=3600.0, worker_claims=False))
+    yield system
+    system.close()
+
+
+@pytest.fixture(params=[1, 2], ids=["1-shard", "2-shards"])
 def restartable(request: pytest.FixtureRequest,
                 inprocess: Callable[..., InProcessSystem]) -> InProcessSystem:
     """Shards heartbeating as usual: they notice a restarted service and re-confirm."""
@@ -211,7 +221,8 @@ def test_a_failed_commit_call_leaves_nothing_behind(restartable: InProcessSystem
 
 
 def test_a_failed_shard_write_commits_neither_the_block_nor_its_indexers(
-        system: InProcessSystem, w: Any) -> None:
+        shard_claims: InProcessSystem, w: Any) -> None:
+    system = shard_claims
     plane = system.dataplane()
     lay = plane.layout
     hashes = w.prompt(BLOCKS, seed=23)
@@ -259,12 +270,13 @@ def test_a_failed_shard_write_commits_neither_the_block_nor_its_indexers(
 
 
 
-def test_a_refused_finish_leaves_no_ready_object_it_cannot_read(system: InProcessSystem,
+def test_a_refused_finish_leaves_no_ready_object_it_cannot_read(shard_claims: InProcessSystem,
                                                                w: Any) -> None:
     """Through shared memory a write's finish is posted and the commits report before its
     answer is read. A finish the shard refuses (its claim taken from the writer: a shard
     reset) leaves the block claimed, never readable; the settle after the commits finds it
     so: the object must not stay READY (every lookup would hit it and every read recompute)."""
+    system = shard_claims
     plane = system.dataplane()
     assert all(getattr(link, "control", None) is not None or link._attached() is not None
                for link in plane.shards.values())
