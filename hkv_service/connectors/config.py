@@ -51,6 +51,12 @@ class ConnectorConfig:
     # core/sightings.py); 2: a prompt no second request brings is never saved (SGLang's
     # write_through_selective); 1: every block computed is saved
     save_min_sightings: int = 1
+    # the connector's lanes (probe, save, load) share the GIL with vLLM's engine loop, which
+    # runs steps back to back while a request waits for its load: every time a lane's copy
+    # lets go of the GIL it waited up to Python's switch interval (5 ms) to get it back, so
+    # a 5-item load took 10-26 ms. The process's interval is lowered to this (never raised;
+    # 0: left as it is). lane.shorten_gil_switch
+    gil_switch_interval_s: float = 0.0005
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -76,6 +82,9 @@ class ConnectorConfig:
         if not 0 <= self.probe_step_wait_s <= self.probe_wait_s:
             raise BadConnectorConfig("probe_step_wait_s", "must be >= 0 and at most "
                                      "probe_wait_s (it is waited inside vLLM's step)")
+        if not 0 <= self.gil_switch_interval_s <= 0.1:
+            raise BadConnectorConfig("gil_switch_interval_s", "must be >= 0 (0: leave "
+                                     "Python's switch interval as it is) and at most 0.1")
         if self.staging_mib <= 0 or self.drain_s < 0:
             raise BadConnectorConfig("staging_mib", "staging_mib must be > 0, drain_s >= 0")
         if not 1 <= self.save_min_sightings <= MAX_NEEDED:

@@ -10,15 +10,29 @@ its earlier ones, and a finished request's last save must land after them.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["Lane", "Task"]
+__all__ = ["Lane", "Task", "shorten_gil_switch"]
 
 log = logging.getLogger(__name__)
+
+
+def shorten_gil_switch(interval_s: float) -> float:
+    """Lower this process's GIL switch interval to ``interval_s`` (never raise it; 0: leave
+    it) and return the interval in force. A lane thread that waits for the GIL while vLLM's
+    engine loop runs Python gets it after at most this long, instead of Python's 5 ms: a
+    lane's copy lets go of the GIL once per item. Process-wide: whoever lowered it further
+    (a test, the operator) keeps theirs."""
+    if 0 < interval_s < sys.getswitchinterval():
+        log.info("hkv connector: GIL switch interval %.2g s -> %.2g s (gil_switch_interval_s)",
+                 sys.getswitchinterval(), interval_s)
+        sys.setswitchinterval(interval_s)
+    return sys.getswitchinterval()
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,6 +49,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from .config import ConnectorConfig
 from .errors import ConnectorError, SpecMismatch
 from .geometry import Geometry, geometry_from
+from .lane import shorten_gil_switch
 from .plan import LoadJob, SaveJob
 from .scheduler import SchedulerSide
 from .stats import HkvStats
@@ -116,6 +117,7 @@ class HkvConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unuse
                                  f"not a failed request (got {tc.kv_load_failure_policy!r})")
         cfg = ConnectorConfig.from_extra(tc.kv_connector_extra_config)
         self.geometry = engine_geometry(vllm_config, kv_cache_config, cfg)
+        shorten_gil_switch(cfg.gil_switch_interval_s)  # both sides run lanes beside the step
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         self._errors: set[int] = set()  # this step's load errors, taken by vLLM once

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from vllm_harness import engine_config, hybrid_specs, readme_commands, write_tin
 from hkv_service.connectors import systems
 from hkv_service.connectors.config import ConnectorConfig
 from hkv_service.connectors.errors import BadConnectorConfig, ConnectorError, SpecMismatch
+from hkv_service.connectors.lane import shorten_gil_switch
 from hkv_service.connectors.vllm import HkvConnector, engine_geometry
 from hkv_service.specs import default_spec
 from workers.inprocess import InProcessSystem
@@ -49,11 +51,30 @@ def test_the_readme_config_loads_the_connector_class_with_hma() -> None:
     ({"endpoint": "h:1", "probe_step_wait_s": -0.001}, "probe_step_wait_s"),
     ({"endpoint": "h:1", "probe_step_wait_s": 2.0}, "probe_step_wait_s"),
     ({"endpoint": "h:1", "save_min_sightings": True}, "save_min_sightings"),
+    ({"endpoint": "h:1", "gil_switch_interval_s": -1e-4}, "gil_switch_interval_s"),
+    ({"endpoint": "h:1", "gil_switch_interval_s": 1.0}, "gil_switch_interval_s"),
 ])
 def test_bad_extra_config_is_refused_naming_the_key(extra: dict[str, object], key: str) -> None:
     with pytest.raises(BadConnectorConfig) as err:
         ConnectorConfig.from_extra(extra)
     assert err.value.key == key
+
+
+def test_the_gil_switch_interval_is_lowered_never_raised() -> None:
+    """The connector lowers the process's switch interval to its setting (its lanes then
+    get the GIL back from vLLM's engine loop within it), keeps a lower one the process has,
+    and leaves it alone at 0."""
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        assert ConnectorConfig.from_extra({"endpoint": "h:1"}).gil_switch_interval_s == 5e-4
+        assert shorten_gil_switch(5e-4) == pytest.approx(5e-4)
+        assert shorten_gil_switch(2e-3) == pytest.approx(5e-4)  # never raised
+        assert shorten_gil_switch(0.0) == pytest.approx(5e-4)  # 0: left as it is
+        sys.setswitchinterval(0.005)
+        assert shorten_gil_switch(0.0) == pytest.approx(0.005)
+    finally:
+        sys.setswitchinterval(before)
 
 
 @pytest.fixture
