@@ -29,6 +29,7 @@ import time
 from typing import Any
 
 from .link import ShardUnavailable
+from .shm import fd_ready
 
 __all__ = ["SERVED", "ControlClient", "ControlServer"]
 
@@ -55,7 +56,7 @@ def _send(sock: socket.socket, obj: Any, timeout_s: float | None = None) -> None
             frame = frame[sock.send(frame, socket.MSG_DONTWAIT) :]
         except BlockingIOError:
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([], [sock], [], left)[1]:
+            if left <= 0 or not fd_ready(sock.fileno(), select.POLLOUT, left):
                 raise TimeoutError("the shard takes no more calls") from None
 
 

@@ -275,11 +275,12 @@ class ShardActor:
         for group, pool in self.pools.pools.items():
             lo, hi = mine.blocks(group)
             kept = [b for g, b in keep if g == group]
-            saved = pool.object_id[kept].copy()
-            for a, b in zip(lo, hi, strict=True):
-                pool.generation[a:b] = self.floor
-                pool.object_id[a:b] = -1
-            pool.object_id[kept] = saved
+            with pool.slots.lock:  # (a worker on this node may be claiming meanwhile)
+                saved = pool.object_id[kept].copy()
+                for a, b in zip(lo, hi, strict=True):
+                    pool.generation[a:b] = self.floor
+                    pool.object_id[a:b] = -1
+                pool.object_id[kept] = saved
         self._tags = {k: v for k, v in self._tags.items()
                       if k in keep or not mine.block(k[0], k[1])}
         self._disk_ids = {k: oid for k, oid in self._disk_ids.items() if not mine.object(oid)}
@@ -295,10 +296,12 @@ class ShardActor:
             for (group, r), oid in zip(batch, ids, strict=True):
                 pool = self.pools[group]
                 if oid is None:
-                    pool.object_id[r.block] = -1  # (at the floor already: _reset_pools)
+                    with pool.slots.lock:  # (at the floor already: _reset_pools)
+                        pool.object_id[r.block] = -1
                     self._tags.pop((group, r.block), None)
                     continue
-                pool.object_id[r.block] = oid
+                with pool.slots.lock:
+                    pool.object_id[r.block] = oid
                 self._tags[(group, r.block)] = (oid, self._tags[(group, r.block)][1])
                 total += 1
         return total

@@ -68,7 +68,6 @@ import logging
 import mmap
 import os
 import platform
-import select
 import sys
 import threading
 import time
@@ -91,6 +90,7 @@ from .shm import (
     MetaLockTimeout,
     SegmentInfo,
     Writer,
+    fd_ready,
     meta_arrays,
     pool_counts,
     this_writer,
@@ -158,6 +158,9 @@ class Mapped:
             os.close(fd)
             raise
         lock_file = LockFile(fd)  # the pools' locks are this open file's (closed with it)
+        # the pidfd is closed by close(), or with this object if no one called it (a data
+        # plane dropped without closing its links: no descriptor outlives its mapping)
+        self._pid_file: LockFile | None = LockFile(self.pidfd)
         self.me = this_writer()  # (alive: it is this process)
         self._alive = np.frombuffer(self._meta, np.int64, 1, ALIVE_AT)
         self.pools = {r.name: _Region(meta_arrays(self._meta, r), np.frombuffer(
@@ -172,16 +175,16 @@ class Mapped:
     def alive(self) -> bool:
         """The shard process that made the segment still runs and has not shut it down.
         (The pidfd was opened before the segment and the nonce matched: it is that process.)"""
-        if self.pidfd < 0 or not self._alive[0]:
+        held = self._pid_file  # (kept open while asked, whatever close() does meanwhile)
+        if held is None or not self._alive[0]:
             return False
-        return not select.select([self.pidfd], [], [], 0)[0]  # readable once it exited
+        return not fd_ready(held.fd)  # readable once it exited
 
     def close(self) -> None:
         """Let go of the segment (its memory is freed once no one maps it)."""
         if self.pidfd < 0:
             return
-        os.close(self.pidfd)
-        self.pidfd = -1
+        self.pidfd, self._pid_file = -1, None  # (closed with its last reference: this one)
         self.pools, self.slots = {}, {}  # (the locks' file closes with the last of them)
         self._alive = np.zeros(1, np.int64)
         for m in (self._meta, self._data):

@@ -180,10 +180,10 @@ _FLOCK = struct.Struct("hhqqi4x")  # struct flock on Linux x86-64 / arm64
 
 
 class LockFile:
-    """An open file of a segment whose OFD locks guard its pools' records; closed once no
-    lock refers to it any more (a thread still inside one keeps it open: closing it under
-    that thread would drop its lock, or let its unlock hit a file reopened under the
-    same descriptor number)."""
+    """A descriptor closed once nothing refers to it any more: an open file of a segment
+    whose OFD locks guard its pools' records (a thread still inside one keeps it open:
+    closing it under that thread would drop its lock, or let its unlock hit a file reopened
+    under the same descriptor number), a mapping's pidfd."""
 
     __slots__ = ("fd",)
 
@@ -277,6 +277,15 @@ def process_start(pid: int) -> int | None:
     return int(stat.rsplit(b")", 1)[1].split()[19])  # the name in (...) may hold spaces
 
 
+def fd_ready(fd: int, events: int = select.POLLIN, timeout_s: float = 0.0) -> bool:
+    """Whether ``fd`` is ready for ``events`` within ``timeout_s`` (0: now). ``poll``, not
+    ``select``: select refuses descriptors past 1023, and an engine's process (vLLM's, with
+    its sockets and files) holds more than that."""
+    waiter = select.poll()
+    waiter.register(fd, events)
+    return bool(waiter.poll(max(0.0, timeout_s) * 1000))
+
+
 def this_writer() -> Writer:
     start = process_start(os.getpid())
     assert start is not None
@@ -288,7 +297,7 @@ def writer_alive(writer: Writer) -> bool:
     does (a pidfd turns readable only once the whole thread group exited; ``/proc``'s state
     shows a zombie as soon as the main thread is one). A shard asks it on every claim: the
     pidfd of a writer found live is kept (:class:`_Watched`), so asking again costs one
-    ``select`` (~1 us) instead of an open and a read of ``/proc`` (~20 us)."""
+    ``poll`` (~1 us) instead of an open and a read of ``/proc`` (~20 us)."""
     return _WATCHED.alive(writer)
 
 
@@ -306,7 +315,7 @@ class _Watched:
         with self._lock:
             fd = self._fds.get(writer)
             if fd is not None:
-                if not select.select([fd], [], [], 0)[0]:
+                if not fd_ready(fd):
                     self._fds.move_to_end(writer)
                     return True
                 del self._fds[writer]  # it ended: never asked about again
@@ -318,7 +327,7 @@ class _Watched:
             except OSError:
                 return False  # reaped
             # the start time read after the open names the process the pidfd refers to
-            if process_start(pid) != start or select.select([fd], [], [], 0)[0]:
+            if process_start(pid) != start or fd_ready(fd):
                 os.close(fd)
                 return False
             self._fds[writer] = fd

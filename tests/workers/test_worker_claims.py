@@ -13,6 +13,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -433,3 +434,114 @@ def test_a_worker_claim_cannot_land_between_the_shards_check_and_its_copy(
     assert landed == [False]
     assert not isinstance(got, ItemResult) and (np.asarray(got) == 5).all()
     m.close()
+
+
+def test_threads_and_links_of_one_process_claim_side_by_side(
+        one_shard: InProcessSystem, w: Any) -> None:
+    """Four threads write fresh objects through two links of one process at once (each
+    link its own open file, so its own OFD locks; the threads of a link share them and the
+    pool's thread lock): every write is granted and finished, and every object reads back
+    its own bytes through the segment and through the shard."""
+    import concurrent.futures
+
+    from hkv_service.core.states import Event
+    from workers.commits import commit_many
+    from workers.ports import Commit
+    from workers.shared import SharedLink
+
+    links = [SharedLink(one_shard.links["shard-0"]) for _ in range(2)]
+    assert all(link._attached() is not None and link.mapped is not None
+               and link.mapped.worker_claims for link in links)
+    m = Mapped(one_shard.links["shard-0"].shard.shared_pool())
+    lock = threading.Lock()  # (the allocations: one metadata view in process)
+
+    def writer(t: int) -> list[tuple[HandleBatch, int, int]]:
+        done = []
+        for k in range(8):
+            with lock:
+                batch, n = _fresh(one_shard, w, 1000 + 100 * t + k)
+            value = (7 * t + k) % 251
+            res = links[t % 2].submit("write_blocks", batch,
+                                      arrays=[np.full(n, value, np.uint8)]).result(10)
+            assert res[0].ok, res
+            kept, out = _readable(m, one_shard, batch, n)  # before the block is reused
+            assert kept and out is not None and (out == value).all(), (t, k)
+            done.append((batch, n, value))
+            with lock:  # given back: the next allocation may reuse the block
+                commit_many(one_shard.meta, [(batch[0], Commit((Event.EVICT,)))])
+        return done
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        written = [x for f in [pool.submit(writer, t) for t in range(4)] for x in f.result()]
+    assert len(written) == 32
+    counts = one_shard.links["shard-0"].shard.stats()["counts"]
+    assert counts.get("claims", 0) == counts.get("writes", 0) >= 32
+    for link in links:
+        link.close_mapping()
+    m.close()
+
+
+def test_a_process_holding_over_a_thousand_files_still_writes_and_reads(
+        one_shard: InProcessSystem, w: Any) -> None:
+    """A worker whose descriptors run past 1023 (an engine's process holds that many): the
+    liveness checks of the shard and of a claimant ask ``poll``, which takes any descriptor.
+    (Regression: with ``select`` a fresh-clone CI's stateful test, whose in-process shards
+    come and go, failed with "filedescriptor out of range in select()".)"""
+    import resource
+
+    from workers.shared import SharedLink
+    from workers.shm import writer_alive
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1200:
+        if hard != resource.RLIM_INFINITY and hard < 1200:
+            pytest.skip(f"this process may open {hard} files at most: too few to pass 1023")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1200, hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]  # what opens next: > 1023
+    other = _sleeper()
+    try:
+        link = SharedLink(one_shard.links["shard-0"])
+        assert link._attached() is not None and link.mapped is not None
+        assert link.mapped.pidfd > 1023 and link.mapped.alive()
+        assert writer_alive((other.pid, process_start(other.pid) or 1))
+        batch, n = _fresh(one_shard, w, 90)
+        res = link.submit("write_blocks", batch, arrays=[np.full(n, 3, np.uint8)]).result(10)
+        assert res[0].ok, res
+        got = link.submit("read_blocks", batch).result(10)[0]
+        assert not isinstance(got, ItemResult) and (got == 3).all()
+        link.close_mapping()
+    finally:
+        other.kill()
+        other.wait()
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def _pidfds() -> int:
+    out = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out += os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[pidfd]"
+        except OSError:
+            continue
+    return out
+
+
+def test_a_mapping_dropped_without_closing_leaves_no_descriptor(
+        one_shard: InProcessSystem) -> None:
+    """Links (and their mappings) dropped without ``close_mapping``, as a data plane thrown
+    away is: once collected, none of their descriptors stays open. (Regression: each left its
+    pidfd open for good; a test run gathered ~1,000.)"""
+    import gc
+
+    from workers.shared import SharedLink
+
+    gc.collect()
+    before = _pidfds()
+    for _ in range(20):
+        link = SharedLink(one_shard.links["shard-0"])
+        assert link._attached() is not None
+        del link
+    gc.collect()
+    assert _pidfds() - before <= 1, "pidfds of dropped mappings are still open"
