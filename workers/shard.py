@@ -52,7 +52,7 @@ import numpy as np
 
 from hkv_service.core.api import AdmissionCap, Handle, ObjectReport, Params, PoolConfig
 from hkv_service.core.contracts import CONTRACTS
-from hkv_service.core.errors import HkvError, UnknownOwner
+from hkv_service.core.errors import HkvError, Unavailable, UnknownOwner
 from hkv_service.core.ids import BlockHash, ObjectId, ShardId
 from hkv_service.core.inputs import check_report
 from hkv_service.core.layout import Layout
@@ -87,6 +87,10 @@ CONFIRM_BATCH = 256  # reports per confirm call when the shard registers again
 REGISTRATIONS = "registrations"
 REGISTER_ATTEMPTS = 5  # registrations a shard tries before it gives up (see _register)
 REGISTER_BACKOFF_S = 0.05  # times the attempt: late loss reports land meanwhile
+# A starting shard waits this long for a service it cannot reach (one restarting while Ray
+# restarts the shard) before its constructor fails: Ray never restarts an actor whose
+# constructor failed, so giving up at once lost the shard for good.
+REGISTER_UNREACHABLE_S = 60.0
 _WRITTEN = ItemResult(Outcome.OK)  # one shared object: a batch of them pickles as memo refs
 _UNREAD = ItemResult(Outcome.FAILED, "not read")  # placeholder while a read is assembled
 
@@ -175,7 +179,7 @@ class ShardActor:
         # its failed call went to, never a successor (CacheState.mark_owner_lost)
         self.instance = new_instance()
         self.confirmed = 0
-        self._register()
+        self._register(unreachable_s=REGISTER_UNREACHABLE_S)
         self._control: ControlServer | None = None  # claims of writers on this node
         if self.pools.segment is not None:
             self._control = ControlServer(self, f"hkv-ctl-{self.pools.segment.nonce.hex()}")
@@ -186,18 +190,21 @@ class ShardActor:
 
     # -- registration -----------------------------------------------------------------------
 
-    def _register(self, partitions: frozenset[int] | None = None) -> None:
+    def _register(self, partitions: frozenset[int] | None = None,
+                  unreachable_s: float = 0.0) -> None:
         """Register (again) and vouch for what this shard still holds (``_register_once``).
         Declared lost before its confirms were done, it registers again: a loss report of
         the incarnation before names the owner, not the incarnation, and may land just
         after this one registered (the data plane saw the old process die while Ray was
         starting this one), or the service restarted meanwhile. Raised out of ``__init__``
         the error would end the actor for good: Ray does not restart an actor whose
-        constructor failed. Bounded: a service that drops every registration is an error."""
+        constructor failed. Bounded: a service that drops every registration is an error.
+        ``unreachable_s``: how long a service that cannot be reached is asked again (the
+        constructor's registration; a rejoin is asked again at the next heartbeat instead)."""
         last: UnknownOwner | None = None
         for attempt in range(1, REGISTER_ATTEMPTS + 1):
             try:
-                self._register_once(partitions)
+                self._register_reachable(partitions, unreachable_s)
                 # counted once it landed: a restart waits for this, and a registration that
                 # a newer view refused is retried here, not by another rejoin
                 self._bump(REGISTRATIONS)
@@ -212,6 +219,25 @@ class ShardActor:
         raise UnknownOwner(f"shard {self.shard_id} was declared lost during each of its "
                            f"{REGISTER_ATTEMPTS} registrations; is another process "
                            f"registering as {self.shard_id!r}? (last: {last})")
+
+    def _register_reachable(self, partitions: frozenset[int] | None,
+                            unreachable_s: float) -> None:
+        """``_register_once``, asked again while the service cannot be reached (it is
+        restarting) for up to ``unreachable_s``; a registration that reached it is the same
+        as a rejoin's, so asking again is safe."""
+        deadline = time.monotonic() + unreachable_s
+        pause = 0.1
+        while True:
+            try:
+                self._register_once(partitions)
+                return
+            except Unavailable as exc:
+                if time.monotonic() + pause > deadline:
+                    raise
+                log.warning("shard %s cannot reach the metadata service (%s); registering "
+                            "again in %.1f s", self.shard_id, exc, pause)
+            time.sleep(pause)
+            pause = min(2 * pause, 2.0)
 
     def _register_once(self, partitions: frozenset[int] | None) -> None:
         """Register (again) and vouch for what this shard still holds: the memory blocks whose
