@@ -49,6 +49,7 @@ from hkv_service.core.api import Handle, PoolConfig
 from hkv_service.core.ids import GroupName, ObjectId, ShardId
 from hkv_service.core.states import Kind
 
+from .ports import ItemResult, Outcome
 from .shm import META_FIELDS, MetaLock, Segment, Writer, writer_alive
 
 __all__ = ["ALIGN", "BlockPool", "HandleBatch", "PoolSet", "Slots", "StaleRead", "StaleWrite",
@@ -153,6 +154,22 @@ class Slots:
         if self.rows is not None and nbytes < self.nbytes:
             self.rows[block, nbytes : self.nbytes] = 0  # no earlier occupant's bytes
 
+    def claim_result(self, block: int, generation: int, object_id: int, nbytes: int,
+                     writer: Writer) -> ItemResult:
+        """:meth:`claim` as a write's item result, what the shard's ``claim_blocks`` and a
+        worker claiming itself both answer: OK, STALE (a write rule), FAILED (a block
+        outside the pool, a size no object of the pool has)."""
+        if not 0 <= block < len(self.seq):
+            return ItemResult(Outcome.FAILED, f"block {block} is outside {self.name!r} "
+                                              f"(0..{len(self.seq) - 1})")
+        try:
+            self.claim(block, generation, object_id, nbytes, writer)
+        except StaleWrite as exc:
+            return ItemResult(Outcome.STALE, str(exc))
+        except ValueError as exc:
+            return ItemResult(Outcome.FAILED, str(exc))
+        return _GRANTED
+
     def finish(self, block: int, generation: int, object_id: int, writer: Writer) -> None:
         """``writer`` copied its claimed bytes: the block is readable (StaleWrite if the claim
         is not the writer's any more)."""
@@ -209,6 +226,7 @@ class Slots:
             self.object_id[block] = _EMPTY
 
 
+_GRANTED = ItemResult(Outcome.OK)  # one shared object: a batch of them pickles as memo refs
 HOST_ALIGN = 4096  # base alignment of host pools
 _DONE = _Ready()  # host copies are readable when write() returns: one shared token
 
@@ -356,6 +374,22 @@ class BlockPool:
         assert self._host is not None, "claims need a host pool"
         with self.slots.lock:
             self.slots.claim(block, generation, object_id, nbytes, writer)
+
+    def claim_result(self, block: int, generation: int, object_id: int, nbytes: int,
+                     writer: Writer) -> ItemResult:
+        """:meth:`claim` as a write's item result, what the shard's ``claim_blocks`` and a
+        worker claiming itself both answer: OK, STALE (a write rule), FAILED (a block
+        outside the pool, a size no object of the pool has)."""
+        if not 0 <= block < len(self.seq):
+            return ItemResult(Outcome.FAILED, f"block {block} is outside {self.name!r} "
+                                              f"(0..{len(self.seq) - 1})")
+        try:
+            self.claim(block, generation, object_id, nbytes, writer)
+        except StaleWrite as exc:
+            return ItemResult(Outcome.STALE, str(exc))
+        except ValueError as exc:
+            return ItemResult(Outcome.FAILED, str(exc))
+        return _GRANTED
 
     def finish(self, block: int, generation: int, object_id: int, writer: Writer) -> None:
         """``writer`` copied its claimed bytes: the block is readable (StaleWrite if the claim

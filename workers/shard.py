@@ -319,17 +319,19 @@ class ShardActor:
             batch = held[i : i + CONFIRM_BATCH]
             ids = self.meta.confirm_objects(self.shard_id, [r for _, r in batch],
                                             self.incarnation)
+            ids_of: dict[str, list[tuple[int, int]]] = {}  # group: (block, new id or -1)
             for (group, r), oid in zip(batch, ids, strict=True):
-                pool = self.pools[group]
-                if oid is None:
-                    with pool.slots.lock:  # (at the floor already: _reset_pools)
-                        pool.object_id[r.block] = -1
+                ids_of.setdefault(group, []).append((r.block, -1 if oid is None else oid))
+                if oid is None:  # (at the floor already: _reset_pools)
                     self._tags.pop((group, r.block), None)
                     continue
-                with pool.slots.lock:
-                    pool.object_id[r.block] = oid
                 self._tags[(group, r.block)] = (oid, self._tags[(group, r.block)][1])
                 total += 1
+            for group, pairs in ids_of.items():  # one lock per pool: a worker may claim
+                pool = self.pools[group]
+                with pool.slots.lock:
+                    for block, new_id in pairs:
+                        pool.object_id[block] = new_id
         return total
 
     def _confirm_disk(self, mine: _Mine) -> int:
@@ -521,10 +523,22 @@ class ShardActor:
             for i, (slot, oid, gen, block, _) in enumerate(batch.rows.tolist()):
                 res = self._sized(batch.columns[slot][1], groups[slot], tag_of[i], commit_of[i],
                                   int(sizes[i]))
-                out.append(res or self._pool_step(groups[slot], lambda p, b=block, g=gen, o=oid,
-                                                  n=int(sizes[i]): p.claim(b, g, o, n, writer)))
+                out.append(res or self._claim_one(groups[slot], block, gen, oid, int(sizes[i]),
+                                                  writer))
             self._bump("claims", len(out))
             return out
+
+    def _claim_one(self, group: str, block: int, gen: int, oid: int, nbytes: int,
+                   writer: Writer) -> ItemResult:
+        pool = self.pools.get(group)
+        if pool is None:
+            return ItemResult(Outcome.FAILED, f"bad handle: no column {group!r}")
+        assert pool.shared, "claims need a pool in the shared segment"
+        try:
+            with pool.slots.lock:
+                return pool.slots.claim_result(block, gen, oid, nbytes, writer)
+        except MetaLockTimeout as exc:
+            return ItemResult(Outcome.FAILED, str(exc))
 
     def finish_blocks(self, handles: Sequence[Handle], writer: Writer,
                       tags: Sequence[BlockTag | None] | None = None,
@@ -681,18 +695,23 @@ class ShardActor:
             first, idx = int(b[lo]), good[lo:hi]
             # a shared pool: workers claim its blocks without this shard's lock; check again
             # and copy while none can (a device pool: a write may have raced the copy)
-            with pool.slots.lock if pool.shared else contextlib.nullcontext():
-                data = pool.take(first, hi - lo)
-                if pool.shared or pool.device.type != "cpu":
-                    fresh = pool.readable(blocks[idx], gens[idx], oids[idx])
-                    self._stale(spans, pool, idx[~fresh], blocks, gens, oids)
-                if lo in small_at:
-                    buf, base = 0, small_at[lo]
-                    buffers[0][base : base + data.nbytes] = data
-                else:
-                    buf, base = len(buffers), 0
-                    buffers.append(data)
-                lengths = pool.length[b[lo:hi]].tolist()
+            try:
+                with pool.slots.lock if pool.shared else contextlib.nullcontext():
+                    data = pool.take(first, hi - lo)
+                    if pool.shared or pool.device.type != "cpu":
+                        fresh = pool.readable(blocks[idx], gens[idx], oids[idx])
+                        self._stale(spans, pool, idx[~fresh], blocks, gens, oids)
+                    if lo in small_at:
+                        buf, base = 0, small_at[lo]
+                        buffers[0][base : base + data.nbytes] = data
+                    else:
+                        buf, base = len(buffers), 0
+                        buffers.append(data)
+                    lengths = pool.length[b[lo:hi]].tolist()
+            except MetaLockTimeout as exc:  # a stopped worker holds the pool: these items
+                for i in items[lo:hi]:     # fail with a sentence, the call does not
+                    spans[i] = ItemResult(Outcome.FAILED, str(exc))
+                continue
             stride = pool.stride
             for i, blk, n in zip(items[lo:hi], b[lo:hi].tolist(), lengths, strict=True):
                 if spans[i] is _UNREAD:  # exactly the object's bytes, never the block's rest
@@ -760,6 +779,8 @@ class ShardActor:
             data = self.pools[h.group].read(h.block, h.generation, h.object_id, copy=False)
         except StaleRead as exc:
             return ItemResult(Outcome.STALE, str(exc))
+        except MetaLockTimeout as exc:
+            return ItemResult(Outcome.FAILED, str(exc))
         try:
             dh = self.meta.begin_offload(h.object_id, self.shard_id)
         except Exception as exc:

@@ -308,18 +308,10 @@ class Mapped:
         if refused is not None:
             return refused
         _, oid, gen, block, _ = row
-        if not 0 <= block < self.pools[col[3]].num_blocks:
-            return ItemResult(Outcome.FAILED, f"block {block} is outside {col[3]!r} "
-                                              f"(0..{self.pools[col[3]].num_blocks - 1})")
-        try:
-            pool.claim(block, gen, oid, int(size), writer)
-        except StaleWrite as exc:
-            return ItemResult(Outcome.STALE, str(exc))
-        except ValueError as exc:
-            return ItemResult(Outcome.FAILED, str(exc))
-        if pool.lock.counts is not None:
+        res = pool.claim_result(block, gen, oid, int(size), writer)
+        if res.ok and pool.lock.counts is not None:
             pool.lock.counts[0] += 1
-        return _GRANTED
+        return res
 
     def finish(self, batch: HandleBatch, writer: Writer) -> list[ItemResult]:
         """``writer`` copied its claims' bytes: readable (as the shard's ``finish_blocks``

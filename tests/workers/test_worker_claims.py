@@ -287,14 +287,19 @@ time.sleep(3600)
 def test_a_worker_stopped_holding_a_pools_lock_fails_writes_there_and_never_hangs(
         one_shard: InProcessSystem, w: Any, children: Any,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A second process holds the SWA pool's lock and stops: the shard's own write there
-    and a worker's claim there fail with a sentence after the lock wait (no hang, nothing
-    changed); other pools are not held up; killed, the holder's lock goes with it and the
-    same write goes through. (Mutation-checked: a blocking lock hung the shard's write.)"""
+    """A second process holds the SWA pool's lock and stops: the shard's own write there,
+    a worker's claim there and the shard's reads of a readable object there fail with a
+    sentence after the lock wait (no hang, nothing changed, no bytes served; a Ray read
+    returns its items FAILED instead of raising out of the call); other pools are not held
+    up; killed, the holder's lock goes with it and the same write goes through.
+    (Mutation-checked: a blocking lock hung the shard's write; without the catch in the
+    shard's read the MetaLockTimeout came out of read_blocks.)"""
     monkeypatch.setattr(shm, "LOCK_WAIT_S", 0.3)
     shard = one_shard.links["shard-0"].shard
     info = shard.shared_pool()
     assert info is not None
+    r, rn = _fresh(one_shard, w, 52)  # readable before the pool is held
+    assert shard.write_blocks(r, [np.full(rn, 6, np.uint8)], report=False)[0].ok
     holder = children(HOLDER, (info, GROUP))
     assert holder.stdout.readline().strip() == "held"
     os.kill(holder.pid, signal.SIGSTOP)
@@ -308,6 +313,12 @@ def test_a_worker_stopped_holding_a_pools_lock_fails_writes_there_and_never_hang
     assert claimed is not None and claimed[0].outcome is Outcome.FAILED, claimed
     assert time.monotonic() - t0 < 10
     assert not _readable(m, one_shard, a, n)[0]
+    # a read of the held pool through the shard: its items fail, the call returns
+    shard_read = one_shard.links["shard-0"].submit("read_blocks", r).result(10)[0]
+    assert isinstance(shard_read, ItemResult) and "held them for over" in shard_read.detail
+    blk, gen, oid = (int(x) for x in r.rows[0, [3, 2, 1]])
+    with pytest.raises(shm.MetaLockTimeout):  # the disk tier's copy: refused, not served
+        shard.pools[GROUP].read(blk, gen, oid)
     other = next(g for g in m.slots if g != GROUP)
     with m.slots[other].lock:  # another pool's lock is free
         pass
