@@ -127,8 +127,17 @@ class DataPlane:
         try:
             return self._read(match, block_hashes)
         finally:
-            if release and match.lease_id is not None:
-                self._quietly(lambda: self.meta.release_lease(match.lease_id))  # type: ignore[arg-type]
+            if release:
+                self.release(match)
+
+    def release(self, match: Match) -> None:
+        """Give ``match``'s lease back (a failure is ignored: the lease expires on its own).
+        A reader that was told ``release=False`` calls it once it is done with the bytes: the
+        engine's load lane, after telling vLLM the load landed (a round trip to the service
+        that the request need not wait for)."""
+        if match.lease_id is not None:
+            lease = match.lease_id
+            self._quietly(lambda: self.meta.release_lease(lease))
 
     def read_into(self, match: Match, dests: Mapping[str, Sequence[np.ndarray]],
                   block_hashes: Sequence[BlockHash] | None = None,
@@ -153,8 +162,8 @@ class DataPlane:
                     return why
             return None
         finally:
-            if release and match.lease_id is not None:
-                self._quietly(lambda: self.meta.release_lease(match.lease_id))  # type: ignore[arg-type]
+            if release:
+                self.release(match)
 
     def _read_shard_into(self, sid: str, handles: list[Handle], dests: list[np.ndarray]
                          ) -> Recompute | None:

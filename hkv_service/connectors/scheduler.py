@@ -356,8 +356,10 @@ class SchedulerSide:
             return
         target = probe.local + num_external
         hashes = probe.hashes[: target // self.geo.hash_block_size]
+        start = time.perf_counter()  # (a round trip inside vLLM's step: counted apart)
         match = self._lookup(LookupRequest(hashes, target, self.abi,
                                            lease_ttl_s=self.lease_ttl_s))
+        self.stats.add("alloc_lookup_s", time.perf_counter() - start)
         job = self._plan(request.request_id, hashes, probe.local, target, match, block_ids)
         self._loads.append(job)
         self._loading.add(request.request_id)

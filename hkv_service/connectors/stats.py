@@ -5,7 +5,9 @@ snapshots add up key by key. Names: ``probes``, ``probe_tokens`` (tokens hkv cer
 vLLM's own hit), ``downgrade.<REASON>`` (hkv's reasons for answering less than the hashes
 matched), ``source.host`` / ``source.disk`` (tokens served from shard memory or loaded from a
 disk tier first), ``load_ok``, ``load_failed``, ``load_failed.<why>``, ``loaded_tokens``,
-``saved_blocks``, ``existing_blocks``, ``save_failed``, ``lookup_s``, ``read_s``, ``write_s``.
+``saved_blocks``, ``existing_blocks``, ``save_failed``, ``lookup_s``, ``read_s``, ``write_s``,
+``alloc_lookup_s`` (the leased lookups made at allocation: inside vLLM's step, also in
+``lookup_s``).
 Probes (scheduler, off the step): ``probe_batches`` (lane tasks: the probes asked in one step),
 ``probe_s`` (their hashing and lookups), ``probe_late`` (a request computed because its probe
 was pending past ``probe_wait_s``), ``probe_abandoned`` (probes whose lane task never ran),

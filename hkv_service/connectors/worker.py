@@ -128,6 +128,8 @@ class WorkerSide:
 
     def _run_load(self, job: LoadJob) -> None:
         self._settle_load(job, self._load(job))
+        if job.match is not None:  # the bytes are in vLLM's pages and vLLM was told: the
+            self.plane.release(job.match)  # lease's round trip is off the request's path
 
     def _abandon_load(self, job: LoadJob, why: str) -> None:
         self.stats.add("load_failed.abandoned")
@@ -150,7 +152,7 @@ class WorkerSide:
         assert job.match is not None
         start = time.perf_counter()
         try:
-            blocks = self.plane.read(job.match, job.hashes)
+            blocks = self.plane.read(job.match, job.hashes, release=False)
             if isinstance(blocks, Recompute):
                 self.stats.add(f"load_failed.{blocks.reason.value}")
                 log.info("hkv load of %s refused (%s): recomputing", job.req_id, blocks.reason)

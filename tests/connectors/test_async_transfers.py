@@ -278,6 +278,38 @@ def test_a_request_aborted_while_its_load_is_in_flight_is_freed_after_it(
     assert h.connector.scheduler.stats.total["finished_while_loading"] == 1  # type: ignore[union-attr]
 
 
+def leases(h: Harness) -> int:
+    gauges: Any = h.system.meta.state.stats()["gauges"]
+    return int(gauges["leases"])
+
+
+def test_a_hit_runs_before_its_lease_is_given_back(make: Callable[..., Harness]) -> None:
+    """A load reports landed (vLLM schedules the rest of the prompt) before the load lane
+    gives the lease back: that round trip to the service is not on the request's path. The
+    lease still goes once it is let through."""
+    h = make()
+    tokens = prompt(N, seed=11)
+    h.add("A", tokens)
+    h.run()
+    h.forget_local()
+    gate = Gate(h.system.meta, "release_lease")  # the service answers the release late
+    h.add("B", tokens)
+    deadline = time.monotonic() + 10.0  # under the gate's own 30 s
+    while not any(out.num_scheduled_tokens.get("B") for out in h.outputs):
+        assert time.monotonic() < deadline, "B waited for its lease's release"
+        h.step()
+        time.sleep(0.001)
+    assert h.scheduled("B") == N - 384  # the hit loaded; the rest computed
+    assert h.connector.scheduler.stats.total["alloc_lookup_s"] > 0  # type: ignore[union-attr]
+    assert gate.entered.wait(10.0) and not gate.open_.is_set() and leases(h) == 1
+    gate.open()
+    h.run()
+    deadline = time.monotonic() + 10.0
+    while leases(h):
+        assert time.monotonic() < deadline, "the lease was never given back"
+        time.sleep(0.01)
+
+
 def test_a_prompt_is_saved_when_a_second_request_brings_it(make: Callable[..., Harness]) -> None:
     """``save_min_sightings=2``: a one-off prompt costs no write; the second request with the
     same prefix saves it (whole, its bytes the forward's); the third one hits."""
