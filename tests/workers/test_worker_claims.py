@@ -8,6 +8,7 @@ process a real one mapping the real segment."""
 from __future__ import annotations
 
 import base64
+import gc
 import os
 import pickle
 import signal
@@ -508,6 +509,10 @@ def test_a_process_holding_over_a_thousand_files_still_writes_and_reads(
         if hard != resource.RLIM_INFINITY and hard < 1200:
             pytest.skip(f"this process may open {hard} files at most: too few to pass 1023")
         resource.setrlimit(resource.RLIMIT_NOFILE, (1200, hard))
+    # a finalizer that runs meanwhile (a dropped mapping's pidfd, an earlier test's) would
+    # free a low descriptor for the next open: collected first, none run until the end
+    gc.collect()
+    gc.disable()
     held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]  # what opens next: > 1023
     other = _sleeper()
     try:
@@ -527,6 +532,7 @@ def test_a_process_holding_over_a_thousand_files_still_writes_and_reads(
         for fd in held:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        gc.enable()
 
 
 def _pidfds() -> int:
