@@ -2,8 +2,10 @@
 
 A request's life, as vLLM drives it::
 
-    on_new_request               the request's probe is queued: a match-only lookup (no
-                                 lease, no side effect) of its whole-block prefix
+    on_new_request               the request's probe is queued: a leased lookup of its
+                                 whole-block prefix (the lease pins what it certifies until
+                                 the load read it, or the answer is dropped unused: given
+                                 back from the lane, else it expires)
     get_num_new_matched_tokens   the probes queued so far go to the probe lane as one batch
                                  (hashing and one lookup call). While other requests run, a
                                  request told to wait would miss a whole step of theirs, so
@@ -21,8 +23,10 @@ A request's life, as vLLM drives it::
                                  request. hkv slower than ``probe_wait_s``: 0 (computed). At
                                  most one answer per request per step (asked again in the same
                                  step, the same answer)
-    update_state_after_alloc     the leased lookup at exactly local + what vLLM took; shorter
-                                 than that (something changed since the probe) is a load error
+    update_state_after_alloc     the probe's match when vLLM took exactly what it certified
+                                 (no call: the step never waits on hkv for a hit); otherwise
+                                 a leased lookup at exactly local + what vLLM took, shorter
+                                 than that (something changed since the probe) a load error
     build_connector_meta         the step's LoadJobs, and a SaveJob per scheduled request for
                                  the blocks this step completes (saved after the forward: a
                                  sliding window's blocks are freed once it moves past them)
@@ -100,12 +104,8 @@ class _Ask:
     submitted: bool = False  # handed to the probe lane
     deferred: bool = False  # vLLM was told to ask again (not answered in its step's wait)
     landed: threading.Event = dataclasses.field(default_factory=threading.Event)  # done set
-
-    def settle(self, match: Match | None) -> None:
-        """On the lane: the answer, then ``done`` (the step reads match only once done)."""
-        self.match = match
-        self.done = True
-        self.landed.set()
+    lent: bool = False  # its match (and lease) went to a LoadJob: the worker gives it back
+    dropped: bool = False  # no one will use its answer: its lease goes back once it lands
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +114,7 @@ class Probe:
     local: int  # vLLM's own hit, as it told the probe
     usable: int  # what hkv certified
     downgrades: tuple[Downgrade, ...]
+    ask: _Ask | None = None  # the answered probe, whose leased match a load may take
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +171,10 @@ class SchedulerSide:
         self._step_at = time.monotonic()  # the last build_connector_meta
         self._step_s = 0.0  # the time between the last two: the step before this one
         self._lane = Lane("probe")
+        # leases of answers no load took, given back from the lane (the step never calls
+        # hkv); the lock orders an answer landing against its request dropping it
+        self._lease_lock = threading.Lock()
+        self._unused: list[Match] = []
 
     # -- probe ----------------------------------------------------------------------------
 
@@ -208,16 +213,14 @@ class SchedulerSide:
             return 0, False
         pending = self._pending.get(req_id)
         if pending is not None and pending.done:
-            self._answered[req_id] = pending
-            del self._pending[req_id]
+            self._take_answer(pending)
             pending = None
         ask = self._answered.get(req_id)
         if ask is None or ask.limit != limit:  # nothing answered for this prompt length yet
             if pending is None or pending.limit != limit:
                 pending = self._ask(request, limit)
             if self._wait(pending):  # answered within the step's wait: answer it now
-                self._answered[req_id] = ask = pending
-                del self._pending[req_id]
+                ask = self._take_answer(pending)
                 pending = None
             elif time.monotonic() - pending.started < self.probe_wait_s:
                 if not pending.deferred:
@@ -239,9 +242,57 @@ class SchedulerSide:
     def _ask(self, request: Request, limit: int) -> _Ask:
         ask = _Ask(request.request_id, limit, list(request.all_token_ids[:limit]),
                    self.extra_keys(request), time.monotonic())
+        old = self._pending.get(ask.req_id)
+        if old is not None:  # (a probe for another prompt length: its answer is not wanted)
+            self._drop(old)
         self._pending[ask.req_id] = ask
         self._new.append(ask)
         return ask
+
+    def _take_answer(self, ask: _Ask) -> _Ask:
+        """``ask`` (landed) becomes its request's answer; the one it replaces is dropped."""
+        old = self._answered.get(ask.req_id)
+        if old is not None and old is not ask:
+            self._drop(old)
+        self._answered[ask.req_id] = ask
+        del self._pending[ask.req_id]
+        return ask
+
+    def _settle(self, ask: _Ask, match: Match | None) -> None:
+        """On the lane: the answer, then ``done`` (the step reads match only once done)."""
+        with self._lease_lock:
+            ask.match = match
+            ask.done = True
+            if ask.dropped and match is not None and match.lease_id is not None:
+                self._unused.append(match)  # its request let go of it meanwhile
+        ask.landed.set()
+
+    def _drop(self, ask: _Ask) -> None:
+        """No load will take ``ask``'s answer: its lease goes back (from the lane), now if
+        it landed, else when it lands. A lease lent to a LoadJob is the worker's to give
+        back."""
+        with self._lease_lock:
+            if ask.dropped or ask.lent:
+                return
+            ask.dropped = True
+            m = ask.match
+            if ask.done and m is not None and m.lease_id is not None:
+                self._unused.append(m)
+
+    def _lend(self, probe: Probe, target: int) -> Match | None:
+        """The probe's leased match for a load of exactly ``target`` tokens (what it
+        certified, not lent before, not dropped), else None."""
+        ask = probe.ask
+        if ask is None:
+            return None
+        with self._lease_lock:
+            m = ask.match
+            if ask.lent or ask.dropped or m is None or m.lease_id is None or \
+                    m.usable_tokens != target or \
+                    time.monotonic() - ask.started > self.lease_ttl_s / 2:  # (may lapse)
+                return None
+            ask.lent = True
+            return m
 
     def _unask(self, req_id: str) -> None:
         """vLLM's own hit covers what hkv could add: a probe queued at arrival is not sent."""
@@ -277,6 +328,11 @@ class SchedulerSide:
         asked), to the probe lane as one task."""
         asks = [a for a in self._new if self._pending.get(a.req_id) is a]
         self._new.clear()
+        with self._lease_lock:
+            unused, self._unused = self._unused, []
+        if unused:
+            self._lane.submit(Task(partial(self._give_back, unused),
+                                   partial(self._not_given_back, unused)))
         for a in asks:
             a.submitted = True
         if asks:
@@ -291,7 +347,8 @@ class SchedulerSide:
         hb = self.geo.hash_block_size
         for a in asks:
             a.hashes = tuple(hash_blocks(a.tokens, hb, a.extra))
-        reqs = [LookupRequest(a.hashes, a.limit, self.abi, handles=False) for a in asks]
+        reqs = [LookupRequest(a.hashes, a.limit, self.abi, lease_ttl_s=self.lease_ttl_s)
+                for a in asks]
         many = getattr(self.meta, "lookup_many", None)
         matches: list[Match | None]
         if many is not None and len(reqs) > 1:
@@ -304,14 +361,23 @@ class SchedulerSide:
         else:
             matches = [self._lookup(r) for r in reqs]
         for a, m in zip(asks, matches, strict=True):
-            a.settle(m)
+            self._settle(a, m)
         self.stats.add("probe_s", time.perf_counter() - start)
 
     def _abandon_probes(self, asks: list[_Ask], why: str) -> None:
         log.warning("hkv probes abandoned (%s): computing instead", why)
         self.stats.add("probe_abandoned", len(asks))
         for a in asks:
-            a.settle(None)
+            self._settle(a, None)
+
+    def _give_back(self, matches: list[Match]) -> None:
+        """On the probe lane: the leases of answers no load took."""
+        for m in matches:
+            self._release(m)
+        self.stats.add("leases_given_back", len(matches))
+
+    def _not_given_back(self, matches: list[Match], why: str) -> None:
+        log.debug("%d unused leases left to expire (%s)", len(matches), why)
 
     def _answer(self, req_id: str, ask: _Ask, local: int, limit: int) -> tuple[int, bool]:
         match = ask.match
@@ -328,7 +394,7 @@ class SchedulerSide:
                                           why=_why(match.downgrades) if usable < limit else "")
         if usable <= local:
             return 0, False
-        self._probes[req_id] = Probe(ask.hashes, local, usable, match.downgrades)
+        self._probes[req_id] = Probe(ask.hashes, local, usable, match.downgrades, ask)
         self.stats.add("probe_tokens", usable - local)
         return usable - local, True
 
@@ -356,15 +422,18 @@ class SchedulerSide:
             return
         target = probe.local + num_external
         hashes = probe.hashes[: target // self.geo.hash_block_size]
-        start = time.perf_counter()  # (a round trip inside vLLM's step: counted apart)
-        match = self._lookup(LookupRequest(hashes, target, self.abi,
-                                           lease_ttl_s=self.lease_ttl_s))
-        self.stats.add("alloc_lookup_s", time.perf_counter() - start)
+        match = self._lend(probe, target)
+        if match is None:  # vLLM took another length, or the answer was lent already
+            start = time.perf_counter()  # (a round trip inside vLLM's step: counted apart)
+            match = self._lookup(LookupRequest(hashes, target, self.abi,
+                                               lease_ttl_s=self.lease_ttl_s))
+            self.stats.add("alloc_lookup_s", time.perf_counter() - start)
         job = self._plan(request.request_id, hashes, probe.local, target, match, block_ids)
         self._loads.append(job)
         self._loading.add(request.request_id)
         if match is not None and job.match is not match and match.lease_id is not None:
-            self._release(match)
+            with self._lease_lock:  # given back from the lane
+                self._unused.append(match)
         if job.match is not None:
             self._known[request.request_id] = probe.local + job.tokens
             self._sources[request.request_id] = "disk" if job.match.needs_load else "host"
@@ -512,8 +581,10 @@ class SchedulerSide:
         self._sources.pop(req_id, None)
         self._requests.pop(req_id, None)
         self._asked.pop(req_id, None)
-        self._answered.pop(req_id, None)  # a probe still on the lane answers no one
-        self._pending.pop(req_id, None)
+        for asks in (self._answered, self._pending):  # a probe still on the lane answers
+            ask = asks.pop(req_id, None)  # no one: its lease goes back once it lands
+            if ask is not None:
+                self._drop(ask)
         if req_id in self._loading:  # vLLM holds its blocks for the load; nothing to save
             self._loading.discard(req_id)
             self.stats.add("finished_while_loading")

@@ -7,7 +7,8 @@ matched), ``source.host`` / ``source.disk`` (tokens served from shard memory or 
 disk tier first), ``load_ok``, ``load_failed``, ``load_failed.<why>``, ``loaded_tokens``,
 ``saved_blocks``, ``existing_blocks``, ``save_failed``, ``lookup_s``, ``read_s``, ``write_s``,
 ``alloc_lookup_s`` (the leased lookups made at allocation: inside vLLM's step, also in
-``lookup_s``).
+``lookup_s``; a hit whose load takes the probe's match makes none), ``leases_given_back``
+(probe leases no load took, released from the probe lane).
 Probes (scheduler, off the step): ``probe_batches`` (lane tasks: the probes asked in one step),
 ``probe_s`` (their hashing and lookups), ``probe_late`` (a request computed because its probe
 was pending past ``probe_wait_s``), ``probe_abandoned`` (probes whose lane task never ran),

@@ -16,10 +16,12 @@ them at one position.
 A recurrent (Mamba / GatedDeltaNet) group's states are saved only from vLLM's per-step
 ``boundary_state_offloads`` and each request's output names the boundary hkv certified
 (``kv_transfer_params["hkv"]``, see :class:`.scheduler.Certified`).
-Inside vLLM's step hkv is asked once per hit only (the leased lookup at allocation, which
-certifies the load). The scheduler's probe (hashing and a match-only
-lookup) runs on a lane of its own: ``get_num_new_matched_tokens`` answers None until it is
-answered, and vLLM schedules the other requests meanwhile (:mod:`.scheduler`). On the worker
+The scheduler's probe (hashing and a leased lookup) runs on a lane of its own:
+``get_num_new_matched_tokens`` answers None until it is answered, and vLLM schedules the other
+requests meanwhile (:mod:`.scheduler`). A hit's load takes the probe's leased match, so the
+step does not call hkv for it; only when vLLM takes another length, or the probe's lease may
+have lapsed, is hkv asked inside the step (a leased lookup at allocation, which certifies the
+load). On the worker
 (:mod:`.worker`), ``wait_for_save`` only copies
 the pages to save into a staging buffer, their write and commit run on a background lane, and a
 finished request's blocks stay held (``request_finished`` returns a delay) until its save

@@ -2,14 +2,15 @@
 Scheduler over a real in-process hkv (real shards, real LMDB tiers), no model weights.
 
 ``get_num_new_matched_tokens`` answers None ("ask again") until the request's probe (hashing
-and a match-only lookup on the probe lane) is answered; vLLM skips the request meanwhile and
+and a leased lookup on the probe lane) is answered; vLLM skips the request meanwhile and
 schedules the others. Faults land while a probe is held at a gate in front of the real port's
 ``lookup``: the steps go on; a probe slower than ``probe_wait_s`` and an unreachable hkv
 resolve to 0 (the request computes); a request aborted with its probe in flight leaves
 nothing behind; a preempted request is probed again and loads what its own saves left; a
-probe's answer that went stale before vLLM allocated is never loaded past what the leased
-lookup certifies. Steps here never wait on probes (``Harness.wait_probes`` off) unless a
-test says so.
+probe's answer pins what it certified until the load read it (and its lease goes back when
+no load takes it); a probe whose lease lapsed before vLLM allocated is never loaded past what
+the leased lookup at allocation certifies. Steps here never wait on probes
+(``Harness.wait_probes`` off) unless a test says so.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_async_transfers import Gate
-from test_scheduler import _FaultBeforeLease, handles
+from test_async_transfers import Gate, certified_bytes, leases
+from test_scheduler import fault_before_lease, handles
 from vllm.v1.request import RequestStatus
 from vllm_harness import Harness, harnesses, prompt, write_tiny_config
 
@@ -280,11 +281,57 @@ def test_a_preempted_request_is_probed_again_and_loads_its_own_saves(
     assert "A" not in h.sched.requests
 
 
+def test_a_probe_answer_pins_what_it_certified_until_the_load(
+        make: Callable[..., Harness]) -> None:
+    """The probe's lookup took a lease: evicting what it certified between the probe and
+    vLLM's allocation is refused, the load takes the probe's match (no call to hkv inside
+    the step) and B loads the whole hit; its lease goes back after the load."""
+    h = make()
+    tokens = prompt(N, seed=16)
+    saved(h, tokens)
+    s = side(h)
+    refused: list[Exception] = []
+
+    def try_to_evict() -> None:
+        _, m = handles(h, tokens)
+        if m.lease_id is not None:
+            h.system.meta.release_lease(m.lease_id)
+        for name in m.handles:
+            try:
+                h.system.meta.evict(m.handles[name][0].object_id)
+            except Exception as exc:  # held by the probe's lease
+                refused.append(exc)
+
+    real = s.allocated
+
+    def allocated(request: Any, block_ids: Any, num_external: int) -> None:
+        if num_external > 0 and not refused:
+            try_to_evict()
+        real(request, block_ids, num_external)
+
+    s.allocated = allocated  # type: ignore[method-assign]
+    before = s.stats.total["alloc_lookup_s"]
+    h.add("B", tokens)
+    steps_until(h, lambda: bool(h.loads("B")))
+    (job,) = h.loads("B")
+    assert len(refused) == len(h.geo.groups)  # every column's first object stayed pinned
+    assert job.match is not None and job.tokens == 384
+    assert s.stats.total["alloc_lookup_s"] == before  # no leased lookup inside the step
+    h.run()
+    assert h.scheduled("B") == N - 384
+    assert certified_bytes(h, tokens) == 384  # still there, the bytes the forward wrote
+    deadline = time.monotonic() + 10.0
+    while leases(h):  # the load lane gives the probe's lease back
+        assert time.monotonic() < deadline, "a probe's lease was never given back"
+        time.sleep(0.01)
+
+
 def test_a_stale_probe_answer_is_never_loaded_past_the_leased_lookup(
         make: Callable[..., Harness]) -> None:
     """The probe certified the prompt; steps later (its answer waited on the lane, then for
-    vLLM) the first block is evicted just before vLLM allocates: the leased lookup certifies
-    nothing, so nothing is loaded and B computes all of it."""
+    vLLM, long enough that its lease lapsed) the first block is evicted just before vLLM
+    allocates: the leased lookup certifies nothing, so nothing is loaded and B computes all
+    of it."""
     h = make()
     tokens = prompt(N, seed=6)
     saved(h, tokens)
@@ -297,7 +344,7 @@ def test_a_stale_probe_answer_is_never_loaded_past_the_leased_lookup(
         for name in m.handles:
             h.system.meta.evict(m.handles[name][0].object_id)
 
-    s.meta = _FaultBeforeLease(s.meta, evict_first_block)  # type: ignore[assignment]
+    fault_before_lease(h, evict_first_block)
     h.add("B", tokens)
     steps_until(h, lambda: bool(h.loads("B")))
     (job,) = h.loads("B")
@@ -305,3 +352,37 @@ def test_a_stale_probe_answer_is_never_loaded_past_the_leased_lookup(
     assert s.stats.total["alloc_shortfall"] == 1
     h.run()
     assert h.scheduled("B") == N  # recomputed
+
+
+def test_an_answer_no_load_takes_gives_its_lease_back(make: Callable[..., Harness]) -> None:
+    """A probe's lease that no load takes goes back from the lane: the request aborted after
+    its answer landed, and aborted while its probe was still on the lane (the answer lands
+    after the request is gone)."""
+    h = make()
+    tokens = prompt(N, seed=17)
+    saved(h, tokens)
+    s = side(h)
+
+    def no_lease_left() -> None:
+        deadline = time.monotonic() + 10.0
+        while leases(h):
+            assert time.monotonic() < deadline, "an unused probe's lease was never given back"
+            h.step()  # (a step hands the unused leases to the lane)
+            time.sleep(0.01)
+
+    h.add("B", tokens)
+    h.step()  # asked; not answered in this step (no wait here)
+    assert s._lane.drain(30.0) and leases(h) == 1  # landed, with its lease
+    h.sched.finish_requests("B", RequestStatus.FINISHED_ABORTED)
+    no_lease_left()
+    gate = Gate(s.meta, "lookup")
+    h.add("C", tokens)
+    h.step()
+    assert gate.entered.wait(10.0)
+    h.sched.finish_requests("C", RequestStatus.FINISHED_ABORTED)
+    h.step()
+    gate.open()
+    assert s._lane.drain(30.0)
+    no_lease_left()
+    assert s.stats.total["leases_given_back"] == 2
+    assert h.loads("B") == [] and h.loads("C") == []

@@ -300,7 +300,8 @@ def test_a_hit_runs_before_its_lease_is_given_back(make: Callable[..., Harness])
         h.step()
         time.sleep(0.001)
     assert h.scheduled("B") == N - 384  # the hit loaded; the rest computed
-    assert h.connector.scheduler.stats.total["alloc_lookup_s"] > 0  # type: ignore[union-attr]
+    # the probe's leased match was lent to the load: no leased lookup inside the step
+    assert h.connector.scheduler.stats.total["alloc_lookup_s"] == 0  # type: ignore[union-attr]
     assert gate.entered.wait(10.0) and not gate.open_.is_set() and leases(h) == 1
     gate.open()
     h.run()

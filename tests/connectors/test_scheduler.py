@@ -258,21 +258,26 @@ def _worker_step(h: Harness, out: Any) -> None:
         sampled_token_ids=[[7] for _ in ids], kv_connector_output=kco))
 
 
-class _FaultBeforeLease:
-    """The real metadata port; the first leased lookup is preceded by ``fault`` (what another
-    engine's eviction does between vLLM's probe and its allocation)."""
+def fault_before_lease(h: Harness, fault: Callable[[], None]) -> None:
+    """``fault`` (what another engine's eviction does) lands between a request's probe and
+    its allocation, once the probe's lease lapsed (released, and older than allocation lends:
+    allocation then takes a lease of its own, which sees the fault). Once."""
+    side = h.connector.scheduler
+    assert side is not None
+    real = side.allocated
+    pending = [fault]
 
-    def __init__(self, port: Any, fault: Callable[[], None]) -> None:
-        self.port, self.fault = port, fault
+    def allocated(request: Any, block_ids: Any, num_external: int) -> None:
+        probe = side._probes.get(request.request_id)
+        if pending and num_external > 0 and probe is not None and probe.ask is not None:
+            m = probe.ask.match
+            if m is not None and m.lease_id is not None:
+                h.system.meta.release_lease(m.lease_id)
+            probe.ask.started -= side.lease_ttl_s
+            pending.pop()()
+        real(request, block_ids, num_external)
 
-    def lookup(self, req: LookupRequest) -> Any:
-        if req.lease_ttl_s > 0 and self.fault is not None:
-            fault, self.fault = self.fault, None  # type: ignore[assignment]
-            fault()
-        return self.port.lookup(req)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.port, name)
+    side.allocated = allocated  # type: ignore[method-assign]
 
 
 def test_shorter_leased_answer_becomes_load_errors_then_the_certified_prefix(
@@ -282,7 +287,7 @@ def test_shorter_leased_answer_becomes_load_errors_then_the_certified_prefix(
     run_a(h, tokens)
     side = h.connector.scheduler
     assert side is not None
-    side.meta = _FaultBeforeLease(side.meta, lambda: _evict_swa_block(h, tokens, 20))
+    fault_before_lease(h, lambda: _evict_swa_block(h, tokens, 20))
     h.add("B", tokens)
     h.run()
     assert side.stats.total["alloc_shortfall"] == 1
@@ -305,7 +310,7 @@ def test_one_full_attention_group_reports_failed_blocks_and_keeps_the_rest(
             h.system.meta.release_lease(m.lease_id)
         h.system.meta.evict(m.handles["g0"][10].object_id)
 
-    side.meta = _FaultBeforeLease(side.meta, evict_block_10)
+    fault_before_lease(h, evict_block_10)
     h.add("B", tokens)
     h.run()
     assert h.scheduled("B") == N - 160  # blocks [0, 10) loaded, the rest reported and computed
