@@ -375,22 +375,6 @@ class BlockPool:
         with self.slots.lock:
             self.slots.claim(block, generation, object_id, nbytes, writer)
 
-    def claim_result(self, block: int, generation: int, object_id: int, nbytes: int,
-                     writer: Writer) -> ItemResult:
-        """:meth:`claim` as a write's item result, what the shard's ``claim_blocks`` and a
-        worker claiming itself both answer: OK, STALE (a write rule), FAILED (a block
-        outside the pool, a size no object of the pool has)."""
-        if not 0 <= block < len(self.seq):
-            return ItemResult(Outcome.FAILED, f"block {block} is outside {self.name!r} "
-                                              f"(0..{len(self.seq) - 1})")
-        try:
-            self.claim(block, generation, object_id, nbytes, writer)
-        except StaleWrite as exc:
-            return ItemResult(Outcome.STALE, str(exc))
-        except ValueError as exc:
-            return ItemResult(Outcome.FAILED, str(exc))
-        return _GRANTED
-
     def finish(self, block: int, generation: int, object_id: int, writer: Writer) -> None:
         """``writer`` copied its claimed bytes: the block is readable (StaleWrite if the claim
         is not the writer's any more)."""
