@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -38,10 +39,28 @@ def up_env(**extra: str) -> dict[str, str]:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on (at the moment it is asked)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port that nothing is bound to on any address (at the moment it is asked), from
+    below the kernel's ephemeral range and above Ray's worker ports (10002-19999): a port the
+    kernel handed out here could be handed to another process (a Ray starting meanwhile)
+    before the test's server binds it (a fresh-clone CI: "Address already in use")."""
+    low = _ephemeral_low()
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, low) if low > 20001 else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return int(s.getsockname()[1])
+    raise RuntimeError("no free TCP port below the ephemeral range")
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 class Lines:
