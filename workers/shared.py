@@ -14,6 +14,11 @@ Read (no call to the shard at all; a seqlock over the shard's own meta arrays)::
     seq[b] == s0, generation and object still the same   else the copy is discarded
     items that fail either check are asked of the shard (it gives the verdict: STALE ...)
 
+A batch's copies of 2 MiB or more are split over this thread and helper threads
+(:mod:`workers.copies`: one thread copying block by block moves about half of what the
+machine can); the call returns only once every part is copied, so the second look at ``seq``
+(a read) and the finish (a write) always come after the last byte.
+
 A write bumps ``seq`` before it changes a byte and after (``BlockPool.write``/``claim``/
 ``finish``), so an unchanged ``seq`` means no byte changed during the copy. The loads of the
 copy and of the second ``seq`` are ordered on x86-64 (TSO) without a fence; Python has no fence
@@ -78,6 +83,7 @@ from typing import Any
 import numpy as np
 
 from .control import ControlClient
+from .copies import copier
 from .link import Deferred, Pending, ShardLink, ShardUnavailable
 from .pool import HandleBatch, Slots, StaleWrite, _as_bytes
 from .ports import ItemResult, Outcome, PackedRead, size_refusal
@@ -216,12 +222,14 @@ class Mapped:
             s0 = r.seq[b]  # (fancy indexing: a copy, taken before the bytes)
             good = ((s0 & 1) == 0) & (r.generation[b] == gens[idx]) & (
                 r.object_id[b] == oids[idx]) & (oids[idx] != _EMPTY)
+            pairs = []
             for i, blk, n in zip(idx[good].tolist(), b[good].tolist(),
                                  r.length[b[good]].tolist(), strict=True):
                 out = dest(i, n)
                 if out is not None:
-                    np.copyto(out, r.data[blk, :n])
+                    pairs.append((out, r.data[blk, :n]))
                     ok[i] = True
+            copier().copy(pairs)  # (every part copied before the second look at seq)
             ok[idx] &= (r.seq[b] == s0) & (r.generation[b] == gens[idx]) & (
                 r.object_id[b] == oids[idx])
         return ok
@@ -231,6 +239,8 @@ class Mapped:
         """:meth:`read`, item by item (a handful of items: numpy's per-call cost would weigh
         more than the scalar reads). The same loads in the same order: ``seq``, then the
         identity and length, the bytes, then ``seq`` and the identity again."""
+        copied: list[tuple[int, _Region, int, int, int, int]] = []
+        pairs = []
         for i, (slot, oid, gen, blk, _) in enumerate(batch.rows.tolist()):
             r = self.pools.get(batch.columns[slot][3])
             if r is None or not 0 <= blk < r.num_blocks or oid == _EMPTY:
@@ -242,7 +252,10 @@ class Mapped:
             out = dest(i, n)
             if out is None:
                 continue
-            np.copyto(out, r.data[blk, :n])
+            pairs.append((out, r.data[blk, :n]))
+            copied.append((i, r, blk, s0, gen, oid))
+        copier().copy(pairs)  # (every part copied before the second look at seq)
+        for i, r, blk, s0, gen, oid in copied:
             ok[i] = int(r.seq[blk]) == s0 and int(r.generation[blk]) == gen and \
                 int(r.object_id[blk]) == oid
 
@@ -349,11 +362,13 @@ class Mapped:
         ``i`` in ``which``. Raises NotShared if the shard is gone."""
         if not self.alive():
             raise NotShared("the shard's segment is gone")
+        pairs = []
         for i in which:
             slot, _, _, block, _ = batch.rows[i].tolist()
             r = self.pools[batch.columns[slot][3]]
             src = _as_bytes(arrays[i])
-            np.copyto(r.data[block, : src.size], src)
+            pairs.append((r.data[block, : src.size], src))
+        copier().copy(pairs)  # (returns once every part is copied: only then the finish)
 
 
 class SharedLink:
