@@ -280,6 +280,28 @@ def _memcpy_s(nbytes: int, runs: int = 5) -> float:
     return statistics.median(took)
 
 
+def _lane_rates(total: dict[str, float]) -> dict[str, dict[str, float]]:
+    """Per load and per save job: bytes, seconds, GB/s and that over a plain copy's GB/s of
+    the same bytes ({} for a lane that moved nothing)."""
+    out: dict[str, dict[str, float]] = {}
+    for lane, nbytes, secs, jobs in (
+            ("load", total.get("loaded_bytes", 0.0), total.get("read_s", 0.0),
+             total.get("load_ok", 0.0) + total.get("load_failed", 0.0)),
+            ("save", total.get("staged_bytes", 0.0), total.get("write_s", 0.0),
+             total.get("save_jobs", 0.0))):
+        if not (nbytes and secs and jobs):
+            out[lane] = {}
+            continue
+        per_job, s_per_job = int(nbytes / jobs), secs / jobs
+        copy_s = _memcpy_s(per_job)
+        out[lane] = {"jobs": int(jobs), "bytes_per_job": per_job,
+                     "ms_per_job": round(1e3 * s_per_job, 3),
+                     "gbps": round(per_job / s_per_job / 1e9, 3),
+                     "memcpy_gbps": round(per_job / copy_s / 1e9, 3) if copy_s else 0.0,
+                     "vs_memcpy": round(copy_s / s_per_job, 3)}
+    return out
+
+
 def _diff(a: dict[int, float], b: dict[int, float]) -> float | None:
     if set(a) != set(b):
         return None
@@ -381,6 +403,7 @@ def _run(quick: bool, work: Path, model_name: str) -> dict[str, Any]:
             states.append(total["loaded_states"] - before_states)
         counters = {k: v for side in (sched.scheduler, worker.worker)
                     for k, v in sorted(side.stats.total.items()) if not k.endswith("_s")}
+        lanes = _lane_rates(worker.worker.stats.total)
         _shutdown(llm)
     finally:
         system = systems.published(SYSTEM)
@@ -453,6 +476,10 @@ def _run(quick: bool, work: Path, model_name: str) -> dict[str, Any]:
         "probe_off_step_ms_per_miss": round(
             _per_request_us(miss_rows, ("probe_lane",))["total"] / 1e3, 3),
         "connector_counters": counters,  # the connector's own stats, whole run (see stats.py)
+        # the engine path's transfers off the step, whole run: a load (read out of hkv, copied
+        # into vLLM's pages) and a save (allocate, write, commit of what was staged), each
+        # against a plain copy of the same bytes per job (see ratios *_vs_memcpy)
+        "lanes": lanes,
     }
     baseline = {
         "ttft_recompute_s": ttft_recompute,
@@ -469,6 +496,9 @@ def _run(quick: bool, work: Path, model_name: str) -> dict[str, Any]:
                                      if step_miss_s else None),
         "hkv_in_step_miss_vs_memcpy": round(overhead_miss_s / memcpy_s, 2) if memcpy_s else None,
         "staging_vs_memcpy": round(stage_miss_s / memcpy_s, 2) if memcpy_s else None,
+        # bytes/s over the plain copy's bytes/s of the same bytes per job (>= 0.5: the target)
+        "load_vs_memcpy": lanes["load"].get("vs_memcpy"),
+        "save_vs_memcpy": lanes["save"].get("vs_memcpy"),
         "probe_share_of_hkv_in_step_hit": (round(
             sched_hit["get_num_new_matched_tokens"] / 1e6 / overhead_hit_s, 4)
             if overhead_hit_s else None),

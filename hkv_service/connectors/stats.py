@@ -5,7 +5,10 @@ snapshots add up key by key. Names: ``probes``, ``probe_tokens`` (tokens hkv cer
 vLLM's own hit), ``downgrade.<REASON>`` (hkv's reasons for answering less than the hashes
 matched), ``source.host`` / ``source.disk`` (tokens served from shard memory or loaded from a
 disk tier first), ``load_ok``, ``load_failed``, ``load_failed.<why>``, ``loaded_tokens``,
-``saved_blocks``, ``existing_blocks``, ``save_failed``, ``lookup_s``, ``read_s``, ``write_s``,
+``loaded_bytes`` (what the loads read and copied into vLLM's pages; over ``read_s``, the load
+path's rate),
+``saved_blocks``, ``existing_blocks``, ``save_failed``, ``lookup_s``, ``read_s``, ``write_s``
+(``save_jobs`` of them: a save's allocate, write and commit after its staging),
 ``alloc_lookup_s`` (the leased lookups made at allocation: inside vLLM's step, also in
 ``lookup_s``; a hit whose load takes the probe's match makes none), ``leases_given_back``
 (probe leases no load took, released from the probe lane).

@@ -157,8 +157,12 @@ class WorkerSide:
                 self.stats.add(f"load_failed.{blocks.reason.value}")
                 log.info("hkv load of %s refused (%s): recomputing", job.req_id, blocks.reason)
                 return False
+            moved = 0
             for c in job.copies:
-                self._put(self._group(c.column), c.block_id, blocks[c.column][c.index])
+                data = blocks[c.column][c.index]
+                self._put(self._group(c.column), c.block_id, data)
+                moved += data.nbytes
+            self.stats.add("loaded_bytes", moved)
             self.stats.add("loaded_states", sum(self._group(c.column).recurrent
                                                 for c in job.copies))
             return True
@@ -256,6 +260,7 @@ class WorkerSide:
             log.warning("hkv save of %s failed: %s", job.req_id, exc)
         finally:
             self.stats.add("write_s", time.perf_counter() - start)
+            self.stats.add("save_jobs")
         self._settle_save(job, st.nbytes)
 
     def _write_blocks(self, job: SaveJob, hashes: list[BlockHash],
