@@ -15,7 +15,10 @@ A request's life, as vLLM drives it::
                                  then usually answered in the step that first sees it;
                                  an engine with nothing else to run does not wait (its next
                                  iteration comes within a millisecond). Not answered: None
-                                 ("ask again"), and a later call answers. The answer is usable -
+                                 ("ask again"), and a later call answers; but while the
+                                 recent answers were misses (``hit_rate`` under
+                                 DEFER_MIN_HIT_RATE) a busy engine neither waits nor asks
+                                 again: 0 (computed now). The answer is usable -
                                  local (tokens hkv's funnel certifies beyond vLLM's own hit),
                                  loaded asynchronously. An
                                  answer given once is given again at once (and refreshed on
@@ -85,6 +88,14 @@ log = logging.getLogger(__name__)
 # costs the engine at most a tenth of what it saves; a GPU step of a few milliseconds
 # waits a fraction of one, a CPU step of 200 ms up to 20 ms.
 STEP_SHARE = 0.1
+# While other requests run, a request whose probe is not answered in its step's wait is told
+# to ask again (a step later) only while hkv's answers have been hits: each landed answer moves
+# ``SchedulerSide.hit_rate`` this far toward 1 (a hit: more than vLLM's own) or 0, and under
+# DEFER_MIN_HIT_RATE the request computes at once. A step is what a miss's deferral costs; a
+# no-reuse workload paid it for ~half its requests (hkv bench serve, 2026-12-07). It starts
+# at 1 (every request waits for its first answers, as before this rule).
+HIT_RATE_WEIGHT = 0.1
+DEFER_MIN_HIT_RATE = 0.2
 
 
 @dataclass(slots=True, eq=False)
@@ -106,6 +117,7 @@ class _Ask:
     landed: threading.Event = dataclasses.field(default_factory=threading.Event)  # done set
     lent: bool = False  # its match (and lease) went to a LoadJob: the worker gives it back
     dropped: bool = False  # no one will use its answer: its lease goes back once it lands
+    local: int = 0  # vLLM's own hit when last asked (an answer beyond it is a hit)
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +187,7 @@ class SchedulerSide:
         # hkv); the lock orders an answer landing against its request dropping it
         self._lease_lock = threading.Lock()
         self._unused: list[Match] = []
+        self.hit_rate = 1.0  # recent answers' share of hits (HIT_RATE_WEIGHT; the lane sets it)
 
     # -- probe ----------------------------------------------------------------------------
 
@@ -219,9 +232,18 @@ class SchedulerSide:
         if ask is None or ask.limit != limit:  # nothing answered for this prompt length yet
             if pending is None or pending.limit != limit:
                 pending = self._ask(request, limit)
-            if self._wait(pending):  # answered within the step's wait: answer it now
+            pending.local = local
+            worth = self.hit_rate >= DEFER_MIN_HIT_RATE or not self._busy()
+            if self._wait(pending, worth):  # answered within the step's wait: answer it now
                 ask = self._take_answer(pending)
                 pending = None
+            elif not worth:  # recent answers were misses: a step's wait is not worth it
+                self.stats.add("probe_not_waited")
+                self._reports[req_id] = Certified(limit, local, 0, why="hkv probe not waited "
+                                                  "(recent answers were misses)")
+                now: tuple[int | None, bool] = (0, False)
+                self._asked[req_id] = (self._step, local, limit, now)
+                return now
             elif time.monotonic() - pending.started < self.probe_wait_s:
                 if not pending.deferred:
                     pending.deferred = True
@@ -260,6 +282,8 @@ class SchedulerSide:
 
     def _settle(self, ask: _Ask, match: Match | None) -> None:
         """On the lane: the answer, then ``done`` (the step reads match only once done)."""
+        hit = match is not None and match.usable_tokens > ask.local
+        self.hit_rate += HIT_RATE_WEIGHT * (hit - self.hit_rate)  # (this lane's thread only)
         with self._lease_lock:
             ask.match = match
             ask.done = True
@@ -300,16 +324,16 @@ class SchedulerSide:
         if queued is not None and not queued.submitted:
             del self._pending[req_id]
 
-    def _wait(self, ask: _Ask) -> bool:
-        """Whether ``ask`` is answered, waiting for it (its batch handed to the lane first)
-        no longer than what is left of this step's ``probe_step_wait_s``."""
+    def _wait(self, ask: _Ask, block: bool = True) -> bool:
+        """Whether ``ask`` is answered, waiting for it (its batch handed to the lane first;
+        with ``block``) no longer than what is left of this step's ``probe_step_wait_s``."""
         if not ask.submitted:
             self._submit()
         step, waited = self._waited
         if step != self._step:
             waited = 0.0
         left = min(self.probe_step_wait_s, self.step_share * self._step_s) - waited
-        if not ask.done and left > 0 and self._busy():
+        if not ask.done and left > 0 and block and self._busy():
             start = time.perf_counter()
             ask.landed.wait(left)
             spent = time.perf_counter() - start

@@ -17,7 +17,9 @@ Probes (scheduler, off the step): ``probe_batches`` (lane tasks: the probes aske
 was pending past ``probe_wait_s``), ``probe_abandoned`` (probes whose lane task never ran),
 ``probe_waited_s`` (what the steps waited for probes: at most ``probe_step_wait_s`` and a
 tenth of the step before, a step),
-``probe_deferred`` (probes not answered within their step's wait: vLLM asked again later).
+``probe_deferred`` (probes not answered within their step's wait: vLLM asked again later),
+``probe_not_waited`` (not answered in time while recent answers were misses: computed at
+once, no wait; ``scheduler.DEFER_MIN_HIT_RATE``).
 Off the step (worker): ``stage_s`` / ``staged_bytes`` (the in-step copies out of vLLM's cache),
 ``save_dropped`` (blocks not staged: the staging budget was full), ``save_abandoned`` (blocks
 of a save never run: its lane's thread died under it, or shutdown's drain ran out),

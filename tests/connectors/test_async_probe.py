@@ -26,7 +26,7 @@ from test_scheduler import fault_before_lease, handles
 from vllm.v1.request import RequestStatus
 from vllm_harness import Harness, harnesses, prompt, write_tiny_config
 
-from hkv_service.connectors.scheduler import STEP_SHARE, SchedulerSide
+from hkv_service.connectors.scheduler import DEFER_MIN_HIT_RATE, STEP_SHARE, SchedulerSide
 
 N = 400  # prompt tokens; 384 of them in whole LCM blocks
 
@@ -163,6 +163,42 @@ def test_a_step_waits_for_its_probes_at_most_probe_step_wait_s_in_all(
     h.sched.finish_requests("R", RequestStatus.FINISHED_ABORTED)
     h.run()
     assert h.scheduled("B") == N - 384 and h.scheduled("C") == N
+
+
+def test_after_a_run_of_misses_a_busy_engine_computes_at_once_until_hits_come_back(
+        make: Callable[..., Harness]) -> None:
+    """While hkv's recent answers are misses (hit_rate under DEFER_MIN_HIT_RATE), a request
+    whose probe is not answered in its step is computed in that step, not told to ask again
+    a step later; its answer still lands and counts, and once answers are hits again a held
+    probe is waited for as before. An idle engine keeps asking again (that costs ~1 ms)."""
+    h = make()
+    tokens, s, gate = held_while_running(h, seed=21)
+    h.probe_step_wait_s = 0.0
+    s.hit_rate = DEFER_MIN_HIT_RATE * 0.9  # the answers so far were misses (one hit: over)
+    deferred, not_waited = s.stats.total["probe_deferred"], s.stats.total["probe_not_waited"]
+    h.add("B", tokens, max_tokens=20)  # in hkv, but its answer is held
+    out = h.step()
+    assert out.num_scheduled_tokens.get("B") == N and not h.loads("B")  # computed at once
+    assert s.stats.total["probe_not_waited"] == not_waited + 1
+    assert s.stats.total["probe_deferred"] == deferred
+    why = s.report("B")
+    assert why is not None and why.certified == 0 and "not waited" in why.why
+    gate.open()
+    deadline = time.monotonic() + 10.0
+    while s.hit_rate < DEFER_MIN_HIT_RATE:  # B's answer landed: a hit, counted
+        assert time.monotonic() < deadline, (s.hit_rate, dict(s.stats.total), s._pending)
+        time.sleep(0.01)
+    gate2 = Gate(s.meta, "lookup")
+    h.add("C", prompt(N, seed=22))
+    out = h.step()
+    assert "C" not in out.num_scheduled_tokens  # its answer waited for again: a step later
+    assert s.stats.total["probe_deferred"] == deferred + 1
+    gate2.open()
+    steps_until(h, lambda: "C" in h.outputs[-1].num_scheduled_tokens)
+    h.sched.finish_requests("R", RequestStatus.FINISHED_ABORTED)
+    h.run()
+    assert h.scheduled("C") == N and h.scheduled("B") == N
+    assert not s._pending and not s._new
 
 
 def test_the_wait_is_at_most_a_tenth_of_the_step_before(
