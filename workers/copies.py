@@ -83,11 +83,11 @@ class Copier:
         """The pairs cut into at most ``helpers + 1`` parts of about equal bytes, each at
         least MIN_PART_BYTES (a pair cut where a part ends). Pairs that are not both one
         dimension of one size are copied as they are, by the caller (``np.copyto`` decides)."""
-        if any(d.ndim != 1 or s.ndim != 1 or d.size != s.size for d, s in pairs):
+        if not self.helpers:
             return [list(pairs)]
-        total = sum(d.size for d, _ in pairs)
+        total = sum(d.size for d, _ in pairs)  # (a read of a few KiB stops here)
         ways = min(self.helpers + 1, total // MIN_PART_BYTES)
-        if ways <= 1:
+        if ways <= 1 or any(d.ndim != 1 or s.ndim != 1 or d.size != s.size for d, s in pairs):
             return [list(pairs)]
         share = -(-total // ways)
         parts: list[list[Pair]] = [[]]

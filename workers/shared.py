@@ -237,8 +237,9 @@ class Mapped:
     def _read_few(self, batch: HandleBatch, dest: Callable[[int, int], np.ndarray | None],
                   ok: np.ndarray) -> None:
         """:meth:`read`, item by item (a handful of items: numpy's per-call cost would weigh
-        more than the scalar reads). The same loads in the same order: ``seq``, then the
-        identity and length, the bytes, then ``seq`` and the identity again."""
+        more than the scalar reads). The same loads in the same order for each item: ``seq``, then
+        the identity and length, the bytes (all items' copies at once, ``workers.copies``),
+        then ``seq`` and the identity again."""
         copied: list[tuple[int, _Region, int, int, int, int]] = []
         pairs = []
         for i, (slot, oid, gen, blk, _) in enumerate(batch.rows.tolist()):

@@ -238,28 +238,30 @@ class SchedulerSide:
                 ask = self._take_answer(pending)
                 pending = None
             elif not worth:  # recent answers were misses: a step's wait is not worth it
-                self.stats.add("probe_not_waited")
-                self._reports[req_id] = Certified(limit, local, 0, why="hkv probe not waited "
-                                                  "(recent answers were misses)")
-                now: tuple[int | None, bool] = (0, False)
-                self._asked[req_id] = (self._step, local, limit, now)
-                return now
+                return self._compute_now(req_id, local, limit, "probe_not_waited",
+                                         "hkv probe not waited (recent answers were misses)")
             elif time.monotonic() - pending.started < self.probe_wait_s:
                 if not pending.deferred:
                     pending.deferred = True
                     self.stats.add("probe_deferred")
                 return None, False
             else:  # hkv is slower than the bound: compute (a late answer serves a later ask)
-                self.stats.add("probe_late")
-                self._reports[req_id] = Certified(limit, local, 0, why="hkv probe late")
-                late: tuple[int | None, bool] = (0, False)
-                self._asked[req_id] = (self._step, local, limit, late)
-                return late
+                return self._compute_now(req_id, local, limit, "probe_late", "hkv probe late")
         elif ask.served and pending is None:  # asked again (not scheduled, or preempted):
             self._ask(request, limit)  # this answer now, a fresh one for the next ask
         answer = self._answer(req_id, ask, local, limit)
         self._asked[req_id] = (self._step, local, limit, answer)
         return answer
+
+    def _compute_now(self, req_id: str, local: int, limit: int, counter: str, why: str
+                     ) -> tuple[int | None, bool]:
+        """The request computes without hkv's answer (it stays on the lane: a later ask of
+        the request, a preempted one's, takes it); counted and reported ``why``."""
+        self.stats.add(counter)
+        self._reports[req_id] = Certified(limit, local, 0, why=why)
+        now: tuple[int | None, bool] = (0, False)
+        self._asked[req_id] = (self._step, local, limit, now)
+        return now
 
     def _ask(self, request: Request, limit: int) -> _Ask:
         ask = _Ask(request.request_id, limit, list(request.all_token_ids[:limit]),
@@ -283,7 +285,9 @@ class SchedulerSide:
     def _settle(self, ask: _Ask, match: Match | None) -> None:
         """On the lane: the answer, then ``done`` (the step reads match only once done)."""
         hit = match is not None and match.usable_tokens > ask.local
-        self.hit_rate += HIT_RATE_WEIGHT * (hit - self.hit_rate)  # (this lane's thread only)
+        # (the lane's thread, or the step's for a batch a closed lane abandons: a lost update
+        # of this estimate costs one answer's weight, nothing else)
+        self.hit_rate += HIT_RATE_WEIGHT * (hit - self.hit_rate)
         with self._lease_lock:
             ask.match = match
             ask.done = True
