@@ -118,6 +118,11 @@ class DataPlane:
         self.timeout_s = timeout_s
         self.layout = Layout(metadata.get_spec())
 
+    def attach_shared(self) -> int:
+        """Map now the segment of every shard whose pools this process can map (see
+        :meth:`SharedLink.attach`); the number mapped. Optional: transfers map on first use."""
+        return sum(link.attach() for link in self.shards.values() if isinstance(link, SharedLink))
+
     # -- read -------------------------------------------------------------------------------
 
     def read(self, match: Match, block_hashes: Sequence[BlockHash] | None = None,

@@ -437,6 +437,12 @@ class SharedLink:
         if self.control is control:
             self.control = None
 
+    def attach(self) -> bool:
+        """Map the shard's segment now if it can be (mapping it populates every page: tens
+        of milliseconds for a large pool, better paid before the first transfer than by
+        it); True if mapped. Otherwise transfers try again as they come."""
+        return self._attached() is not None
+
     def _attached(self) -> Mapped | None:
         """The shard's segment, mapped (again) if need be; None: use the link."""
         with self._attach_lock:

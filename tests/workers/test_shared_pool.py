@@ -195,6 +195,26 @@ def test_the_data_plane_copies_through_the_segment_and_drops_a_replaced_shards(
         time.sleep(0.05)
 
 
+def test_a_plane_maps_its_shards_segments_before_its_first_transfer(
+        one_shard: InProcessSystem, w: Any) -> None:
+    """Mapping a segment populates every page (tens of ms): the connector pays it when it
+    starts (attach_shared), not the first request's save; the first write then uses that
+    mapping. A plane without shared memory maps nothing."""
+    system = one_shard
+    plane = DataPlane(system.meta, system.links)
+    link = plane.shards["shard-0"]
+    assert isinstance(link, SharedLink) and link.mapped is None
+    assert plane.attach_shared() == 1
+    mapped = link.mapped
+    assert mapped is not None and mapped.alive()
+    hashes = w.prompt(2, seed=9)
+    blocks, tails = w.prefix_payload(plane.layout, 2, 9)
+    assert plane.write_prefix(hashes, blocks, tails).ok
+    assert link.mapped is mapped
+    assert system.links["shard-0"].shard.stats()["counts"].get("claims", 0) > 0
+    assert DataPlane(system.meta, system.links, shared_memory=False).attach_shared() == 0
+
+
 def test_a_writer_the_shard_cannot_see_writes_through_the_link(
         one_shard: InProcessSystem, w: Any) -> None:
     """A shard refuses claims of a process it does not see live (another pid namespace; here
