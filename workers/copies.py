@@ -7,13 +7,12 @@ a 1 MiB block is copied through the caches (measured 2026-12-07 on the 2-core Xe
 and one helper thread, 9.8 GB/s; a single 1 MiB copy 86 us alone, 54 us split in two).
 ``numpy.copyto`` lets go of the GIL while it copies, so threads of one process copy at once.
 
-A copy that is not split keeps the GIL instead, pair by pair up to :data:`HOLD_GIL_MAX_BYTES`
-(:func:`copy_holding_gil`): in a process whose other thread runs Python without pause (vLLM's
-engine loop spinning while a load is pending), a thread that lets go of the GIL waits up to
-the switch interval to get it back, *per copy*. Measured 2026-12-07 on the 2-core Xeon host
-against a spinning thread (switch interval 0.5 ms): a 64 KiB ``np.copyto`` took 205-380 us,
-the same copy keeping the GIL 3 us. Keeping it costs the other threads at most one such copy
-(tens of microseconds).
+Tried and reverted (2026-12-07): copies of up to 256 KiB that *keep* the GIL (one void
+element: numpy lets go of it only from 500 elements). In process against vLLM's spinning
+engine loop they cut a 1 MiB load from 2.6-15.7 ms to 1.6-2.8 ms (``hkv bench vllm
+--quick``), but in ``hkv bench serve``, where vLLM's worker process is bound to one core with
+the lanes beside the model, a load took 7.5-7.8 ms against 1.9-2.4 ms without (two full runs
+each way): a thread preempted in the middle of a copy holding the GIL stalls every other one.
 
 :meth:`Copier.copy` cuts the bytes of a list of ``(dest, source)`` pairs into at most one
 part per usable core (each at least :data:`MIN_PART_BYTES`), copies the first part itself and
@@ -35,12 +34,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["HOLD_GIL_MAX_BYTES", "MAX_HELPERS", "MIN_PART_BYTES", "Copier", "copier",
-           "copy_holding_gil"]
+__all__ = ["MAX_HELPERS", "MIN_PART_BYTES", "Copier", "copier"]
 
 MIN_PART_BYTES = 1 << 20  # smaller parts cost more in handing over than they save
 MAX_HELPERS = 3  # memory bandwidth saturates at a few threads per socket
-HOLD_GIL_MAX_BYTES = 256 << 10  # ~25-50 us of copy: others wait at most that for the GIL
 
 Pair = tuple[np.ndarray, np.ndarray]  # (dest, source): uint8, one dimension, same length
 
@@ -71,8 +68,8 @@ class Copier:
         """``np.copyto(dest, source)`` for every pair; returns once every byte is copied.
         An error in any part is raised after every part has finished."""
         parts = self._split(pairs)
-        if len(parts) == 1:  # the caller alone: small pairs keep the GIL
-            _copy_all(parts[0], hold_gil=True)
+        if len(parts) == 1:
+            _copy_all(parts[0])
             return
         self._start(len(parts) - 1)
         handed = [_Part(p) for p in parts[1:]]
@@ -135,31 +132,9 @@ class Copier:
                 part.done.release()
 
 
-def _copy_all(pairs: Sequence[Pair], hold_gil: bool = False) -> None:
+def _copy_all(pairs: Sequence[Pair]) -> None:
     for dest, src in pairs:
-        if not (hold_gil and copy_holding_gil(dest, src)):
-            np.copyto(dest, src)
-
-
-def copy_holding_gil(dest: np.ndarray, src: np.ndarray) -> bool:
-    """Copy ``src`` into ``dest`` without letting go of the GIL, if both are contiguous
-    arrays of one shape and plain dtype, ``dest`` writable and at most HOLD_GIL_MAX_BYTES;
-    False (nothing copied) otherwise: the caller copies another way.
-
-    The bytes are copied as *one* element of a void dtype: numpy lets go of the GIL only
-    for copies of 500 elements or more (``NPY_BEGIN_THREADS_THRESHOLDED``; a 64 KiB uint8
-    copy is 65,536). tests/workers/test_copies.py checks that it holds on the numpy
-    installed (a ctypes ``PYFUNCTYPE`` memmove keeps it too, at twice the cost per call)."""
-    n = dest.nbytes
-    if n > HOLD_GIL_MAX_BYTES or dest.shape != src.shape or dest.dtype != src.dtype or \
-            dest.dtype.hasobject or not (dest.flags.c_contiguous and dest.flags.writeable
-                                         and src.flags.c_contiguous):
-        return False
-    if n:
-        one = np.dtype((np.void, n))
-        np.copyto(dest.reshape(-1).view(np.uint8).view(one),
-                  src.reshape(-1).view(np.uint8).view(one))
-    return True
+        np.copyto(dest, src)
 
 
 def _usable_cores() -> int:

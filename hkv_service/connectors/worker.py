@@ -38,7 +38,6 @@ import numpy as np
 import torch
 
 from hkv_service.core.ids import BlockHash
-from workers.copies import copier
 from workers.dataplane import DataPlane, Recompute
 
 from .geometry import Geometry, GroupMap
@@ -186,9 +185,10 @@ class WorkerSide:
         if raw.nbytes != g.block_bytes:
             raise ValueError(f"{g.name}: {raw.nbytes} bytes read for a {g.block_bytes}-byte block")
         pages = self._pages.get(g.name)
-        if pages is not None:  # (one call: a page's copy keeps the GIL, see workers.copies)
+        if pages is not None:
             rows = raw.reshape(len(pages), g.page_bytes)
-            copier().copy([(p[block_id], rows[i]) for i, p in enumerate(pages)])
+            for i, p in enumerate(pages):
+                p[block_id] = rows[i]
             return
         for i, view in enumerate(self.views[g.name]):
             dst = view[block_id]
@@ -317,9 +317,6 @@ class WorkerSide:
         out = np.empty(g.block_bytes, np.uint8)
         pages = self._pages.get(g.name)
         if pages is not None:
-            # numpy's copies, which let go of the GIL: the lanes run meanwhile (kept, as the
-            # load's copies are, staging took 0.86-1.19 ms a miss against 0.56-0.73 in bench
-            # vllm --quick, 2026-12-07)
             rows = out.reshape(len(pages), g.page_bytes)
             for i, p in enumerate(pages):
                 rows[i] = p[block_id]

@@ -9,7 +9,6 @@ import random
 import sys
 import threading
 import time
-from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -140,73 +139,3 @@ def test_no_view_of_the_bytes_is_kept_after_the_copy() -> None:
     time.sleep(0.05)  # (a helper that kept a view would still hold it now)
     assert (sys.getrefcount(dest), sys.getrefcount(src)) == held
     assert (dest == 1).all()
-
-
-def _spins_during(copy: Callable[[], None]) -> int:
-    """How often a thread spinning in Python ran while ``copy`` ran on this one: 0 if the
-    copy kept the GIL (the switch interval is made long enough that only a thread that lets
-    go of the GIL lets the spinner in)."""
-    count, stop = [0], [False]
-
-    def spin() -> None:
-        while not stop[0]:
-            count[0] += 1
-
-    old = sys.getswitchinterval()
-    spinner = threading.Thread(target=spin, daemon=True)
-    try:
-        spinner.start()
-        while count[0] == 0:  # the spinner runs (and holds the GIL between our turns)
-            time.sleep(0.001)
-        sys.setswitchinterval(0.2)
-        time.sleep(0.001)  # (our next turn starts a fresh interval)
-        before = count[0]
-        copy()
-        return count[0] - before
-    finally:
-        sys.setswitchinterval(old)
-        stop[0] = True
-        spinner.join()
-
-
-def test_a_copy_nobody_splits_keeps_the_gil_so_a_spinning_thread_never_delays_it() -> None:
-    """vLLM's engine loop spins in Python while a load is pending: each copy of the load that
-    let go of the GIL waited up to the switch interval to win it back (16 ms a 1 MiB load in
-    bench vllm). Small pairs copied by the caller alone keep it; a split copy lets go of it,
-    or its helpers could not copy at once."""
-    dests, srcs = _pairs([copies.HOLD_GIL_MAX_BYTES] * 32, 7)  # 32 chances to let go
-    assert _spins_during(lambda: Copier(0).copy(list(zip(dests, srcs, strict=True)))) == 0
-    assert all(np.array_equal(d, s) for d, s in zip(dests, srcs, strict=True))
-    # the control: numpy's copy lets go of it (long enough for the spinner to wake up)
-    big_d, big_s = _pairs([32 * MiB], 8)
-    assert _spins_during(lambda: Copier(0).copy([(big_d[0], big_s[0])])) > 0
-    assert np.array_equal(big_d[0], big_s[0])
-
-
-def test_a_copy_that_keeps_the_gil_refuses_what_numpy_would_convert_or_refuse() -> None:
-    """copy_holding_gil copies raw bytes: anything but two contiguous arrays of one shape
-    and plain dtype, into a writable one, is left to np.copyto (False, nothing copied)."""
-    src = np.arange(64, dtype=np.uint8)
-    dest = np.zeros(64, np.uint8)
-    assert copies.copy_holding_gil(dest, src) and np.array_equal(dest, src)
-    refused = [
-        (np.zeros(63, np.uint8), src),  # sizes differ
-        (np.zeros(16, np.uint32), src.view(np.uint32).astype(np.int32)),  # dtypes differ
-        (np.zeros(64, np.uint8)[::2], src[::2]),  # not contiguous
-        (np.zeros(8, object), np.array([1] * 8, object)),  # references, not bytes
-    ]
-    for d, s in refused:
-        before = d.copy()
-        assert not copies.copy_holding_gil(d, s)
-        assert np.array_equal(d, before)
-    ro = np.zeros(64, np.uint8)
-    ro.flags.writeable = False
-    assert not copies.copy_holding_gil(ro, src) and not ro.any()
-    big = np.zeros(copies.HOLD_GIL_MAX_BYTES + 1, np.uint8)
-    assert not copies.copy_holding_gil(big, np.ones_like(big)) and not big.any()
-    c = Copier(0)  # through the copier: numpy's checks, as before
-    with pytest.raises(ValueError):
-        c.copy([(np.zeros(63, np.uint8), src)])
-    out = np.zeros(64, np.uint8)
-    c.copy([(out[::2], src[::2])])
-    assert np.array_equal(out[::2], src[::2]) and not out[1::2].any()
