@@ -31,6 +31,8 @@ from hkv_service.core.api import LookupRequest
 from hkv_service.core.hashing import ExtraKeys, hash_blocks
 from hkv_service.core.ids import ShardId
 from hkv_service.core.layout import Layout
+from workers.dataplane import DataPlane
+from workers.shared import SharedLink
 
 N = 400  # prompt tokens; 384 of them in whole LCM blocks
 
@@ -139,6 +141,26 @@ def test_a_save_lands_with_the_bytes_of_its_step_though_vllm_reuses_the_pages(
     assert certified_bytes(h, tokens) == 384  # the staged copy, not the reused pages
     assert work(h).stats.total["saved_blocks"] > 0
     assert work(h).stats.total["save_failed"] == 0
+
+
+def test_a_shard_silent_at_startup_holds_up_neither_vllms_start_nor_its_steps(
+        make: Callable[..., Harness], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker maps the shards' segments when vLLM registers its caches, on the save lane:
+    a mapping that hangs (a shard not answering) delays the first save, never the engine.
+    Once it is done the segments are mapped before any save needed them."""
+    monkeypatch.setattr(DataPlane, "attach_shared", DataPlane.attach_shared)  # (restored)
+    gate = Gate(DataPlane, "attach_shared")
+    h = make()  # (registers the caches: returns with the mapping still held at the gate)
+    assert gate.entered.wait(10.0)
+    tokens = prompt(N, seed=11)
+    h.add("A", tokens)
+    steps_while_gated(h, gate)
+    assert certified_bytes(h, tokens) == 0  # the save waits behind the mapping
+    gate.open()
+    assert work(h).drain(30.0)
+    assert certified_bytes(h, tokens) == 384
+    links = [link for link in work(h).plane.shards.values() if isinstance(link, SharedLink)]
+    assert links and all(link.mapped is not None for link in links)
 
 
 def test_a_request_preempted_with_its_save_in_flight_leaves_hkv_its_bytes(
