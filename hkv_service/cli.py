@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--rounds", type=int, default=None, metavar="N",
                        help="serve only: how often each workload runs on each configuration, "
                        "alternating which goes first (default 3; 1 with --quick)")
+    bench.add_argument("--doc-tokens", type=int, default=None, metavar="N",
+                       help="serve only: each shared document's length in tokens, 64..3584 "
+                       "(default 1024; 384 with --quick): longer documents cost vLLM alone "
+                       "more prefill per miss")
 
     stats = sub.add_parser("stats", help="print a running service's counters")
     stats.add_argument("--endpoint", default=f"127.0.0.1:{DEFAULT_PORT}",

@@ -21,7 +21,9 @@ __all__ = ["run_bench"]
 
 # flags of hkv bench serve alone, with the range of a number (None: not a number)
 SERVE_ONLY: dict[str, tuple[int | None, int | None]] = {
-    "vllm_python": (None, None), "save_min_sightings": (1, 255), "rounds": (1, 20)}
+    "vllm_python": (None, None), "save_min_sightings": (1, 255), "rounds": (1, 20),
+    # (the model's 4,096 positions hold the longest conversation over the longest document)
+    "doc_tokens": (64, 3584)}
 
 
 def _print_human(result: dict[str, Any]) -> None:

@@ -60,7 +60,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -116,12 +116,16 @@ class Workload:
     no_reuse_requests: int
 
     @classmethod
-    def of(cls, quick: bool) -> Workload:
+    def of(cls, quick: bool, doc_tokens: int | None = None) -> Workload:
+        """The default sizes (``quick``: CI's); ``doc_tokens`` replaces the documents' length
+        (``--doc-tokens``: where a hit saves more prefill, or less)."""
         if quick:
-            return cls(documents=8, doc_tokens=384, conversations=16, turns=2,
-                       question_tokens=32, output_tokens=8, no_reuse_requests=16)
-        return cls(documents=8, doc_tokens=1024, conversations=24, turns=3,
-                   question_tokens=64, output_tokens=16, no_reuse_requests=48)
+            w = cls(documents=8, doc_tokens=384, conversations=16, turns=2,
+                    question_tokens=32, output_tokens=8, no_reuse_requests=16)
+        else:
+            w = cls(documents=8, doc_tokens=1024, conversations=24, turns=3,
+                    question_tokens=64, output_tokens=16, no_reuse_requests=48)
+        return w if doc_tokens is None else replace(w, doc_tokens=doc_tokens)
 
     @property
     def turn_tokens(self) -> int:
@@ -805,9 +809,8 @@ def _write_model(python: str, work: Path) -> Path:
     return model
 
 
-def _bench(python: str, quick: bool, work: Path, sightings: int, rounds: int,
+def _bench(python: str, w: Workload, quick: bool, work: Path, sightings: int, rounds: int,
            say: Any) -> dict[str, Any]:
-    w = Workload.of(quick)
     procs = _Procs()
     t0 = time.monotonic()
     deadline = t0 + START_TIMEOUT_S
@@ -906,16 +909,19 @@ def _report(quick: bool, w: Workload, phases: dict[str, dict[str, list[Phase]]],
 
 
 def run(quick: bool = False, vllm_python: str | None = None,
-        save_min_sightings: int = 1, rounds: int | None = None) -> dict[str, Any]:
+        save_min_sightings: int = 1, rounds: int | None = None,
+        doc_tokens: int | None = None) -> dict[str, Any]:
     """``save_min_sightings``: the hkv engines' connector setting (2: a block is saved when a
     second request brings it). ``rounds``: how often each workload runs on each
-    configuration (default 3, 1 with ``quick``); progress goes to stderr."""
+    configuration (default 3, 1 with ``quick``). ``doc_tokens``: each document's length
+    (default 1,024; 384 with ``quick``). Progress goes to stderr."""
     try:
         python = find_vllm_python(vllm_python)
     except NoVllm as exc:
         sys.stderr.write(f"{exc}\n")
         raise SystemExit(2) from None
     n = rounds if rounds is not None else (1 if quick else ROUNDS)
+    w = Workload.of(quick, doc_tokens)
 
     def say(line: str) -> None:
         sys.stderr.write(f"hkv bench serve: {line}\n")
@@ -925,10 +931,11 @@ def run(quick: bool = False, vllm_python: str | None = None,
         keep = os.environ.get("HKV_BENCH_KEEP")  # a folder to keep the logs in (debugging)
         if keep:
             Path(keep).mkdir(parents=True, exist_ok=True)
-            return _bench(python, quick, Path(tempfile.mkdtemp(prefix="serve-", dir=keep)),
+            return _bench(python, w, quick,
+                          Path(tempfile.mkdtemp(prefix="serve-", dir=keep)),
                           save_min_sightings, n, say)
         with tempfile.TemporaryDirectory(prefix="hkv-serve-") as tmp:
-            return _bench(python, quick, Path(tmp), save_min_sightings, n, say)
+            return _bench(python, w, quick, Path(tmp), save_min_sightings, n, say)
 
 
 @contextlib.contextmanager

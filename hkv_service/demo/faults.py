@@ -11,7 +11,9 @@ turn, a request drawn (seeded) from the first half of the run; from the moment t
 it the fault is *owed*, and every opportunity injects it (no draw) until one lands; after that,
 one draw at its rate per opportunity. So a requested fault is missing from a run only when no
 opportunity came after its turn; the report names it in ``faults_missing`` with what it needed
-(a run of 2 requests has evicted nothing: no disk load, no disk bit flip).
+(a run of 2 requests has evicted nothing: no disk load, no disk bit flip). A disk bit flip
+owed, or a slow disk load still owed in the run's last quarter (``overdue``), makes its own:
+the worker pushes a matched block to disk so the next lookup loads it.
 """
 
 from __future__ import annotations
@@ -151,6 +153,14 @@ class FaultPlan:
         with self._lock:
             return (self.rates.get(name, 0.0) > 0.0 and not self.injected[name]
                     and self._started > self.turn[name])
+
+    def overdue(self, name: str) -> bool:
+        """``name`` is owed and the run is in its last quarter: rather than wait for an
+        opportunity that may not come (a disk load needs an eviction first), the worker makes
+        one. Only from the last quarter, so a run where the fault lands by itself is unchanged."""
+        with self._lock:
+            return (self.rates.get(name, 0.0) > 0.0 and not self.injected[name]
+                    and self._started > max(self.turn[name], self.requests * 3 // 4))
 
     def roll(self, name: str) -> bool:
         """Inject ``name`` at this opportunity? Yes while it is owed; else a draw at its rate."""

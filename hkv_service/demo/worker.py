@@ -236,9 +236,11 @@ def _with_loads(w: Worker, lk: Any, hashes: list[Any], limit: int, reader_abi: A
     """Load what the match needs from disk, then look up again. A load left in flight
     (slow_disk_load) shows as DISK_INFLIGHT; the reader then waits for it and looks up again."""
     be, fp = w.backend, w.faults
-    if faults and lk.usable and not lk.match.needs_load and fp.owed("disk_bitflip"):
-        # an owed bit flip needs a disk load to land in: the memory copy of a matched block
-        # whose disk copy the write-through made goes, and the lookup is asked again
+    if faults and lk.usable and not lk.match.needs_load and (
+            fp.owed("disk_bitflip") or fp.overdue("slow_disk_load")):
+        # an owed bit flip (or an overdue slow load) needs a disk load to land in: the memory
+        # copy of a matched block whose disk copy the write-through made goes, and the lookup
+        # is asked again
         be.release(lk)
         if be.push_to_disk(lk, fp.choice(1 << 30)):
             lk = be.lookup(hashes, limit, reader_abi, lease=lease)

@@ -61,7 +61,7 @@ def test_the_env_names_the_python_when_no_flag_does(
 
 
 @pytest.mark.parametrize("flag", [["--vllm-python", "/x/python"], ["--rounds", "2"],
-                                  ["--save-min-sightings", "2"]])
+                                  ["--save-min-sightings", "2"], ["--doc-tokens", "2048"]])
 def test_serve_flags_are_refused_by_the_other_benches(
         flag: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     err = _exit_2(["bench", "core", *flag], capsys)
@@ -69,7 +69,8 @@ def test_serve_flags_are_refused_by_the_other_benches(
 
 
 @pytest.mark.parametrize(("flag", "value"), [("--rounds", "0"), ("--rounds", "21"),
-                                             ("--save-min-sightings", "0")])
+                                             ("--save-min-sightings", "0"),
+                                             ("--doc-tokens", "63"), ("--doc-tokens", "3585")])
 def test_a_serve_number_out_of_range_exits_2_before_any_engine_starts(
         flag: str, value: str, capsys: pytest.CaptureFixture[str]) -> None:
     err = _exit_2(["bench", "serve", "--quick", flag, value], capsys)
@@ -136,9 +137,12 @@ def test_the_report_pools_rounds_and_gives_each_rounds_ratios() -> None:
         "no_reuse_requests_per_s >= 0.97"]
 
 
-@pytest.mark.parametrize("quick", [True, False])
-def test_the_working_set_is_about_four_engines_and_every_prompt_fits(quick: bool) -> None:
-    w = serve.Workload.of(quick)
+@pytest.mark.parametrize(("quick", "doc_tokens"), [(True, None), (False, None), (False, 3584)])
+def test_the_working_set_is_about_four_engines_and_every_prompt_fits(
+        quick: bool, doc_tokens: int | None) -> None:
+    w = serve.Workload.of(quick, doc_tokens)
+    assert w.doc_tokens == doc_tokens or doc_tokens is None
+    assert w.longest_prompt + 64 <= serve.TINY["max_position_embeddings"]  # the engine's max
     engine_tokens = w.engine_blocks() * serve.BLOCK // 2  # two KV cache groups
     assert 3.5 <= w.working_set_tokens / engine_tokens <= 4.5
     assert engine_tokens >= 2 * w.longest_prompt

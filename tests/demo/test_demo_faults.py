@@ -43,6 +43,29 @@ def test_faults_not_requested_are_never_owed() -> None:
     assert plan.missing() == ["evict_race"]
 
 
+def test_a_fault_owed_into_the_last_quarter_is_overdue() -> None:
+    plan = FaultPlan({"slow_disk_load": NEVER}, seed=1, requests=8)
+    seen = []
+    for _ in range(8):
+        plan.start()
+        seen.append(plan.overdue("slow_disk_load"))
+    assert seen == [False] * 6 + [True] * 2  # owed earlier, but overdue only from request 7
+    plan.count("slow_disk_load")
+    assert not plan.overdue("slow_disk_load")
+
+
+@pytest.mark.parametrize("seed", [0, 2])
+def test_a_slow_disk_load_lands_without_pool_pressure(seed: int) -> None:
+    # Regression (CI flake at seed 91357, two workers): slow_disk_load waited for a lookup whose
+    # match loads a disk copy; with no eviction after its turn none came and it went missing.
+    # Alone (no pool pressure: nothing is ever evicted) it never landed. Overdue, the worker now
+    # pushes a matched block to disk so the next lookup loads it.
+    rep = run_workload(requests=8, seed=seed, faults="slow_disk_load", check=True, workers=1)
+    assert rep["silent_errors"] == 0
+    assert rep["faults_injected"] == {"slow_disk_load": 1}, rep["faults_missing"]
+    assert rep["faults_expected"]["slow_disk_load"]["seen"] >= 1
+
+
 @pytest.mark.parametrize("seed", [0, 3, 91357])
 def test_all_ten_faults_land_at_the_default_request_count(seed: int) -> None:
     rep = run_workload(requests=48, seed=seed, faults="all", check=True, workers=2)
