@@ -151,16 +151,14 @@ class FaultPlan:
     def owed(self, name: str) -> bool:
         """``name`` is on, its turn has come, and it has not landed yet."""
         with self._lock:
-            return (self.rates.get(name, 0.0) > 0.0 and not self.injected[name]
-                    and self._started > self.turn[name])
+            return self._owed_after(name, 0)
 
     def overdue(self, name: str) -> bool:
         """``name`` is owed and the run is in its last quarter: rather than wait for an
         opportunity that may not come (a disk load needs an eviction first), the worker makes
         one. Only from the last quarter, so a run where the fault lands by itself is unchanged."""
         with self._lock:
-            return (self.rates.get(name, 0.0) > 0.0 and not self.injected[name]
-                    and self._started > max(self.turn[name], self.requests * 3 // 4))
+            return self._owed_after(name, self.requests * 3 // 4)
 
     def roll(self, name: str) -> bool:
         """Inject ``name`` at this opportunity? Yes while it is owed; else a draw at its rate."""
@@ -168,9 +166,13 @@ class FaultPlan:
         if rate <= 0.0:
             return False
         with self._lock:
-            if not self.injected[name] and self._started > self.turn[name]:
-                return True
-            return self._rng.random() < rate
+            return self._owed_after(name, 0) or self._rng.random() < rate
+
+    def _owed_after(self, name: str, started: int) -> bool:
+        """(Under the lock.) ``name`` is on, not landed, and the run is past its turn and
+        past ``started`` requests: the one rule of owing."""
+        return (self.rates.get(name, 0.0) > 0.0 and not self.injected[name]
+                and self._started > max(self.turn[name], started))
 
     def choice(self, n: int) -> int:
         with self._lock:
